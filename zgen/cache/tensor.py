@@ -1,0 +1,156 @@
+"""TensorCache: fixed-shape device buffers [batch, capacity, kv_heads, head_dim] per layer.
+
+The default cache. Token at position p lives in slot p, so visibility is a pure function of
+positions (slot j is visible to a query at position p iff j <= p, within the sliding window), and
+the state needs no lengths: slots past a sequence's end hold stale values that no query can see
+before they are overwritten.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Self
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from zgen.cache.base import LayerKV
+from zgen.errors import CacheError
+
+
+def causal_attention(
+    q: Float[Array, "B T H D"],
+    k: Float[Array, "B S KVH D"],
+    v: Float[Array, "B S KVH D"],
+    q_positions: Int[Array, "B T"],
+    *,
+    sliding_window: int | None,
+) -> Float[Array, "B T H D"]:
+    """Grouped-query attention where key slot j is visible to a query at position p iff j <= p."""
+    batch, seq, heads, dim = q.shape
+    kv_heads = k.shape[2]
+    grouped = q.reshape(batch, seq, kv_heads, heads // kv_heads, dim)
+    scores = jnp.einsum("btkgd,bskd->bkgts", grouped, k, preferred_element_type=jnp.float32)
+    scores = scores / math.sqrt(dim)
+    slots = jnp.arange(k.shape[1])
+    visible = slots[None, None, :] <= q_positions[:, :, None]  # [B, T, S]
+    if sliding_window is not None:
+        visible &= slots[None, None, :] > q_positions[:, :, None] - sliding_window
+    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", weights, v, preferred_element_type=jnp.float32)
+    return out.reshape(batch, seq, heads, dim).astype(q.dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class DenseKVState:
+    """Per-layer K and V buffers, [batch, capacity, kv_heads, head_dim]."""
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+
+    @classmethod
+    def zeros(
+        cls, num_layers: int, batch: int, capacity: int, kv_heads: int, head_dim: int, dtype: jnp.dtype
+    ) -> DenseKVState:
+        shape = (batch, capacity, kv_heads, head_dim)
+        return cls(
+            tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+            tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+        )
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[1]
+
+    def write(
+        self,
+        layer: int,
+        k: Float[Array, "B T KVH D"],
+        v: Float[Array, "B T KVH D"],
+        positions: Int[Array, "B T"],
+    ) -> Self:
+        rows = jnp.arange(positions.shape[0])[:, None]
+        new_k = self.k[layer].at[rows, positions].set(k.astype(self.k[layer].dtype), mode="drop")
+        new_v = self.v[layer].at[rows, positions].set(v.astype(self.v[layer].dtype), mode="drop")
+        return replace(
+            self,
+            k=self.k[:layer] + (new_k,) + self.k[layer + 1 :],
+            v=self.v[:layer] + (new_v,) + self.v[layer + 1 :],
+        )
+
+    def attend(
+        self,
+        layer: int,
+        q: Float[Array, "B T H D"],
+        positions: Int[Array, "B T"],
+        *,
+        sliding_window: int | None,
+    ) -> Float[Array, "B T H D"]:
+        return causal_attention(q, self.k[layer], self.v[layer], positions, sliding_window=sliding_window)
+
+    def layer_view(self, layer: int) -> LayerKV:
+        return LayerKV(self.k[layer], self.v[layer])
+
+
+class TensorCache:
+    """Host handle over a :class:`DenseKVState` with one shared sequence length for the batch."""
+
+    def __init__(self, state: DenseKVState) -> None:
+        self._state = state
+        self._seq_len = 0
+
+    @classmethod
+    def allocate(
+        cls, num_layers: int, batch: int, capacity: int, kv_heads: int, head_dim: int, dtype: jnp.dtype
+    ) -> TensorCache:
+        return cls(DenseKVState.zeros(num_layers, batch, capacity, kv_heads, head_dim, dtype))
+
+    @property
+    def state(self) -> DenseKVState:
+        return self._state
+
+    @state.setter
+    def state(self, value: DenseKVState) -> None:
+        self._state = value
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._state.k)
+
+    @property
+    def seq_len(self) -> int:
+        return self._seq_len
+
+    def set_seq_len(self, n: int) -> None:
+        """Record that the compiled plan wrote tokens up to ``n``."""
+        if not 0 <= n <= self._state.capacity:
+            raise CacheError(f"sequence length {n} outside [0, {self._state.capacity}]")
+        self._seq_len = n
+
+    def update(self, layer: int, k: jax.Array, v: jax.Array) -> None:
+        new = k.shape[1]
+        if self._seq_len + new > self._state.capacity:
+            raise CacheError(
+                f"cannot append {new} tokens to a cache holding {self._seq_len} of {self._state.capacity}; "
+                "allocate a larger cache"
+            )
+        positions = jnp.broadcast_to(jnp.arange(self._seq_len, self._seq_len + new), k.shape[:2])
+        self._state = self._state.write(layer, k, v, positions)
+        if layer == self.num_layers - 1:
+            self._seq_len += new
+
+    def get(self, layer: int) -> LayerKV:
+        view = self._state.layer_view(layer)
+        return LayerKV(view.k[:, : self._seq_len], view.v[:, : self._seq_len])
+
+    def reset(self) -> None:
+        self._seq_len = 0
+
+    def truncate(self, n: int) -> None:
+        if not 0 <= n <= self._seq_len:
+            raise CacheError(f"cannot truncate a cache of {self._seq_len} tokens to {n}")
+        self._seq_len = n

@@ -1,0 +1,154 @@
+"""A typed compute graph: nodes with declared input/output tensor types, checked as the graph is built.
+
+A shape is a tuple of dimensions; a dimension is either a fixed size (int) or a symbol (str) such as
+``"batch"`` or ``"seq"`` that is bound on first use and must agree everywhere after. Adding a node
+whose inputs do not match what it declares raises :class:`GraphTypeError` naming the node, so a
+mis-wired architecture fails when it is built, not deep inside XLA.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+
+from zgen.errors import GraphTypeError
+
+Dim = int | str
+
+
+@dataclass(frozen=True)
+class TensorType:
+    shape: tuple[Dim, ...]
+    dtype: str  # "act" for the plan's activation dtype, else a numpy dtype name ("int32")
+
+    def __str__(self) -> str:
+        return f"{self.dtype}[{', '.join(str(d) for d in self.shape)}]"
+
+
+def act(*shape: Dim) -> TensorType:
+    return TensorType(tuple(shape), "act")
+
+
+def i32(*shape: Dim) -> TensorType:
+    return TensorType(tuple(shape), "int32")
+
+
+class ForwardContext(ABC):
+    """What nodes may read besides their inputs while a plan is traced: the KV cache state."""
+
+    @abstractmethod
+    def write_and_attend(
+        self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array
+    ) -> jax.Array: ...
+
+
+class Node(ABC):
+    """One typed operation. ``inputs`` name the values it consumes (graph inputs or other nodes)."""
+
+    name: str
+    inputs: tuple[str, ...]
+
+    @abstractmethod
+    def input_types(self) -> tuple[TensorType, ...]: ...
+
+    @abstractmethod
+    def output_type(self) -> TensorType: ...
+
+    def param_shapes(self) -> Mapping[str, tuple[int, ...]]:
+        """Parameters this node reads, by name relative to the node's param prefix."""
+        return {}
+
+    @abstractmethod
+    def apply(self, params: Mapping[str, jax.Array], args: Sequence[jax.Array], ctx: ForwardContext) -> jax.Array: ...
+
+
+@dataclass
+class Graph:
+    """Values in topological order: named inputs first, then nodes in the order they were added."""
+
+    inputs: dict[str, TensorType] = field(default_factory=lambda: {})
+    nodes: list[Node] = field(default_factory=lambda: [])
+    outputs: tuple[str, ...] = ()
+    _types: dict[str, TensorType] = field(default_factory=lambda: {})
+    _bindings: dict[str, int | str] = field(default_factory=lambda: {})
+
+    def add_input(self, name: str, type_: TensorType) -> str:
+        self._check_new(name)
+        self.inputs[name] = type_
+        self._types[name] = type_
+        return name
+
+    def add(self, node: Node) -> str:
+        self._check_new(node.name)
+        declared = node.input_types()
+        if len(declared) != len(node.inputs):
+            raise GraphTypeError(
+                f"node {node.name!r} declares {len(declared)} inputs but is wired to {len(node.inputs)}"
+            )
+        for position, (source, expected) in enumerate(zip(node.inputs, declared, strict=True)):
+            if source not in self._types:
+                raise GraphTypeError(f"node {node.name!r}: input {position} names unknown value {source!r}")
+            self._unify(node.name, position, source, self._types[source], expected)
+        self.nodes.append(node)
+        self._types[node.name] = node.output_type()
+        return node.name
+
+    def set_outputs(self, *names: str) -> None:
+        for name in names:
+            if name not in self._types:
+                raise GraphTypeError(f"graph output {name!r} is not a value of the graph")
+        self.outputs = names
+
+    def type_of(self, name: str) -> TensorType:
+        return self._types[name]
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        shapes: dict[str, tuple[int, ...]] = {}
+        for node in self.nodes:
+            for key, shape in node.param_shapes().items():
+                shapes[key] = shape
+        return shapes
+
+    def run(self, params: Mapping[str, jax.Array], feeds: Mapping[str, jax.Array], ctx: ForwardContext) -> tuple[jax.Array, ...]:
+        """Evaluate the graph (under a JAX trace this builds the XLA program once)."""
+        values: dict[str, jax.Array] = dict(feeds)
+        for node in self.nodes:
+            values[node.name] = node.apply(params, [values[name] for name in node.inputs], ctx)
+        return tuple(values[name] for name in self.outputs)
+
+    def describe(self) -> str:
+        lines = [f"input  {name}: {t}" for name, t in self.inputs.items()]
+        for node in self.nodes:
+            lines.append(f"{type(node).__name__:<12} {node.name}({', '.join(node.inputs)}) -> {node.output_type()}")
+        return "\n".join(lines)
+
+    def _check_new(self, name: str) -> None:
+        if name in self._types:
+            raise GraphTypeError(f"a value named {name!r} already exists in the graph")
+
+    def _unify(self, node: str, position: int, source: str, actual: TensorType, expected: TensorType) -> None:
+        def fail(why: str) -> GraphTypeError:
+            return GraphTypeError(
+                f"node {node!r}: input {position} ({source!r}) has type {actual} but the node expects "
+                f"{expected}: {why}"
+            )
+
+        if actual.dtype != expected.dtype:
+            raise fail("dtypes differ")
+        if len(actual.shape) != len(expected.shape):
+            raise fail("ranks differ")
+        for have, want in zip(actual.shape, expected.shape, strict=True):
+            if isinstance(want, str):
+                bound = self._bindings.setdefault(want, have)
+                if bound != have:
+                    raise fail(f"dimension {want!r} is already bound to {bound}")
+            elif have != want:
+                raise fail(f"size {have} != {want}")
+
+
+def param(params: Mapping[str, Any], prefix: str, name: str) -> jax.Array:
+    return params[f"{prefix}.{name}" if prefix else name]

@@ -1,0 +1,53 @@
+"""Decoder-only transformer graphs: Llama, Mistral, Qwen2 and Qwen3 share one shape.
+
+They differ only in switches of :class:`~zgen.config.ModelConfig`: q/k/v biases (Qwen2), per-head q/k
+RMSNorm (Qwen3), a sliding window (Mistral), Llama-3.1 RoPE scaling and tied embeddings.
+"""
+
+from __future__ import annotations
+
+from zgen.config import ModelConfig, rope_inverse_frequencies
+from zgen.graph.core import Graph, i32
+from zgen.graph.nodes import Add, Attention, Embed, GatedMLP, LMHead, RMSNorm, SelectRows
+
+# Graph inputs: the token ids, their positions, and which rows to return logits for.
+TOKENS, POSITIONS, LOGIT_ROWS = "tokens", "positions", "logit_rows"
+LOGITS = "logits"
+
+
+def build_decoder(config: ModelConfig) -> Graph:
+    c = config
+    graph = Graph()
+    tokens = graph.add_input(TOKENS, i32("batch", "seq"))
+    positions = graph.add_input(POSITIONS, i32("batch", "seq"))
+    rows = graph.add_input(LOGIT_ROWS, i32("batch", "rows"))
+    inv_freq = tuple(rope_inverse_frequencies(c))
+    h = graph.add(Embed("embed", (tokens,), c.vocab_size, c.hidden_size))
+    for i in range(c.num_layers):
+        p = f"layers.{i}"
+        normed = graph.add(RMSNorm(f"{p}.attn_norm", (h,), c.hidden_size, c.rms_norm_eps, f"{p}.input_norm"))
+        attn = graph.add(
+            Attention(
+                f"{p}.attn",
+                (normed, positions),
+                layer=i,
+                hidden=c.hidden_size,
+                num_heads=c.num_heads,
+                num_kv_heads=c.num_kv_heads,
+                head_dim=c.head_dim,
+                inv_freq=inv_freq,
+                prefix=p,
+                bias=c.attention_bias,
+                qk_norm_eps=c.rms_norm_eps if c.qk_norm else None,
+            )
+        )
+        h = graph.add(Add(f"{p}.attn_residual", (h, attn), c.hidden_size))
+        normed = graph.add(RMSNorm(f"{p}.mlp_norm", (h,), c.hidden_size, c.rms_norm_eps, f"{p}.post_norm"))
+        mlp = graph.add(GatedMLP(f"{p}.mlp", (normed,), c.hidden_size, c.intermediate_size, p))
+        h = graph.add(Add(f"{p}.mlp_residual", (h, mlp), c.hidden_size))
+    h = graph.add(RMSNorm("final_norm", (h,), c.hidden_size, c.rms_norm_eps, "final_norm"))
+    selected = graph.add(SelectRows("select_rows", (h, rows), c.hidden_size))
+    head_weight = "embed" if c.tie_word_embeddings else "lm_head"
+    graph.add(LMHead(LOGITS, (selected,), c.hidden_size, c.vocab_size, head_weight))
+    graph.set_outputs(LOGITS)
+    return graph

@@ -1,0 +1,221 @@
+"""The nodes decoder-only transformers are built from."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zgen.graph.core import ForwardContext, Node, TensorType, act, i32, param
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    # Normalize in float32 whatever the activation dtype, as HF does.
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (normed.astype(x.dtype) * weight).astype(x.dtype)
+
+
+def linear(x: jax.Array, weight: jax.Array) -> jax.Array:
+    """x @ weight.T with weight in the checkpoint's [out, in] layout."""
+    return jnp.einsum("...i,oi->...o", x, weight)
+
+
+def rotary(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotate-half RoPE. x [B, T, heads, D], positions [B, T]."""
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x.dtype)
+
+
+@dataclass
+class Embed(Node):
+    name: str
+    inputs: tuple[str, ...]
+    vocab: int
+    hidden: int
+    weight: str = "embed"
+
+    def input_types(self) -> tuple[TensorType, ...]:
+        return (i32("batch", "seq"),)
+
+    def output_type(self) -> TensorType:
+        return act("batch", "seq", self.hidden)
+
+    def param_shapes(self) -> Mapping[str, tuple[int, ...]]:
+        return {self.weight: (self.vocab, self.hidden)}
+
+    def apply(self, params: Mapping[str, jax.Array], args: Sequence[jax.Array], ctx: ForwardContext) -> jax.Array:
+        return jnp.take(params[self.weight], args[0], axis=0)
+
+
+@dataclass
+class RMSNorm(Node):
+    name: str
+    inputs: tuple[str, ...]
+    size: int
+    eps: float
+    weight: str
+
+    def input_types(self) -> tuple[TensorType, ...]:
+        return (act("batch", "seq", self.size),)
+
+    def output_type(self) -> TensorType:
+        return act("batch", "seq", self.size)
+
+    def param_shapes(self) -> Mapping[str, tuple[int, ...]]:
+        return {self.weight: (self.size,)}
+
+    def apply(self, params: Mapping[str, jax.Array], args: Sequence[jax.Array], ctx: ForwardContext) -> jax.Array:
+        return rms_norm(args[0], params[self.weight], self.eps)
+
+
+@dataclass
+class Add(Node):
+    name: str
+    inputs: tuple[str, ...]
+    size: int
+
+    def input_types(self) -> tuple[TensorType, ...]:
+        return (act("batch", "seq", self.size), act("batch", "seq", self.size))
+
+    def output_type(self) -> TensorType:
+        return act("batch", "seq", self.size)
+
+    def apply(self, params: Mapping[str, jax.Array], args: Sequence[jax.Array], ctx: ForwardContext) -> jax.Array:
+        return args[0] + args[1]
+
+
+@dataclass
+class Attention(Node):
+    """Grouped-query self-attention over the KV cache: project, (q/k norm), RoPE, cache write, attend, project.
+
+    Inputs: hidden [batch, seq, hidden] and positions [batch, seq]. The cache decides which keys are
+    visible (causal by position, sliding window) and how they are stored.
+    """
+
+    name: str
+    inputs: tuple[str, ...]
+    layer: int
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    inv_freq: tuple[float, ...]
+    prefix: str
+    bias: bool = False
+    qk_norm_eps: float | None = None  # set for Qwen3's per-head q/k RMSNorm
+
+    def input_types(self) -> tuple[TensorType, ...]:
+        return (act("batch", "seq", self.hidden), i32("batch", "seq"))
+
+    def output_type(self) -> TensorType:
+        return act("batch", "seq", self.hidden)
+
+    def param_shapes(self) -> Mapping[str, tuple[int, ...]]:
+        rows = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        shapes = {
+            f"{self.prefix}.qkv": (rows, self.hidden),
+            f"{self.prefix}.o": (self.hidden, self.num_heads * self.head_dim),
+        }
+        if self.bias:
+            shapes[f"{self.prefix}.qkv_bias"] = (rows,)
+        if self.qk_norm_eps is not None:
+            shapes[f"{self.prefix}.q_norm"] = (self.head_dim,)
+            shapes[f"{self.prefix}.k_norm"] = (self.head_dim,)
+        return shapes
+
+    def apply(self, params: Mapping[str, jax.Array], args: Sequence[jax.Array], ctx: ForwardContext) -> jax.Array:
+        x, positions = args
+        batch, seq, _ = x.shape
+        qkv = linear(x, param(params, self.prefix, "qkv"))
+        if self.bias:
+            qkv = qkv + param(params, self.prefix, "qkv_bias")
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        q = qkv[..., :q_size].reshape(batch, seq, self.num_heads, self.head_dim)
+        k = qkv[..., q_size : q_size + kv_size].reshape(batch, seq, self.num_kv_heads, self.head_dim)
+        v = qkv[..., q_size + kv_size :].reshape(batch, seq, self.num_kv_heads, self.head_dim)
+        if self.qk_norm_eps is not None:
+            q = rms_norm(q, param(params, self.prefix, "q_norm"), self.qk_norm_eps)
+            k = rms_norm(k, param(params, self.prefix, "k_norm"), self.qk_norm_eps)
+        inv_freq = jnp.asarray(np.asarray(self.inv_freq, dtype=np.float32))
+        q = rotary(q, positions, inv_freq)
+        k = rotary(k, positions, inv_freq)
+        out = ctx.write_and_attend(self.layer, q, k, v, positions)
+        return linear(out.reshape(batch, seq, q_size), param(params, self.prefix, "o"))
+
+
+@dataclass
+class GatedMLP(Node):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
+
+    name: str
+    inputs: tuple[str, ...]
+    hidden: int
+    intermediate: int
+    prefix: str
+
+    def input_types(self) -> tuple[TensorType, ...]:
+        return (act("batch", "seq", self.hidden),)
+
+    def output_type(self) -> TensorType:
+        return act("batch", "seq", self.hidden)
+
+    def param_shapes(self) -> Mapping[str, tuple[int, ...]]:
+        return {
+            f"{self.prefix}.gate_up": (2 * self.intermediate, self.hidden),
+            f"{self.prefix}.down": (self.hidden, self.intermediate),
+        }
+
+    def apply(self, params: Mapping[str, jax.Array], args: Sequence[jax.Array], ctx: ForwardContext) -> jax.Array:
+        gate, up = jnp.split(linear(args[0], param(params, self.prefix, "gate_up")), 2, axis=-1)
+        return linear(jax.nn.silu(gate) * up, param(params, self.prefix, "down"))
+
+
+@dataclass
+class SelectRows(Node):
+    """Keep the sequence rows whose logits are wanted (the last prompt token in prefill)."""
+
+    name: str
+    inputs: tuple[str, ...]
+    hidden: int
+
+    def input_types(self) -> tuple[TensorType, ...]:
+        return (act("batch", "seq", self.hidden), i32("batch", "rows"))
+
+    def output_type(self) -> TensorType:
+        return act("batch", "rows", self.hidden)
+
+    def apply(self, params: Mapping[str, jax.Array], args: Sequence[jax.Array], ctx: ForwardContext) -> jax.Array:
+        hidden, rows = args
+        return jnp.take_along_axis(hidden, rows[..., None], axis=1)
+
+
+@dataclass
+class LMHead(Node):
+    """Project to vocabulary logits in float32; reads the embedding matrix when embeddings are tied."""
+
+    name: str
+    inputs: tuple[str, ...]
+    hidden: int
+    vocab: int
+    weight: str
+
+    def input_types(self) -> tuple[TensorType, ...]:
+        return (act("batch", "rows", self.hidden),)
+
+    def output_type(self) -> TensorType:
+        return TensorType(("batch", "rows", self.vocab), "float32")
+
+    def param_shapes(self) -> Mapping[str, tuple[int, ...]]:
+        return {self.weight: (self.vocab, self.hidden)}
+
+    def apply(self, params: Mapping[str, jax.Array], args: Sequence[jax.Array], ctx: ForwardContext) -> jax.Array:
+        return linear(args[0], params[self.weight]).astype(jnp.float32)

@@ -1,0 +1,131 @@
+"""GGUF checkpoints (llama.cpp's format), read and dequantized with the `gguf` package."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+
+from zgen.config import ModelConfig
+from zgen.errors import CheckpointError, UnsupportedModelError
+from zgen.loading.params import HostParams, assemble
+
+# GGUF architecture name → zgen architecture. llama.cpp files Mistral under "llama".
+GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+_LAYER_TENSORS = {
+    "attn_norm.weight": "input_norm",
+    "attn_q.weight": "q",
+    "attn_k.weight": "k",
+    "attn_v.weight": "v",
+    "attn_q.bias": "q_bias",
+    "attn_k.bias": "k_bias",
+    "attn_v.bias": "v_bias",
+    "attn_q_norm.weight": "q_norm",
+    "attn_k_norm.weight": "k_norm",
+    "attn_output.weight": "o",
+    "ffn_norm.weight": "post_norm",
+    "ffn_gate.weight": "gate",
+    "ffn_up.weight": "up",
+    "ffn_down.weight": "down",
+}
+_GLOBAL_TENSORS = {"token_embd.weight": "embed", "output_norm.weight": "final_norm", "output.weight": "lm_head"}
+
+
+def open_gguf(path: Path) -> gguf.GGUFReader:
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as err:  # the reader raises bare ValueError/IndexError on truncated files
+        raise CheckpointError(
+            f"{path} is not a readable GGUF file ({type(err).__name__}: {err}); it may be truncated or "
+            "corrupt: download or copy it again"
+        ) from err
+
+
+def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def config_from_gguf(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
+    arch_name = str(_field(reader, "general.architecture", ""))
+    architecture = GGUF_ARCHITECTURES.get(arch_name)
+    if architecture is None:
+        raise UnsupportedModelError(
+            f"{path}: GGUF architecture {arch_name!r} is not supported; zgen reads {sorted(GGUF_ARCHITECTURES)}"
+        )
+
+    def key(name: str, default: Any = None) -> Any:
+        value = _field(reader, f"{arch_name}.{name}", default)
+        if value is None:
+            raise CheckpointError(f"{path}: GGUF metadata lacks {arch_name}.{name}")
+        return value
+
+    heads = int(key("attention.head_count"))
+    hidden = int(key("embedding_length"))
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = int(_field(reader, f"{arch_name}.vocab_size", len(tokens.data) if tokens is not None else 0))
+    names = {t.name for t in reader.tensors}
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    window = _field(reader, f"{arch_name}.attention.sliding_window")
+    return ModelConfig(
+        architecture=architecture,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")),
+        num_layers=int(key("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(key("attention.head_count_kv", heads)),
+        head_dim=int(key("attention.key_length", hidden // heads)),
+        max_position_embeddings=int(key("context_length")),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        sliding_window=int(window) if window else None,
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=() if eos is None else (int(eos),),
+    )
+
+
+def _unpermute_rows(weight: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (interleaved RoPE pairs → HF's rotate-half halves)."""
+    rows = weight.shape[0]
+    return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def params_from_gguf(reader: gguf.GGUFReader, config: ModelConfig, path: Path) -> HostParams:
+    """Dequantize every tensor to float32 and assemble zgen's parameter layout."""
+    tensors: dict[str, np.ndarray] = {}
+    for tensor in reader.tensors:
+        if tensor.name.startswith("blk."):
+            _, index, rest = tensor.name.split(".", 2)
+            short = _LAYER_TENSORS.get(rest)
+            name = None if short is None else f"layers.{index}.{short}"
+        else:
+            name = _GLOBAL_TENSORS.get(tensor.name)
+        if name is None:
+            continue  # e.g. rope_freqs: recomputed from the config
+        try:
+            values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError as err:
+            raise UnsupportedModelError(
+                f"{path}: tensor {tensor.name} has type {tensor.tensor_type.name}, which the installed "
+                f"gguf package cannot dequantize ({err}); upgrade it with: pip install -U gguf"
+            ) from err
+        except Exception as err:
+            raise CheckpointError(f"{path}: tensor {tensor.name} is unreadable ({err}); the file may be truncated") from err
+        values = np.asarray(values, dtype=np.float32).reshape(tuple(reversed([int(n) for n in tensor.shape])))
+        tensors[name] = values
+    # llama.cpp permutes Q/K rows only for its "llama" family converter; qwen files keep HF's layout.
+    if str(_field(reader, "general.architecture")) == "llama":
+        for name in list(tensors):
+            if name.endswith((".q", ".q_bias")):
+                tensors[name] = _unpermute_rows(tensors[name], config.num_heads)
+            elif name.endswith((".k", ".k_bias")):
+                tensors[name] = _unpermute_rows(tensors[name], config.num_kv_heads)
+    return assemble(config, tensors.get, str(path))

@@ -1,0 +1,171 @@
+"""A loaded model: config, tokenizer, typed graph, device parameters and its execution plan."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
+from zgen.cache.tensor import DenseKVState
+from zgen.config import ModelConfig
+from zgen.errors import CheckpointError, ConfigError, ModelNotFoundError
+from zgen.graph.core import Graph
+from zgen.graph.decoder import build_decoder
+from zgen.graph.plan import ExecutionPlan
+from zgen.loading.builtin import BUILTIN_MODELS, builtin_model_path
+from zgen.loading.gguf_file import config_from_gguf, open_gguf, params_from_gguf
+from zgen.loading.params import HostParams
+from zgen.loading.safetensors_dir import config_from_dir, params_from_dir
+from zgen.tokenizer import Tokenizer
+
+DTYPES: dict[str, jnp.dtype] = {
+    "float32": jnp.dtype(jnp.float32),
+    "bfloat16": jnp.dtype(jnp.bfloat16),
+    "float16": jnp.dtype(jnp.float16),
+}
+# Bump when the conversion of GGUF tensors to zgen's layout changes, so stale caches are ignored.
+_CONVERSION_VERSION = 1
+
+
+@dataclass
+class LoadTimings:
+    source: str  # "gguf", "converted-cache" or "safetensors"
+    read_s: float
+    to_device_s: float
+
+
+@dataclass
+class Model:
+    config: ModelConfig
+    tokenizer: Tokenizer
+    graph: Graph
+    params: dict[str, jax.Array]
+    dtype: jnp.dtype
+    source: Path
+    load_timings: LoadTimings
+    plan: ExecutionPlan = field(init=False)
+
+    def __post_init__(self) -> None:
+        pad = self.config.eos_token_ids[0] if self.config.eos_token_ids else 0
+        self.plan = ExecutionPlan(self.graph, self.config.sliding_window, pad_id=pad)
+
+    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """Next-token logits [len(token_ids), vocab] after every prefix, in float32, from one prefill."""
+        c = self.config
+        length = len(token_ids)
+        capacity = 128 * -(-length // 128)
+        cache = DenseKVState.zeros(c.num_layers, 1, capacity, c.num_kv_heads, c.head_dim, self.dtype)
+        positions = jnp.arange(length, dtype=jnp.int32)[None]
+        ids = jnp.asarray([list(token_ids)], jnp.int32)
+        logits, _ = self.plan.prefill(self.params, cache, ids, positions, positions)
+        return np.asarray(logits[0])
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        ids = list(self.config.eos_token_ids)
+        ids += [i for i in self.tokenizer.eos_ids if i not in ids]
+        return tuple(ids)
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("ZGEN_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "zgen"
+    return Path(base)
+
+
+def resolve_model(name_or_path: str | os.PathLike[str]) -> Path:
+    text = str(name_or_path)
+    if text in BUILTIN_MODELS:
+        return builtin_model_path(text)
+    path = Path(text).expanduser()
+    if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
+        return path
+    if path.exists():
+        raise ModelNotFoundError(f"{path} is neither an HF model directory nor a .gguf file")
+    raise ModelNotFoundError(
+        f"no model {text!r}: give a built-in name ({', '.join(BUILTIN_MODELS)}), an HF model directory "
+        "or a .gguf file"
+    )
+
+
+def load_model(
+    name_or_path: str | os.PathLike[str] = "smollm2",
+    *,
+    dtype: str = "float32",
+    cache_dir: Path | None = None,
+) -> Model:
+    """Load a model by built-in name (``"smollm2"``), HF directory or GGUF file.
+
+    GGUF weights are dequantized once and cached as float32 safetensors under ``cache_dir``
+    (default ``$ZGEN_CACHE_DIR`` or ``~/.cache/zgen``) so later loads skip the dequantization.
+    """
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype {dtype!r} is not supported; choose one of {sorted(DTYPES)}")
+    path = resolve_model(name_or_path)
+    start = time.perf_counter()
+    if path.is_dir():
+        config = config_from_dir(path)
+        tokenizer = Tokenizer.from_hf_dir(path)
+        graph = build_decoder(config)
+        host = params_from_dir(path, config)
+        source = "safetensors"
+    else:
+        reader = open_gguf(path)
+        config = config_from_gguf(reader, path)
+        tokenizer = Tokenizer.from_gguf(reader)
+        graph = build_decoder(config)
+        host, source = _gguf_params_cached(reader, config, path, cache_dir or default_cache_dir())
+    check_params(graph, host, str(path))
+    read_s = time.perf_counter() - start
+    start = time.perf_counter()
+    jdtype = DTYPES[dtype]
+    params = {name: jnp.asarray(value, dtype=jdtype) for name, value in host.items()}
+    jax.block_until_ready(params)
+    timings = LoadTimings(source, read_s, time.perf_counter() - start)
+    return Model(config, tokenizer, graph, params, jdtype, path, timings)
+
+
+def check_params(graph: Graph, params: HostParams, source: str) -> None:
+    """Every parameter the graph reads exists with the shape its node declares."""
+    for name, shape in graph.param_shapes().items():
+        value = params.get(name)
+        if value is None:
+            raise CheckpointError(f"{source} lacks parameter {name!r}")
+        if tuple(value.shape) != shape:
+            raise CheckpointError(
+                f"{source}: parameter {name!r} has shape {tuple(value.shape)} but the graph node reading it "
+                f"expects {shape}; the config and the weights disagree"
+            )
+
+
+def _gguf_params_cached(reader: gguf.GGUFReader, config: ModelConfig, path: Path, cache_dir: Path) -> tuple[HostParams, str]:
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{_CONVERSION_VERSION}".encode()).hexdigest()
+    cached = cache_dir / "converted" / f"{path.stem}-{key[:16]}.safetensors"
+    if cached.exists():
+        try:
+            return load_file(cached), "converted-cache"
+        except Exception:  # a damaged cache entry is rebuilt, never trusted
+            cached.unlink(missing_ok=True)
+    params = params_from_gguf(reader, config, path)
+    _write_atomically(cached, params)
+    return params, "gguf"
+
+
+def _write_atomically(target: Path, params: HostParams) -> None:
+    partial = target.with_suffix(f".partial-{os.getpid()}")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        save_file({k: np.ascontiguousarray(v) for k, v in params.items()}, partial)
+        os.replace(partial, target)
+    except OSError:
+        # A read-only or full cache directory only costs speed on the next load.
+        partial.unlink(missing_ok=True)
