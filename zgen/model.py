@@ -50,7 +50,7 @@ class Model:
     graph: Graph
     params: dict[str, jax.Array]
     dtype: jnp.dtype
-    source: Path
+    source: Path | None  # None for weights built in memory (benchmarks, tests)
     load_timings: LoadTimings
     plan: ExecutionPlan = field(init=False)
 

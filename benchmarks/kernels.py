@@ -1,0 +1,325 @@
+"""GPU benchmark of zgen's attention kernels against jax's bundled kernels and the XLA path, in one run.
+
+    python benchmarks/kernels.py               # correctness checks, then timings; table at the end
+    python benchmarks/kernels.py --check-only  # only the correctness checks (small shapes, quick)
+
+Measures the device's copy bandwidth and bf16 matmul rate in the same run, then:
+- paged decode (B=8, 32 q / 8 kv heads, head_dim 128, bf16 queries, contexts 4k and 32k): achieved
+  bandwidth = bytes of KV actually read / time, and its fraction of copy bandwidth;
+- flash prefill (causal, 4k and 8k tokens, bf16): TFLOP/s (causal half counted) vs the matmul rate.
+Every kernel is checked against zgen's reference (relative L2 error) before it is timed; a kernel that
+fails to lower or to match is reported, not fatal. Results go to ``$OUT/kernels.json`` when OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import statistics
+import time
+import traceback
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zgen.pallas import flash_attention, paged_decode_attention
+from zgen.pallas.flash_attention import triton as flash_triton, xla as flash_xla
+from zgen.pallas.paged_attention import triton as paged_triton
+from zgen.pallas.paged_attention.common import visible_pages
+from zgen.pallas.paged_attention.layouts import KVPages, bytes_per_token, quantize_fp8, quantize_q3, quantize_q4
+
+BATCH, Q_HEADS, KV_HEADS, HEAD_DIM = 8, 32, 8, 128
+PREFILL_BATCH = 2
+MAX_REL_ERR = 2e-2  # against the f32 reference on the same (quantized) pages
+QUANTIZERS: dict[str, Callable[[jax.Array], KVPages]] = {
+    "fp8": quantize_fp8,
+    "q4": quantize_q4,
+    "q4g64": functools.partial(quantize_q4, group_size=64),
+    "q3": quantize_q3,
+}
+
+
+@dataclasses.dataclass
+class Row:
+    op: str
+    impl: str
+    fmt: str
+    size: int
+    ms: float | None = None
+    gbps: float | None = None
+    tflops: float | None = None
+    fraction: float | None = None  # of copy bandwidth (decode) or of matmul FLOP/s (prefill)
+    rel_err: float | None = None
+    error: str | None = None
+
+
+def median_seconds(fn: Callable[[], Any], repeats: int) -> float:
+    for _ in range(3):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def rel_err(out: jax.Array, ref: jax.Array) -> float:
+    a, b = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    return float(np.linalg.norm(a - b) / max(float(np.linalg.norm(b)), 1e-30))
+
+
+def short(exc: BaseException) -> str:
+    noise = ("----", "For simplicity")
+    text = "".join(traceback.format_exception_only(exc)).strip().splitlines()
+    lines = [l for l in text if l.strip() and not l.startswith(noise)]
+    return " | ".join(lines[:3])[:400]
+
+
+def copy_bandwidth(repeats: int) -> float:
+    """Bytes read + written per second by an elementwise pass over 2 GiB."""
+    x = jax.random.normal(jax.random.key(1), (1024, 1024 * 1024), jnp.bfloat16)
+    f = jax.jit(lambda x: x + jnp.asarray(1, x.dtype))
+    return 2 * x.nbytes / median_seconds(lambda: f(x), repeats)
+
+
+def matmul_flops(repeats: int) -> float:
+    n = 8192
+    a = jax.random.normal(jax.random.key(2), (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(3), (n, n), jnp.bfloat16)
+    f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
+    return 2 * n**3 / median_seconds(lambda: f(a, b), repeats)
+
+
+def quantize_in_slices(x: jax.Array, fmt: str, pages_per_slice: int = 256) -> KVPages:
+    """Quantize page slices one at a time: Q3's codebook fit would not fit in memory all at once."""
+    fn = jax.jit(QUANTIZERS[fmt])
+    parts = [fn(x[:, i : i + pages_per_slice]) for i in range(0, x.shape[1], pages_per_slice)]
+    return jax.tree_util.tree_map(lambda *leaves: jnp.concatenate(leaves, axis=1), *parts)
+
+
+@dataclasses.dataclass
+class DecodeProblem:
+    q: jax.Array
+    k: jax.Array  # bf16 pages [KVH, P, page, D]
+    v: jax.Array
+    tables: jax.Array
+    lengths: jax.Array
+    context: int
+
+    @classmethod
+    def make(cls, context: int, page_size: int, seed: int) -> DecodeProblem:
+        ks = jax.random.split(jax.random.key(seed), 4)
+        pages_per_seq = context // page_size
+        num_pages = BATCH * pages_per_seq
+        shape = (KV_HEADS, num_pages, page_size, HEAD_DIM)
+        tables = jax.random.permutation(ks[3], num_pages).reshape(BATCH, pages_per_seq).astype(jnp.int32)
+        return cls(
+            q=jax.random.normal(ks[0], (BATCH, Q_HEADS, HEAD_DIM), jnp.bfloat16),
+            k=jax.random.normal(ks[1], shape, jnp.bfloat16),
+            v=jax.random.normal(ks[2], shape, jnp.bfloat16),
+            tables=tables,
+            lengths=jnp.full((BATCH,), context, jnp.int32),
+            context=context,
+        )
+
+    def contiguous(self) -> tuple[jax.Array, jax.Array]:
+        """The same cache as [B, S, KVH, D] arrays, for jax's contiguous decode kernel."""
+        def dense(p: jax.Array) -> jax.Array:
+            g = p[:, self.tables]  # [KVH, B, pps, page, D]
+            return g.reshape(KV_HEADS, BATCH, self.context, HEAD_DIM).transpose(1, 2, 0, 3)
+
+        return dense(self.k), dense(self.v)
+
+
+def paged_candidates(p: DecodeProblem, fmt: str, kq: KVPages, vq: KVPages) -> dict[str, Callable[[], jax.Array]]:
+    cands: dict[str, Callable[[], jax.Array]] = {}
+    args = (p.q, kq, vq, p.tables, p.lengths)
+    page_size = p.k.shape[2]
+    for impl in ("triton", "xla"):
+        f = jax.jit(lambda q, k, v, t, n, impl=impl: paged_decode_attention(q, k, v, t, n, implementation=impl))
+        cands[f"zgen {impl}"] = lambda f=f: f(*args)
+    # A few launch configurations of our kernel, called below the api (same preprocessing).
+    pages = visible_pages(p.tables, p.lengths, None, page_size, None)
+    for warps, stages in ((4, 2), (8, 3)):
+        f = jax.jit(
+            lambda q, k, v, t, n, m, w=warps, s=stages: paged_triton.paged_decode_attention(
+                q, k, v, t, n, m, scale=HEAD_DIM**-0.5, soft_cap=None, sliding_window=None, num_warps=w, num_stages=s
+            )
+        )
+        cands[f"zgen triton w{warps}s{stages}"] = lambda f=f: f(*args, pages)
+    if fmt == "bf16":
+        f = jax.jit(lambda q, k, v, t, n: paged_decode_attention(q, k, v, t, n, implementation="mosaic_gpu"))
+        cands["zgen mosaic_gpu"] = lambda f=f: f(*args)
+        try:
+            from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
+
+            f = jax.jit(lambda q, k, v, t, n: jax_paged.paged_attention(
+                q * HEAD_DIM**-0.5, k, v, t, n, k_splits=min(16, t.shape[1])
+            ))
+            cands["jax paged_attention"] = lambda f=f: f(*args)
+        except ImportError as e:
+            print("jax paged_attention not importable:", e)
+        try:
+            from jax.experimental.pallas.ops.gpu import decode_attention as jax_decode
+
+            kc, vc = p.contiguous()
+            f = jax.jit(lambda q, k, v, n: jax_decode.gqa(q, k, v, kv_seq_len=n))
+            cands["jax decode gqa"] = lambda f=f: f(p.q, kc, vc, p.lengths)
+        except ImportError as e:
+            print("jax decode_attention not importable:", e)
+    return cands
+
+
+def bench_decode(contexts: list[int], page_size: int, repeats: int, copy_bw: float | None, rows: list[Row]) -> None:
+    for context in contexts:
+        p = DecodeProblem.make(context, page_size, seed=context)
+        for fmt in ("bf16", *QUANTIZERS):
+            kq, vq = (p.k, p.v) if fmt == "bf16" else (quantize_in_slices(p.k, fmt), quantize_in_slices(p.v, fmt))
+            ref = jax.jit(lambda q, k, v, t, n: paged_decode_attention(q, k, v, t, n, implementation="reference"))(
+                p.q, kq, vq, p.tables, p.lengths
+            )
+            read = 2 * BATCH * KV_HEADS * context * bytes_per_token(kq)
+            for name, fn in paged_candidates(p, fmt, kq, vq).items():
+                row = Row("paged_decode", name, fmt, context)
+                rows.append(row)
+                try:
+                    row.rel_err = rel_err(fn(), ref)
+                    if not row.rel_err <= MAX_REL_ERR:
+                        row.error = f"wrong result (rel err {row.rel_err:.3g})"
+                    elif copy_bw is not None:
+                        t = median_seconds(fn, repeats)
+                        row.ms, row.gbps = t * 1e3, read / t / 1e9
+                        row.fraction = read / t / copy_bw
+                except Exception as e:  # noqa: BLE001 - a kernel that fails to lower is a result
+                    row.error = short(e)
+                print(row, flush=True)
+            del kq, vq, ref
+
+
+def flash_candidates(q: jax.Array, k: jax.Array, v: jax.Array) -> dict[str, Callable[[], jax.Array]]:
+    cands: dict[str, Callable[[], jax.Array]] = {}
+    lengths = jnp.full((q.shape[0],), q.shape[1], jnp.int32)
+    for impl in ("mosaic_gpu", "triton", "xla"):
+        f = jax.jit(lambda q, k, v, impl=impl: flash_attention(q, k, v, implementation=impl))
+        cands[f"zgen {impl}"] = lambda f=f: f(q, k, v)
+    for bq, bk, warps, stages in ((128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 8, 3)):
+        f = jax.jit(
+            lambda q, k, v, n, bq=bq, bk=bk, w=warps, s=stages: flash_triton.flash_attention(
+                q, k, v, n, causal=True, sliding_window=None, soft_cap=None, scale=HEAD_DIM**-0.5,
+                block_q=bq, block_k=bk, num_warps=w, num_stages=s,
+            )
+        )
+        cands[f"zgen triton q{bq}k{bk}w{warps}s{stages}"] = lambda f=f: f(q, k, v, lengths)
+    f = jax.jit(lambda q, k, v, n: flash_xla.flash_attention(
+        q, k, v, n, causal=True, sliding_window=None, soft_cap=None, scale=HEAD_DIM**-0.5, block_q=1024, block_k=1024
+    ))
+    cands["zgen xla b1024"] = lambda f=f: f(q, k, v, lengths)
+    try:
+        from jax.experimental.pallas.ops.gpu import attention_mgpu
+
+        for bq, bkv in ((64, 128), (64, 64)):
+            config = attention_mgpu.TuningConfig(block_q=bq, block_kv=bkv, max_concurrent_steps=2, causal=True)
+            f = jax.jit(lambda q, k, v, c=config: attention_mgpu.attention(q * HEAD_DIM**-0.5, k, v, c))
+            cands[f"jax attention_mgpu q{bq}k{bkv}"] = lambda f=f: f(q, k, v)
+    except ImportError as e:
+        print("jax attention_mgpu not importable:", e)
+    try:
+        from jax.experimental.pallas.ops.gpu import attention as jax_attention
+
+        group = q.shape[2] // k.shape[2]
+        kr, vr = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)  # it has no GQA; repeat outside timing
+        f = jax.jit(lambda q, k, v: jax_attention.mha(q, k, v, None, sm_scale=HEAD_DIM**-0.5, causal=True))
+        cands["jax attention (triton)"] = lambda f=f: f(q, kr, vr)
+    except ImportError as e:
+        print("jax attention not importable:", e)
+    return cands
+
+
+def bench_prefill(lengths: list[int], repeats: int, mm_flops: float | None, rows: list[Row]) -> None:
+    for t in lengths:
+        ks = jax.random.split(jax.random.key(t), 3)
+        q = jax.random.normal(ks[0], (PREFILL_BATCH, t, Q_HEADS, HEAD_DIM), jnp.bfloat16)
+        k = jax.random.normal(ks[1], (PREFILL_BATCH, t, KV_HEADS, HEAD_DIM), jnp.bfloat16)
+        v = jax.random.normal(ks[2], (PREFILL_BATCH, t, KV_HEADS, HEAD_DIM), jnp.bfloat16)
+        # The reference materializes [H, T, T] f32 logits: check the first sequence only (8k: ~9 GB).
+        ref = jax.jit(lambda q, k, v: flash_attention(q, k, v, implementation="reference"))(q[:1], k[:1], v[:1])
+        flops = 4 * PREFILL_BATCH * Q_HEADS * t * t * HEAD_DIM / 2  # causal: half the score matrix
+        for name, fn in flash_candidates(q, k, v).items():
+            row = Row("flash_prefill", name, "bf16", t)
+            rows.append(row)
+            try:
+                row.rel_err = rel_err(fn()[:1], ref)
+                if not row.rel_err <= MAX_REL_ERR:
+                    row.error = f"wrong result (rel err {row.rel_err:.3g})"
+                elif mm_flops is not None:
+                    secs = median_seconds(fn, repeats)
+                    row.ms, row.tflops = secs * 1e3, flops / secs / 1e12
+                    row.fraction = flops / secs / mm_flops
+            except Exception as e:  # noqa: BLE001
+                row.error = short(e)
+            print(row, flush=True)
+        del ref
+
+
+def fmt_cell(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def table(rows: list[Row]) -> str:
+    head = f"{'op':<14}{'impl':<34}{'fmt':<6}{'size':>7}{'ms':>9}{'GB/s':>8}{'TFLOP/s':>9}{'frac':>7}{'rel_err':>10}  error"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{r.op:<14}{r.impl:<34}{r.fmt:<6}{r.size:>7}{fmt_cell(r.ms, '.3f'):>9}{fmt_cell(r.gbps, '.0f'):>8}"
+            f"{fmt_cell(r.tflops, '.1f'):>9}{fmt_cell(r.fraction, '.2f'):>7}{fmt_cell(r.rel_err, '.2e'):>10}  {r.error or ''}"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check-only", action="store_true", help="correctness checks only, small shapes")
+    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=30)
+    args = parser.parse_args()
+
+    device = jax.devices()[0]
+    print(f"device: {device.device_kind} ({device.platform}), jax {jax.__version__}", flush=True)
+    rows: list[Row] = []
+    copy_bw = mm = None
+    if not args.check_only:
+        copy_bw, mm = copy_bandwidth(args.repeats), matmul_flops(args.repeats)
+        print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s", flush=True)
+    bench_decode([2048] if args.check_only else [4096, 32768], args.page_size, args.repeats, copy_bw, rows)
+    bench_prefill([1024] if args.check_only else [4096, 8192], args.repeats, mm, rows)
+
+    print()
+    print(table(rows))
+    if copy_bw is not None and mm is not None:
+        print(f"\ncopy bandwidth {copy_bw / 1e9:.0f} GB/s; bf16 matmul {mm / 1e12:.0f} TFLOP/s; device {device.device_kind}")
+    failed = [r for r in rows if r.error and r.impl.startswith("zgen")]
+    print(f"\n{len(rows) - len(failed)} ok, {len(failed)} zgen kernels failed")
+    if out_dir := os.environ.get("OUT"):
+        with open(os.path.join(out_dir, "kernels.json"), "w") as f:
+            json.dump(
+                {
+                    "device": device.device_kind,
+                    "jax": jax.__version__,
+                    "page_size": args.page_size,
+                    "copy_bandwidth_gbps": None if copy_bw is None else copy_bw / 1e9,
+                    "matmul_tflops": None if mm is None else mm / 1e12,
+                    "rows": [dataclasses.asdict(r) for r in rows],
+                },
+                f,
+                indent=1,
+            )
+
+
+if __name__ == "__main__":
+    main()

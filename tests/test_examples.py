@@ -1,0 +1,16 @@
+"""Every example script runs to completion on the real model."""
+
+from __future__ import annotations
+
+import runpy
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.py"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_example_runs(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    runpy.run_path(str(path), run_name="__main__")
+    assert capsys.readouterr().out.strip()
