@@ -45,6 +45,24 @@ QUANTIZERS: dict[str, Callable[[jax.Array], KVPages]] = {
 
 
 @dataclasses.dataclass
+class Results:
+    """Rows so far, rewritten to ``$OUT/kernels.json`` after each one so a run cut short keeps them."""
+
+    meta: dict[str, Any]
+    rows: list[Row] = dataclasses.field(default_factory=list)
+
+    def add(self, row: Row) -> None:
+        self.rows.append(row)
+        print(row, flush=True)
+        self.save()
+
+    def save(self) -> None:
+        if out_dir := os.environ.get("OUT"):
+            with open(os.path.join(out_dir, "kernels.json"), "w") as f:
+                json.dump({**self.meta, "rows": [dataclasses.asdict(r) for r in self.rows]}, f, indent=1)
+
+
+@dataclasses.dataclass
 class Row:
     op: str
     impl: str
@@ -176,7 +194,7 @@ def paged_candidates(p: DecodeProblem, fmt: str, kq: KVPages, vq: KVPages) -> di
     return cands
 
 
-def bench_decode(contexts: list[int], page_size: int, repeats: int, copy_bw: float | None, rows: list[Row]) -> None:
+def bench_decode(contexts: list[int], page_size: int, repeats: int, copy_bw: float | None, results: Results) -> None:
     for context in contexts:
         p = DecodeProblem.make(context, page_size, seed=context)
         for fmt in ("bf16", *QUANTIZERS):
@@ -187,7 +205,6 @@ def bench_decode(contexts: list[int], page_size: int, repeats: int, copy_bw: flo
             read = 2 * BATCH * KV_HEADS * context * bytes_per_token(kq)
             for name, fn in paged_candidates(p, fmt, kq, vq).items():
                 row = Row("paged_decode", name, fmt, context)
-                rows.append(row)
                 try:
                     row.rel_err = rel_err(fn(), ref)
                     if not row.rel_err <= MAX_REL_ERR:
@@ -198,7 +215,7 @@ def bench_decode(contexts: list[int], page_size: int, repeats: int, copy_bw: flo
                         row.fraction = read / t / copy_bw
                 except Exception as e:  # noqa: BLE001 - a kernel that fails to lower is a result
                     row.error = short(e)
-                print(row, flush=True)
+                results.add(row)
             del kq, vq, ref
 
 
@@ -241,7 +258,7 @@ def flash_candidates(q: jax.Array, k: jax.Array, v: jax.Array) -> dict[str, Call
     return cands
 
 
-def bench_prefill(lengths: list[int], repeats: int, mm_flops: float | None, rows: list[Row]) -> None:
+def bench_prefill(lengths: list[int], repeats: int, mm_flops: float | None, results: Results) -> None:
     for t in lengths:
         ks = jax.random.split(jax.random.key(t), 3)
         q = jax.random.normal(ks[0], (PREFILL_BATCH, t, Q_HEADS, HEAD_DIM), jnp.bfloat16)
@@ -252,7 +269,6 @@ def bench_prefill(lengths: list[int], repeats: int, mm_flops: float | None, rows
         flops = 4 * PREFILL_BATCH * Q_HEADS * t * t * HEAD_DIM / 2  # causal: half the score matrix
         for name, fn in flash_candidates(q, k, v).items():
             row = Row("flash_prefill", name, "bf16", t)
-            rows.append(row)
             try:
                 row.rel_err = rel_err(fn()[:1], ref)
                 if not row.rel_err <= MAX_REL_ERR:
@@ -263,7 +279,7 @@ def bench_prefill(lengths: list[int], repeats: int, mm_flops: float | None, rows
                     row.fraction = flops / secs / mm_flops
             except Exception as e:  # noqa: BLE001
                 row.error = short(e)
-            print(row, flush=True)
+            results.add(row)
         del ref
 
 
@@ -287,38 +303,39 @@ def main() -> None:
     parser.add_argument("--check-only", action="store_true", help="correctness checks only, small shapes")
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--contexts", type=int, nargs="*", help="decode contexts (default 4096 32768; none: skip)")
+    parser.add_argument("--prefill-lengths", type=int, nargs="*", help="prefill lengths (default 4096 8192; none: skip)")
     args = parser.parse_args()
 
     device = jax.devices()[0]
     print(f"device: {device.device_kind} ({device.platform}), jax {jax.__version__}", flush=True)
-    rows: list[Row] = []
     copy_bw = mm = None
     if not args.check_only:
         copy_bw, mm = copy_bandwidth(args.repeats), matmul_flops(args.repeats)
         print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s", flush=True)
-    bench_decode([2048] if args.check_only else [4096, 32768], args.page_size, args.repeats, copy_bw, rows)
-    bench_prefill([1024] if args.check_only else [4096, 8192], args.repeats, mm, rows)
+    results = Results(
+        meta={
+            "device": device.device_kind,
+            "jax": jax.__version__,
+            "page_size": args.page_size,
+            "copy_bandwidth_gbps": None if copy_bw is None else copy_bw / 1e9,
+            "matmul_tflops": None if mm is None else mm / 1e12,
+        }
+    )
+    contexts = args.contexts if args.contexts is not None else [2048] if args.check_only else [4096, 32768]
+    prefill = args.prefill_lengths if args.prefill_lengths is not None else [1024] if args.check_only else [4096, 8192]
+    bench_decode(contexts, args.page_size, args.repeats, copy_bw, results)
+    bench_prefill(prefill, args.repeats, mm, results)
 
     print()
-    print(table(rows))
+    print(table(results.rows))
     if copy_bw is not None and mm is not None:
         print(f"\ncopy bandwidth {copy_bw / 1e9:.0f} GB/s; bf16 matmul {mm / 1e12:.0f} TFLOP/s; device {device.device_kind}")
-    failed = [r for r in rows if r.error and r.impl.startswith("zgen")]
-    print(f"\n{len(rows) - len(failed)} ok, {len(failed)} zgen kernels failed")
-    if out_dir := os.environ.get("OUT"):
-        with open(os.path.join(out_dir, "kernels.json"), "w") as f:
-            json.dump(
-                {
-                    "device": device.device_kind,
-                    "jax": jax.__version__,
-                    "page_size": args.page_size,
-                    "copy_bandwidth_gbps": None if copy_bw is None else copy_bw / 1e9,
-                    "matmul_tflops": None if mm is None else mm / 1e12,
-                    "rows": [dataclasses.asdict(r) for r in rows],
-                },
-                f,
-                indent=1,
-            )
+    ours = [r for r in results.rows if r.impl.startswith("zgen")]
+    failed = [r for r in ours if r.error]
+    baselines_failed = sum(1 for r in results.rows if r.error and r not in ours)
+    print(f"\nzgen: {len(ours) - len(failed)} ok, {len(failed)} failed; baselines failed: {baselines_failed}")
+    raise SystemExit(1 if failed else 0)
 
 
 if __name__ == "__main__":

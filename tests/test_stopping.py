@@ -56,7 +56,7 @@ texts = st.text(alphabet, max_size=40)
 stop_sets = st.lists(st.text(alphabet, min_size=1, max_size=4), max_size=4)
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(text=texts, stops=stop_sets, cuts=st.lists(st.integers(0, 40), max_size=12))
 def test_emitted_text_is_text_before_first_match(text: str, stops: list[str], cuts: list[int]) -> None:
     want, match = reference_cut(text, stops)
@@ -66,7 +66,7 @@ def test_emitted_text_is_text_before_first_match(text: str, stops: list[str], cu
     assert m.matched == match
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(text=texts, stops=stop_sets, cuts=st.lists(st.integers(0, 40), max_size=12))
 def test_held_text_is_the_longest_possible_stop_start(text: str, stops: list[str], cuts: list[int]) -> None:
     m = StopStringMatcher(stops)

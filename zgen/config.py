@@ -89,7 +89,8 @@ class ModelConfig:
     def from_hf(cls, raw: Mapping[str, Any], generation_config: Mapping[str, Any] | None = None) -> ModelConfig:
         """Build from a transformers `config.json` (and optionally `generation_config.json`)."""
         model_type = raw.get("model_type")
-        archs = raw.get("architectures") or []
+        listed: list[Any] = raw.get("architectures") or []
+        archs = [str(a) for a in listed]
         architecture = ARCHITECTURES.get(str(model_type)) or next(
             (ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None
         )
@@ -145,8 +146,9 @@ def _optional_int(value: Any) -> int | None:
 def _eos_ids(raw: Mapping[str, Any], generation_config: Mapping[str, Any] | None) -> tuple[int, ...]:
     ids: list[int] = []
     for source in (generation_config or {}, raw):
-        value = source.get("eos_token_id")
-        for item in value if isinstance(value, list) else [value]:
+        value: Any = source.get("eos_token_id")
+        items: list[Any] = value if isinstance(value, list) else [value]  # pyright: ignore[reportUnknownVariableType]
+        for item in items:
             if item is not None and int(item) not in ids:
                 ids.append(int(item))
     return tuple(ids)

@@ -12,12 +12,14 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zgen.cache.tensor import DenseKVState
+from zgen.cache.base import CacheBackend, KVState
+from zgen.cache.tensor import DenseBackend
 from zgen.errors import ConfigError, InputError, PromptTooLongError, TokenIdError
 from zgen.graph.plan import DecodeState
 from zgen.model import Model
@@ -128,7 +130,7 @@ class _Batch:
     prompts: list[list[int]]
     configs: list[SamplingConfig]
     rows: list[_RowText]
-    cache: DenseKVState
+    cache: KVState
     state: DecodeState
     sampling: SamplingParams
     flags: SamplingFlags
@@ -152,6 +154,7 @@ class Generator:
         max_batch_size: int = 16,
         sync_interval: int = 8,
         host_sampler: HostSampler | None = None,
+        kv_backend: CacheBackend[Any] | None = None,
     ) -> None:
         if max_batch_size < 1 or sync_interval < 1:
             raise ConfigError("max_batch_size and sync_interval must be at least 1")
@@ -159,6 +162,10 @@ class Generator:
         self.max_batch_size = max_batch_size
         self.sync_interval = sync_interval
         self.host_sampler = host_sampler
+        c = model.config
+        self.kv_backend: CacheBackend[Any] = kv_backend or DenseBackend(
+            c.num_layers, c.num_kv_heads, c.head_dim, model.dtype
+        )
 
     # -- public API ----------------------------------------------------------------------------
 
@@ -171,9 +178,12 @@ class Generator:
     def generate_stream(self, prompt: Prompt, sampling: SamplingConfig | None = None) -> Iterator[str]:
         """Yield text pieces as they are decoded; their concatenation equals ``generate(...).text``."""
         batch = self._start([Request(prompt, sampling or SamplingConfig())])
-        for pieces in self._decode(batch, stream=True):
-            if pieces[0]:
-                yield pieces[0]
+        try:
+            for pieces in self._decode(batch, stream=True):
+                if pieces[0]:
+                    yield pieces[0]
+        finally:
+            self.kv_backend.release(batch.cache)
 
     def batch_generate(self, requests: Sequence[Request | Prompt]) -> list[GenerationResult]:
         """Generate for several prompts at once, in batches of up to ``max_batch_size`` rows."""
@@ -182,8 +192,11 @@ class Generator:
         for start in range(0, len(normalized), self.max_batch_size):
             batch = self._start(normalized[start : start + self.max_batch_size])
             decode_start = time.perf_counter()
-            syncs = sum(1 for _ in self._decode(batch, stream=False))
-            results.extend(self._results(batch, time.perf_counter() - decode_start, syncs))
+            try:
+                syncs = sum(1 for _ in self._decode(batch, stream=False))
+                results.extend(self._results(batch, time.perf_counter() - decode_start, syncs))
+            finally:
+                self.kv_backend.release(batch.cache)
         return results
 
     def new_session(self) -> Session:
@@ -235,13 +248,13 @@ class Generator:
             min(_bucket(needed, 128), _bucket(config.max_position_embeddings, 128)),
             _bucket(max(len(p) for p in padded), 16),
         )
-        cache = DenseKVState.zeros(config.num_layers, width, capacity, config.num_kv_heads, config.head_dim, self.model.dtype)
+        cache = self.kv_backend.allocate(width, capacity)
         logits, cache, prefill_s = self._prefill(cache, padded, [0] * width)
         return self._make_batch(prompts, configs, padded, logits, cache, prefill_s)
 
     def _prefill(
-        self, cache: DenseKVState, rows: Sequence[Sequence[int]], offsets: Sequence[int]
-    ) -> tuple[jax.Array, DenseKVState, float]:
+        self, cache: KVState, rows: Sequence[Sequence[int]], offsets: Sequence[int]
+    ) -> tuple[jax.Array, KVState, float]:
         """Feed each row's tokens at positions offset, offset+1, ...; returns its last token's logits."""
         model = self.model
         longest = max(len(r) for r in rows)
@@ -264,7 +277,7 @@ class Generator:
         configs: list[SamplingConfig],
         padded: list[list[int]],
         logits: jax.Array,
-        cache: DenseKVState,
+        cache: KVState,
         prefill_s: float,
     ) -> _Batch:
         model = self.model
@@ -401,7 +414,7 @@ class Session:
         self.generator = generator
         self._lock = threading.Lock()
         self._tokens: list[int] = []
-        self._cache: DenseKVState | None = None
+        self._cache: KVState | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -413,7 +426,12 @@ class Session:
 
     def reset(self) -> None:
         with self._lock:
-            self._tokens, self._cache = [], None
+            self._drop_cache()
+
+    def _drop_cache(self) -> None:
+        if self._cache is not None:
+            self.generator.kv_backend.release(self._cache)
+        self._tokens, self._cache = [], None
 
     def _generate(self, prompt: Prompt, sampling: SamplingConfig) -> GenerationResult:
         gen = self.generator
@@ -423,6 +441,7 @@ class Session:
         # The suffix is prefilled in a power-of-two bucket that must fit the cache too.
         needed = max(len(ids) + sampling.max_new_tokens, reused + _bucket(len(ids) - reused, 16))
         if self._cache is None or self._cache.capacity < needed or reused == 0:
+            self._drop_cache()
             result_batch = gen._start([Request(ids, sampling)], [ids])
         else:
             result_batch = self._start_from_cache(ids, reused, sampling)

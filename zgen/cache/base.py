@@ -86,3 +86,16 @@ class CacheProvider(Protocol[S_co]):
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` tokens exactly; later tokens are forgotten."""
         ...
+
+
+class CacheBackend(Protocol[S]):
+    """How a :class:`~zgen.generator.Generator` gets device cache state for a batch, and gives it back.
+
+    ``allocate`` returns a state with room for positions ``[0, capacity)`` in each of ``batch`` rows
+    (a paged backend takes blocks from its pool here and raises ``PoolExhaustedError`` without
+    allocating anything when they do not fit); ``release`` returns what ``allocate`` took.
+    """
+
+    def allocate(self, batch: int, capacity: int) -> S: ...
+
+    def release(self, state: S) -> None: ...

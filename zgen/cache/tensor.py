@@ -154,3 +154,19 @@ class TensorCache:
         if not 0 <= n <= self._seq_len:
             raise CacheError(f"cannot truncate a cache of {self._seq_len} tokens to {n}")
         self._seq_len = n
+
+
+@dataclass(frozen=True)
+class DenseBackend:
+    """Fresh :class:`DenseKVState` buffers per batch; released buffers are simply dropped."""
+
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: jnp.dtype
+
+    def allocate(self, batch: int, capacity: int) -> DenseKVState:
+        return DenseKVState.zeros(self.num_layers, batch, capacity, self.kv_heads, self.head_dim, self.dtype)
+
+    def release(self, state: DenseKVState) -> None:
+        del state  # device buffers are freed when the last reference goes

@@ -120,7 +120,7 @@ class Attention(Node):
 
     def param_shapes(self) -> Mapping[str, tuple[int, ...]]:
         rows = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        shapes = {
+        shapes: dict[str, tuple[int, ...]] = {
             f"{self.prefix}.qkv": (rows, self.hidden),
             f"{self.prefix}.o": (self.hidden, self.num_heads * self.head_dim),
         }

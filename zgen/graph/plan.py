@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +24,7 @@ from zgen.graph.decoder import LOGIT_ROWS, POSITIONS, TOKENS
 from zgen.sampling import PenaltyState, SamplingFlags, SamplingParams, sample, update_penalty_state
 
 Params = Mapping[str, jax.Array]
+S = TypeVar("S", bound=KVState)
 
 
 def enable_persistent_compilation_cache() -> None:
@@ -35,15 +36,15 @@ def enable_persistent_compilation_cache() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
-class _CacheContext(ForwardContext):
+class _CacheContext(ForwardContext, Generic[S]):
     """Threads the cache state through the attention nodes while the graph is traced."""
 
-    def __init__(self, state: KVState, sliding_window: int | None) -> None:
+    def __init__(self, state: S, sliding_window: int | None) -> None:
         self.state = state
         self.sliding_window = sliding_window
 
     def write_and_attend(self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array) -> jax.Array:
-        self.state = self.state.write(layer, k, v, positions)
+        self.state = cast(S, self.state.write(layer, k, v, positions))
         return self.state.attend(layer, q, positions, sliding_window=self.sliding_window)
 
 
@@ -81,11 +82,11 @@ class ExecutionPlan:
     def forward(
         self,
         params: Params,
-        state: KVState,
+        state: S,
         tokens: Int[Array, "B T"],
         positions: Int[Array, "B T"],
         logit_rows: Int[Array, "B R"],
-    ) -> tuple[Float[Array, "B R V"], KVState]:
+    ) -> tuple[Float[Array, "B R V"], S]:
         ctx = _CacheContext(state, self.sliding_window)
         (logits,) = self.graph.run(params, {TOKENS: tokens, POSITIONS: positions, LOGIT_ROWS: logit_rows}, ctx)
         return logits, ctx.state
@@ -139,11 +140,11 @@ class ExecutionPlan:
     def prefill(
         self,
         params: Params,
-        cache: KVState,
+        cache: S,
         tokens: Int[Array, "B T"],
         positions: Int[Array, "B T"],
         logit_rows: Int[Array, "B R"],
-    ) -> tuple[Float[Array, "B R V"], KVState]:
+    ) -> tuple[Float[Array, "B R V"], S]:
         """Run the prompt (padded to a bucket) through the model, writing the cache in place."""
         key = ("prefill", _shape_key(cache), tokens.shape, logit_rows.shape)
         compiled = self._compiled(key, lambda: jax.jit(self.forward, donate_argnums=(1,)).lower(
@@ -154,12 +155,12 @@ class ExecutionPlan:
     def decode(
         self,
         params: Params,
-        cache: KVState,
+        cache: S,
         state: DecodeState,
         sampling: SamplingParams,
         stop_at: int,
         flags: SamplingFlags,
-    ) -> tuple[DecodeState, KVState]:
+    ) -> tuple[DecodeState, S]:
         """Generate until every row finished or ``stop_at`` tokens exist, without leaving the device."""
         key = ("decode", _shape_key(cache), state.tokens.shape, state.stop_ids.shape, flags)
         stop = jnp.asarray(stop_at, jnp.int32)

@@ -1,0 +1,71 @@
+"""The GPU kernels lower for CUDA on this CPU-only machine (jax.export cross-lowering).
+
+This catches Pallas-to-Triton lowering errors (unsupported ops, block shapes) without a GPU; the
+Triton-to-PTX compile and the numbers are checked on the GPU by ``benchmarks/kernels.py --check-only``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import export
+
+from zgen.pallas.flash_attention import triton as flash_triton
+from zgen.pallas.paged_attention import mosaic_gpu as paged_mosaic_gpu
+from zgen.pallas.paged_attention import quantize
+from zgen.pallas.paged_attention import triton as paged_triton
+
+TRITON_CALL = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+
+
+def lower_for_cuda(fn: Callable[..., Any], *args: Any) -> str:
+    """StableHLO for CUDA; Pallas kernels are lowered (Triton IR / Mosaic GPU MLIR) on the way."""
+    exported = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[TRITON_CALL])(*args)
+    return exported.mlir_module()
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "q4", "q3"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_paged_decode_lowers(fmt: str, head_dim: int) -> None:
+    b, kvh, pages, page_size, pps = 2, 2, 8, 64, 4
+    q = jnp.zeros((b, 8, head_dim), jnp.bfloat16)
+    kv = quantize(jnp.zeros((kvh, pages, page_size, head_dim), jnp.float32), fmt)  # type: ignore[arg-type]
+    tables = jnp.zeros((b, pps), jnp.int32)
+    lengths = jnp.full((b,), 100, jnp.int32)
+    mask = jnp.ones((b, pps), bool)
+
+    def fn(q: jax.Array, k: Any, v: Any, t: jax.Array, n: jax.Array, m: jax.Array) -> jax.Array:
+        return paged_triton.paged_decode_attention(q, k, v, t, n, m, scale=0.1, soft_cap=30.0, sliding_window=90)
+
+    assert "xla.gpu.triton" in lower_for_cuda(fn, q, kv, kv, tables, lengths, mask)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize(("window", "cap"), [(None, None), (90, 30.0)])
+def test_mosaic_gpu_paged_decode_lowers(head_dim: int, window: int | None, cap: float | None) -> None:
+    b, kvh, pages, page_size, pps = 2, 2, 8, 64, 4
+    q = jnp.zeros((b, 8, head_dim), jnp.bfloat16)
+    kv = jnp.zeros((kvh, pages, page_size, head_dim), jnp.bfloat16)
+    tables = jnp.zeros((b, pps), jnp.int32)
+    lengths = jnp.full((b,), 100, jnp.int32)
+    mask = jnp.ones((b, pps), bool)
+
+    def fn(q: jax.Array, k: jax.Array, v: jax.Array, t: jax.Array, n: jax.Array, m: jax.Array) -> jax.Array:
+        return paged_mosaic_gpu.paged_decode_attention(q, k, v, t, n, m, scale=0.1, soft_cap=cap, sliding_window=window)
+
+    assert "mosaic_gpu" in lower_for_cuda(fn, q, kv, kv, tables, lengths, mask)
+
+
+@pytest.mark.parametrize(("causal", "window", "cap"), [(True, None, None), (False, 100, 30.0)])
+def test_flash_lowers(causal: bool, window: int | None, cap: float | None) -> None:
+    q = jnp.zeros((1, 256, 8, 128), jnp.bfloat16)
+    k = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
+    lengths = jnp.full((1,), 200, jnp.int32)
+
+    def fn(q: jax.Array, k: jax.Array, v: jax.Array, n: jax.Array) -> jax.Array:
+        return flash_triton.flash_attention(q, k, v, n, causal=causal, sliding_window=window, soft_cap=cap, scale=0.1)
+
+    assert "xla.gpu.triton" in lower_for_cuda(fn, q, k, k, lengths)

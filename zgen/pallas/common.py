@@ -1,0 +1,116 @@
+"""Helpers shared by every attention backend: platform choice, masking, online softmax."""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+Implementation = Literal["reference", "xla", "triton", "mosaic_gpu", "mosaic_tpu"]
+IMPLEMENTATIONS: tuple[Implementation, ...] = get_args(Implementation)
+
+# Running maxima start finite so that a fully masked tile gives exp(-inf - m) = 0, never NaN.
+RUNNING_MAX_INIT = -1e30
+
+
+def platform() -> str:
+    """The platform jit places computations on: "cpu", "gpu" or "tpu"."""
+    name = jax.default_backend()
+    return "gpu" if name in ("cuda", "rocm", "gpu") else name
+
+
+def check_implementation(implementation: str) -> Implementation:
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown implementation {implementation!r}; expected one of {IMPLEMENTATIONS}")
+    return implementation  # type: ignore[return-value]
+
+
+def interpret_pallas() -> bool:
+    """Pallas kernels run in interpret mode where there is no accelerator to compile them for."""
+    return platform() == "cpu"
+
+
+def resolve_scale(head_dim: int, scale: float | None) -> float:
+    return head_dim**-0.5 if scale is None else float(scale)
+
+
+def soft_cap(logits: Array, cap: float | None) -> Array:
+    """Gemma-2 style logit capping: ``cap * tanh(logits / cap)``, applied after scaling."""
+    return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+
+def softmax_rescale(
+    m_prev: Float[Array, "*rows"], l_prev: Float[Array, "*rows"], logits: Float[Array, "*rows cols"]
+) -> tuple[Float[Array, "*rows"], Float[Array, "*rows"], Float[Array, "*rows cols"], Float[Array, "*rows"]]:
+    """One online-softmax step over a tile of (masked = -inf) logits.
+
+    Returns the new running max and denominator, the tile's unnormalised probabilities and the factor
+    ``alpha`` by which the caller must rescale its accumulator before adding ``p @ v``. Plain jnp on
+    tiles, so XLA loops and Pallas kernels share it.
+    """
+    m_new = jnp.maximum(m_prev, jnp.max(logits, axis=-1))
+    p = jnp.exp(logits - broadcast_rows(m_new, logits.shape))
+    alpha = jnp.exp(m_prev - m_new)
+    return m_new, alpha * l_prev + jnp.sum(p, axis=-1), p, alpha
+
+
+def broadcast_rows(x: Array, shape: tuple[int, ...]) -> Array:
+    """``x[..., None]`` broadcast to ``shape``, spelled as a broadcast_in_dim that Mosaic GPU lowers."""
+    return jax.lax.broadcast_in_dim(x, shape, tuple(range(x.ndim)))
+
+
+def finish_softmax(
+    acc: Float[Array, "*rows d"], m: Float[Array, "*rows"], l: Float[Array, "*rows"]
+) -> tuple[Float[Array, "*rows d"], Float[Array, "*rows"]]:
+    """Normalised output and log-sum-exp; rows that saw no valid key give 0 and -inf."""
+    seen = l > 0
+    out = acc / jnp.where(seen, l, 1.0)[..., None]
+    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+    return out, lse
+
+
+def merge_partials(
+    out: Float[Array, "*lead splits rows d"], lse: Float[Array, "*lead splits rows"]
+) -> Float[Array, "*lead rows d"]:
+    """Log-sum-exp merge of attention computed over disjoint key splits (empty splits have lse=-inf)."""
+    m = jnp.max(lse, axis=-2, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    w = jnp.exp(lse - m)
+    den = jnp.sum(w, axis=-2)
+    num = jnp.sum(w[..., None] * out.astype(jnp.float32), axis=-3)
+    return num / jnp.where(den > 0, den, 1.0)[..., None]
+
+
+def masked_softmax_attention(
+    q: Float[Array, "*batch tq d"],
+    k: Float[Array, "*batch tk d"],
+    v: Float[Array, "*batch tk d"],
+    mask: Array,
+    *,
+    scale: float,
+    cap: float | None,
+) -> Float[Array, "*batch tq d"]:
+    """Fully materialised attention in f32 (references only); rows with no visible key give 0."""
+    logits = jnp.einsum("...qd,...kd->...qk", q.astype(jnp.float32), k.astype(jnp.float32)) * scale
+    logits = jnp.where(mask, soft_cap(logits, cap), -jnp.inf)
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    p = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
+    den = jnp.sum(p, axis=-1, keepdims=True)
+    out = jnp.einsum("...qk,...kd->...qd", p, v.astype(jnp.float32))
+    return out / jnp.where(den > 0, den, 1.0)
+
+
+def visible(q_pos: Array, k_pos: Array, length: Array, *, causal: bool, window: int | None) -> Array:
+    """Which keys a query may attend to (broadcasting positions); decode is ``q_pos = length - 1``.
+
+    A key is visible when it is a valid token (``k_pos < length``), not in the future (causal) and,
+    with a sliding window ``w``, among the ``w`` most recent positions including the query's own.
+    """
+    mask = k_pos < length
+    if causal:
+        mask &= k_pos <= q_pos
+    if window is not None:
+        mask &= q_pos - k_pos < window
+    return mask

@@ -1,0 +1,59 @@
+"""Prefill on Hopper: jax's bundled Mosaic GPU FlashAttention-3 kernel, for the cases it covers.
+
+That kernel is warp-specialized (TMA producer + two WGMMA consumer warpgroups) and runs near the
+tensor-core roofline, but it knows only full-length causal or non-causal attention without logit
+scaling, windows or caps. Causal prefill over a right-padded batch still fits: a valid query never sees
+a key past its own position, so padding keys only reach padding queries, whose rows we zero. Other
+cases go to the Triton kernel (``supports`` decides).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+# Queries go in tiles of 2 x block_q (two consumer warpgroups); keys in tiles of block_kv.
+BLOCK_Q, BLOCK_KV, STEPS = 64, 128, 2
+PAD_MULTIPLE = 128  # lcm(2 * BLOCK_Q, BLOCK_KV)
+
+
+def supports(q: Array, k: Array, *, causal: bool, sliding_window: int | None, soft_cap: float | None) -> bool:
+    return (
+        causal
+        and sliding_window is None
+        and soft_cap is None
+        and q.shape[1] == k.shape[1]
+        and q.shape[-1] % 64 == 0
+        and jnp.dtype(q.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    )
+
+
+def flash_attention(
+    q: Float[Array, "b t h d"],
+    k: Float[Array, "b s kvh d"],
+    v: Float[Array, "b s kvh d"],
+    lengths: Int[Array, " b"],
+    *,
+    causal: bool,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    scale: float,
+    block_q: int = BLOCK_Q,
+    block_kv: int = BLOCK_KV,
+    max_concurrent_steps: int = STEPS,
+) -> Float[Array, "b t h d"]:
+    if not supports(q, k, causal=causal, sliding_window=sliding_window, soft_cap=soft_cap):
+        raise NotImplementedError("mosaic_gpu prefill covers causal bf16/f16 self-attention without window or cap")
+    from jax.experimental.pallas.ops.gpu import attention_mgpu
+
+    t = q.shape[1]
+    pad = ((0, 0), (0, -t % PAD_MULTIPLE), (0, 0), (0, 0))
+    config = attention_mgpu.TuningConfig(
+        block_q=block_q, block_kv=block_kv, max_concurrent_steps=max_concurrent_steps, causal=True
+    )
+    # The kernel applies no logit scale: fold it into the queries.
+    scaled = (q.astype(jnp.float32) * scale).astype(q.dtype)
+    out: Array = attention_mgpu.attention(jnp.pad(scaled, pad), jnp.pad(k, pad), jnp.pad(v, pad), config)  # type: ignore[assignment]
+    out = out[:, :t]
+    valid = jnp.arange(t)[None, :] < lengths[:, None]
+    return jnp.where(valid[:, :, None, None], out, 0).astype(q.dtype)

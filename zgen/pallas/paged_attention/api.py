@@ -1,0 +1,128 @@
+"""``paged_decode_attention``: one query token per sequence against a paged (optionally quantized) KV cache."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from zgen.pallas.common import Implementation, check_implementation, interpret_pallas, platform, resolve_scale
+from zgen.pallas.paged_attention.common import visible_pages
+from zgen.pallas.paged_attention.layouts import KVPages, head_dim_of, leading_shape
+
+
+def _layout(pages: KVPages) -> type:
+    """The layout class; plain arrays (concrete or traced) are one layout."""
+    return jax.Array if isinstance(pages, jax.Array) else type(pages)
+
+
+def _check(q: Array, k_pages: KVPages, v_pages: KVPages, block_tables: Array, lengths: Array) -> None:
+    b, h, d = q.shape
+    kvh, _, _ = leading_shape(k_pages)
+    if _layout(k_pages) is not _layout(v_pages) or leading_shape(v_pages) != leading_shape(k_pages):
+        raise ValueError("k_pages and v_pages must share a layout and [kv_heads, num_pages, page_size]")
+    if head_dim_of(k_pages) != d or head_dim_of(v_pages) != d:
+        raise ValueError(f"page head_dim must equal the query's ({d})")
+    if h % kvh:
+        raise ValueError(f"{h} query heads are not a multiple of {kvh} kv heads")
+    if block_tables.shape[0] != b or lengths.shape != (b,):
+        raise ValueError("block_tables [B, pages_per_seq] and lengths [B] must match the query batch")
+
+
+def _backend(implementation: Implementation, k_pages: KVPages, page_mask_given: bool, window: int | None) -> Callable[..., Any]:
+    if implementation == "reference":
+        from zgen.pallas.paged_attention import reference
+
+        return reference.paged_decode_attention
+    if implementation == "xla":
+        from zgen.pallas.paged_attention import xla
+
+        return xla.paged_decode_attention
+    if implementation == "triton":
+        from zgen.pallas.paged_attention import triton
+
+        return lambda *a, **kw: triton.paged_decode_attention(*a, **kw, interpret=interpret_pallas())
+    if implementation == "mosaic_gpu":
+        from zgen.pallas.paged_attention import mosaic_gpu
+
+        return mosaic_gpu.paged_decode_attention
+    if implementation == "mosaic_tpu":
+        from zgen.pallas.paged_attention import mosaic_tpu
+
+        if not mosaic_tpu.supports(k_pages, page_mask_given=page_mask_given, sliding_window=window):
+            raise NotImplementedError("mosaic_tpu takes unquantized pages without page_mask or sliding_window")
+        return lambda *a, **kw: mosaic_tpu.paged_decode_attention(*a, **kw, interpret=platform() != "tpu")
+    raise NotImplementedError(f"paged_decode_attention has no {implementation!r} implementation yet")
+
+
+def default_implementation(k_pages: KVPages, page_mask_given: bool, window: int | None) -> Implementation:
+    """Best implementation for the current platform that supports these pages and options."""
+    where = platform()
+    if where == "gpu":
+        # The Mosaic GPU kernel (bf16 pages only) stays opt-in until GPU runs have checked and timed it.
+        return "triton"
+    if where == "tpu":
+        from zgen.pallas.paged_attention import mosaic_tpu
+
+        if mosaic_tpu.supports(k_pages, page_mask_given=page_mask_given, sliding_window=window):
+            return "mosaic_tpu"
+    return "xla"
+
+
+def paged_decode_attention(
+    q: Float[Array, "b h d"],
+    k_pages: KVPages,
+    v_pages: KVPages,
+    block_tables: Int[Array, "b pages_per_seq"],
+    lengths: Int[Array, " b"],
+    *,
+    page_mask: Bool[Array, "b pages_per_seq"] | None = None,
+    scale: float | None = None,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    implementation: str | None = None,
+) -> Float[Array, "b h d"]:
+    """Attention of one new token per sequence over its paged KV cache (grouped-query).
+
+    Args:
+      q: queries ``[B, H, D]``; query head ``h`` reads kv head ``h // (H // KVH)``.
+      k_pages, v_pages: ``[KVH, num_pages, page_size, D]`` arrays, or a quantized layout from
+        :mod:`zgen.pallas.paged_attention.layouts` (dequantized inside the kernel).
+      block_tables: ``[B, pages_per_seq]`` page ids; entries past the length or masked are never read.
+      lengths: ``[B]`` tokens in each sequence; the query sits at position ``lengths[b] - 1``.
+      page_mask: optional ``[B, pages_per_seq]``; ``False`` pages (dropped or masked) are skipped.
+      scale: logit scale, default ``D ** -0.5``.
+      soft_cap: optional ``cap * tanh(logits / cap)`` after scaling.
+      sliding_window: keep only keys within this many positions of the query (its own included).
+      implementation: None (best for the platform), "reference", "xla", "triton", "mosaic_gpu"
+        (Hopper; bf16/f16 pages, page_size a multiple of 64) or "mosaic_tpu".
+
+    Sequences with no visible key return zeros.
+    """
+    _check(q, k_pages, v_pages, block_tables, lengths)
+    kvh, _, page_size = leading_shape(k_pages)
+    impl = (
+        default_implementation(k_pages, page_mask is not None, sliding_window)
+        if implementation is None
+        else check_implementation(implementation)
+    )
+    lengths = lengths.astype(jnp.int32)
+    pages = visible_pages(block_tables, lengths, page_mask, page_size, sliding_window)
+    # Invisible table entries may be stale or -1: point them at page 0 so no backend reads out of bounds.
+    tables = jnp.where(pages, block_tables, 0).astype(jnp.int32)
+    fn = _backend(impl, k_pages, page_mask is not None, sliding_window)
+    return fn(
+        q,
+        k_pages,
+        v_pages,
+        tables,
+        lengths,
+        pages,
+        scale=resolve_scale(q.shape[-1], scale),
+        soft_cap=soft_cap,
+        sliding_window=sliding_window,
+    )
+
+

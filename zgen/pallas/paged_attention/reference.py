@@ -1,0 +1,42 @@
+"""Paged decode attention in plain jax.numpy: dequantize every page, gather, mask, softmax."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from zgen.pallas.common import masked_softmax_attention, visible
+from zgen.pallas.paged_attention.layouts import KVPages, dequantize, leading_shape
+
+
+def _dense(pages: KVPages, block_tables: Array) -> Array:
+    """[B, KVH, pages_per_seq * page_size, D] in f32 (table entries are clipped, masked later)."""
+    full = dequantize(pages, jnp.float32)  # [KVH, P, page, D]
+    gathered = jnp.take(full, block_tables, axis=1, mode="clip")  # [KVH, B, pps, page, D]
+    kvh, b, pps, page, d = gathered.shape
+    return gathered.transpose(1, 0, 2, 3, 4).reshape(b, kvh, pps * page, d)
+
+
+def paged_decode_attention(
+    q: Float[Array, "b h d"],
+    k_pages: KVPages,
+    v_pages: KVPages,
+    block_tables: Int[Array, "b pages_per_seq"],
+    lengths: Int[Array, " b"],
+    page_mask: Bool[Array, "b pages_per_seq"],
+    *,
+    scale: float,
+    soft_cap: float | None,
+    sliding_window: int | None,
+) -> Float[Array, "b h d"]:
+    b, h, d = q.shape
+    kvh, _, page_size = leading_shape(k_pages)
+    k, v = _dense(k_pages, block_tables), _dense(v_pages, block_tables)
+    pos = jnp.arange(k.shape[2])
+    mask = visible(lengths[:, None] - 1, pos[None, :], lengths[:, None], causal=True, window=sliding_window)
+    mask &= jnp.repeat(page_mask, page_size, axis=1)
+    qg = q.reshape(b, kvh, h // kvh, d)
+    out = masked_softmax_attention(
+        qg, k, v, mask[:, None, None, :], scale=scale, cap=soft_cap
+    )
+    return out.reshape(b, h, d).astype(q.dtype)

@@ -1,0 +1,71 @@
+"""Paged decode attention in XLA: a loop over chunks of pages with an online softmax.
+
+Each step gathers one chunk of pages per sequence in the stored layout and dequantizes only that
+chunk, so a quantized cache never has a full-precision copy larger than one chunk. The loop runs
+only over chunks that some sequence can see (up to the longest length, from the earliest window).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from zgen.pallas.common import RUNNING_MAX_INIT, finish_softmax, soft_cap as apply_soft_cap, softmax_rescale, visible
+from zgen.pallas.paged_attention.layouts import KVPages, dequantize, leading_shape, take_pages
+
+DEFAULT_CHUNK_TOKENS = 512
+
+
+def paged_decode_attention(
+    q: Float[Array, "b h d"],
+    k_pages: KVPages,
+    v_pages: KVPages,
+    block_tables: Int[Array, "b pages_per_seq"],
+    lengths: Int[Array, " b"],
+    page_mask: Bool[Array, "b pages_per_seq"],
+    *,
+    scale: float,
+    soft_cap: float | None,
+    sliding_window: int | None,
+    pages_per_chunk: int | None = None,
+) -> Float[Array, "b h d"]:
+    b, h, d = q.shape
+    kvh, _, page_size = leading_shape(k_pages)
+    pps = block_tables.shape[1]
+    chunk = min(pps, pages_per_chunk or max(1, DEFAULT_CHUNK_TOKENS // page_size))
+    n_chunks = -(-pps // chunk)
+    pad = n_chunks * chunk - pps
+    tables = jnp.pad(block_tables, ((0, 0), (0, pad)))
+    valid_pages = jnp.pad(page_mask, ((0, 0), (0, pad)))
+    chunk_tokens = chunk * page_size
+    # bf16 queries multiply bf16 keys on the MXU / tensor cores; f32 stays f32.
+    compute_dtype = q.dtype
+    qg = q.reshape(b, kvh, h // kvh, d)
+
+    def body(c: Array, carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
+        m, l, acc = carry
+        idx = jax.lax.dynamic_slice_in_dim(tables, c * chunk, chunk, axis=1)
+        k = dequantize(take_pages(k_pages, idx), compute_dtype).reshape(kvh, b, chunk_tokens, d)
+        v = dequantize(take_pages(v_pages, idx), compute_dtype).reshape(kvh, b, chunk_tokens, d)
+        s = jnp.einsum("bkgd,kbtd->bkgt", qg, k, preferred_element_type=jnp.float32) * scale
+        pos = c * chunk_tokens + jnp.arange(chunk_tokens)
+        ok = visible(lengths[:, None] - 1, pos[None, :], lengths[:, None], causal=True, window=sliding_window)
+        ok &= jnp.repeat(jax.lax.dynamic_slice_in_dim(valid_pages, c * chunk, chunk, axis=1), page_size, axis=1)
+        s = jnp.where(ok[:, None, None, :], apply_soft_cap(s, soft_cap), -jnp.inf)
+        m, l, p, alpha = softmax_rescale(m, l, s)
+        pv = jnp.einsum("bkgt,kbtd->bkgd", p.astype(compute_dtype), v, preferred_element_type=jnp.float32)
+        return m, l, acc * alpha[..., None] + pv
+
+    hi = (jnp.max(lengths) + chunk_tokens - 1) // chunk_tokens
+    lo = jnp.zeros((), hi.dtype)
+    if sliding_window is not None:
+        lo = jnp.maximum(jnp.min(lengths) - sliding_window, 0) // chunk_tokens
+    init = (
+        jnp.full((b, kvh, h // kvh), RUNNING_MAX_INIT, jnp.float32),
+        jnp.zeros((b, kvh, h // kvh), jnp.float32),
+        jnp.zeros((b, kvh, h // kvh, d), jnp.float32),
+    )
+    m, l, acc = jax.lax.fori_loop(lo, jnp.minimum(hi, n_chunks), body, init)
+    out, _ = finish_softmax(acc, m, l)
+    return out.reshape(b, h, d).astype(q.dtype)
