@@ -88,3 +88,17 @@ def hf_greedy(model: Any, ids: list[int], max_new_tokens: int, eos: list[int]) -
     new = out.sequences[0, len(ids) :].tolist()
     logprobs = [float(torch.log_softmax(step[0].float(), -1)[tok]) for step, tok in zip(out.logits, new, strict=True)]
     return new, logprobs
+
+
+def hf_teacher_forced(model: Any, prompt: list[int], continuation: list[int]) -> tuple[list[int], list[float]]:
+    """HF's greedy choice after every prefix of ``continuation``, and the log-prob of each given token.
+
+    If the greedy choices equal ``continuation``, HF's own greedy generation would produce exactly
+    those tokens (each step sees the same prefix), so one forward pass checks a whole generation.
+    """
+    ids = prompt + continuation
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, len(prompt) - 1 : len(ids) - 1].float()
+    logprobs = torch.log_softmax(logits, -1)
+    chosen = torch.tensor(continuation)
+    return logits.argmax(-1).tolist(), logprobs[torch.arange(len(continuation)), chosen].tolist()

@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 
-from tests.hf_reference import hf_greedy, hf_logits
+from tests.hf_reference import hf_greedy, hf_logits, hf_teacher_forced
 from zgen import Generator, SamplingConfig
 from zgen.model import Model
 
@@ -61,8 +61,22 @@ def test_greedy_matches_hf(model: Model, hf_model: Any, name: str) -> None:
     prompt = PROMPTS[name]
     ids = gen.encode_prompt(prompt)
     result = gen.generate(prompt, SamplingConfig(temperature=0.0, max_new_tokens=64))
-    ref_tokens, ref_logprobs = hf_greedy(hf_model, ids, 64, list(model.eos_token_ids))
     assert result.prompt_token_ids == ids
+    assert result.text  # it must also decode to text
+    ref_tokens, ref_logprobs = hf_teacher_forced(hf_model, ids, result.token_ids)
+    assert ref_tokens == result.token_ids
+    np.testing.assert_allclose(result.logprobs, ref_logprobs, atol=1e-3)
+    if result.finish_reason == "length":
+        assert len(result.token_ids) == 64
+    else:  # stopped at EOS: HF's greedy choice there is EOS too, checked above
+        assert result.token_ids[-1] in model.eos_token_ids
+
+
+def test_greedy_matches_hf_generate(model: Model, hf_model: Any) -> None:
+    """One prompt through HF's own generate() loop as well, end to end."""
+    gen = Generator(model)
+    ids = gen.encode_prompt(PROMPTS["chat"])
+    result = gen.generate(PROMPTS["chat"], SamplingConfig(temperature=0.0, max_new_tokens=64))
+    ref_tokens, ref_logprobs = hf_greedy(hf_model, ids, 64, list(model.eos_token_ids))
     assert result.token_ids == ref_tokens
     np.testing.assert_allclose(result.logprobs, ref_logprobs, atol=1e-3)
-    assert result.text  # coherent output is checked by equality with HF; it must also decode to text

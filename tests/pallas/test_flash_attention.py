@@ -70,13 +70,17 @@ def test_padded_queries_are_zero() -> None:
         np.testing.assert_allclose(out2[1, :5], out[1, :5], atol=1e-5)
 
 
-def test_mosaic_gpu_covers_only_plain_causal_half_precision() -> None:
-    """jax's Hopper kernel (GPU-only; checked by benchmarks/kernels.py --check-only) is picked only where it fits."""
+def test_mosaic_gpu_covers_only_plain_causal_float16() -> None:
+    """jax's Hopper kernel (GPU-only; checked by benchmarks/kernels.py --check-only) is picked only where it fits.
+
+    Its shared-memory tiles are float16 whatever the inputs, so bf16 must go to Triton.
+    """
     from zgen.pallas.flash_attention import mosaic_gpu
 
-    q = jnp.zeros((1, 8, 4, 128), jnp.bfloat16)
-    k = jnp.zeros((1, 8, 2, 128), jnp.bfloat16)
+    q = jnp.zeros((1, 8, 4, 128), jnp.float16)
+    k = jnp.zeros((1, 8, 2, 128), jnp.float16)
     assert mosaic_gpu.supports(q, k, causal=True, sliding_window=None, soft_cap=None)
+    assert not mosaic_gpu.supports(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), causal=True, sliding_window=None, soft_cap=None)
     assert not mosaic_gpu.supports(q, k, causal=False, sliding_window=None, soft_cap=None)
     assert not mosaic_gpu.supports(q, k, causal=True, sliding_window=4, soft_cap=None)
     assert not mosaic_gpu.supports(q.astype(jnp.float32), k, causal=True, sliding_window=None, soft_cap=None)

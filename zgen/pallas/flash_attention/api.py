@@ -63,7 +63,7 @@ def flash_attention(
       soft_cap: optional ``cap * tanh(logits / cap)`` after scaling.
       scale: logit scale, default ``D ** -0.5``.
       implementation: None (best for the platform), "reference", "xla", "triton" or "mosaic_gpu"
-        (jax's bundled Hopper kernel; causal bf16/f16 without window or cap).
+        (jax's bundled Hopper kernel; causal float16 without window or cap).
     """
     b, t, h, d = q.shape
     s, kvh = k.shape[1], k.shape[2]

@@ -5,6 +5,11 @@ tensor-core roofline, but it knows only full-length causal or non-causal attenti
 scaling, windows or caps. Causal prefill over a right-padded batch still fits: a valid query never sees
 a key past its own position, so padding keys only reach padding queries, whose rows we zero. Other
 cases go to the Triton kernel (``supports`` decides).
+
+float16 only: the bundled kernel allocates its shared-memory tiles as float16 whatever the input dtype,
+so bf16 inputs fail to lower on the GPU (jax 0.10.2 and 0.11.2: "Expected dtypes to match but src had
+type bfloat16 and dst had type float16"). Casting bf16 to f16 would silently overflow past 65504, so bf16
+calls go to the Triton kernel instead.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ def supports(q: Array, k: Array, *, causal: bool, sliding_window: int | None, so
         and soft_cap is None
         and q.shape[1] == k.shape[1]
         and q.shape[-1] % 64 == 0
-        and jnp.dtype(q.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+        and jnp.dtype(q.dtype) == jnp.dtype(jnp.float16)
+        and jnp.dtype(k.dtype) == jnp.dtype(jnp.float16)
     )
 
 
@@ -43,7 +49,7 @@ def flash_attention(
     max_concurrent_steps: int = STEPS,
 ) -> Float[Array, "b t h d"]:
     if not supports(q, k, causal=causal, sliding_window=sliding_window, soft_cap=soft_cap):
-        raise NotImplementedError("mosaic_gpu prefill covers causal bf16/f16 self-attention without window or cap")
+        raise NotImplementedError("mosaic_gpu prefill covers causal float16 self-attention without window or cap")
     from jax.experimental.pallas.ops.gpu import attention_mgpu
 
     t = q.shape[1]

@@ -90,8 +90,11 @@ def flash_attention(
     block_q: int = 128,
     block_k: int = 64,
     num_warps: int | None = None,
-    num_stages: int = 2,
+    num_stages: int = 3,
 ) -> Float[Array, "b t h d"]:
+    # Defaults = the best config measured on an H200 (jax 0.11.2, 32/8 heads, d=128, causal bf16):
+    # q128 k64, 8 warps, 3 stages: 237 TFLOP/s at 4k, 316 at 8k (0.53 of matmul); with 2 stages it was
+    # 226 / 269. q128 k128 w8 s2 was within 3% at 4k and 2% slower at 8k: one config for all sizes.
     b, t, h, d = q.shape
     s, kvh = k.shape[1], k.shape[2]
     g = h // kvh

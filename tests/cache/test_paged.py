@@ -1,0 +1,433 @@
+"""Unit tests of the paged KV cache family: BlockPool, PagedKVState, PagedKVCache, RadixCache, PagedBackend.
+
+The end-to-end checks run a tiny random Llama through ``ExecutionPlan.prefill`` with a paged state and a
+dense state and compare the logits (prefill, prefill from an offset after a reused prefix, decode steps).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from zgen.cache.block_pool import BlockPool
+from zgen.cache.paged import (
+    KV_DTYPES,
+    PagedBackend,
+    PagedConfig,
+    PagedKVCache,
+    PagedKVState,
+    PageStore,
+    bytes_per_token_per_layer,
+    empty_pages,
+)
+from zgen.cache.radix import RadixCache, block_hashes
+from zgen.cache.tensor import DenseKVState
+from zgen.config import ModelConfig
+from zgen.errors import CacheError, ConfigError, PoolExhaustedError
+from zgen.graph.decoder import build_decoder
+from zgen.graph.plan import ExecutionPlan
+
+# -- BlockPool ---------------------------------------------------------------------------------------
+
+
+def test_pool_allocate_share_free_and_exhaustion_is_all_or_nothing() -> None:
+    pool = BlockPool(6, page_size=4)
+    a = pool.allocate(4)
+    assert len(set(a)) == 4 and pool.num_free == 2
+    with pytest.raises(PoolExhaustedError, match="needs 3 free blocks but has 2"):
+        pool.allocate(3)
+    assert pool.num_free == 2 and pool.num_used == 4  # nothing changed
+    pool.share(a[:2])
+    assert pool.refcount(a[0]) == 2
+    assert pool.free(a) == a[2:]  # shared blocks keep one owner
+    assert pool.free(a[:2]) == a[:2]
+    assert pool.num_free == 6
+    pool.check_invariants(owners=[])
+
+
+def test_pool_double_free_changes_nothing() -> None:
+    pool = BlockPool(4, page_size=2)
+    a = pool.allocate(2)
+    with pytest.raises(CacheError, match="double free"):
+        pool.free([a[0], a[1], a[1]])
+    assert pool.refcount(a[0]) == 1 and pool.refcount(a[1]) == 1
+    with pytest.raises(CacheError, match="is free"):
+        pool.share([3])
+    with pytest.raises(CacheError, match="outside"):
+        pool.free([9])
+
+
+def test_pool_fragmentation_ratio() -> None:
+    pool = BlockPool(4, page_size=4)
+    assert pool.fragmentation_ratio == 0.0
+    a = pool.allocate(2)
+    pool.mark_filled(a[0], 4)
+    pool.mark_filled(a[1], 1)
+    assert pool.fragmentation_ratio == pytest.approx(1 - 5 / 8)
+
+
+def test_pool_from_memory_budget_counts_real_bytes() -> None:
+    kw = dict(num_layers=2, kv_heads=3, head_dim=64, page_size=16)
+    per_block_bf16 = bytes_per_token_per_layer("bf16", 3, 64, 16) * 16 * 2
+    pool = BlockPool.from_memory_budget(1.0, kv_dtype="bf16", **kw)
+    assert pool.num_blocks == 2**20 // per_block_bf16
+    q4 = BlockPool.from_memory_budget(1.0, kv_dtype="q4", **kw)
+    assert q4.num_blocks > 3 * pool.num_blocks
+    with pytest.raises(ConfigError, match="holds no block"):
+        BlockPool.from_memory_budget(0.001, kv_dtype="fp32", **kw)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_bytes_per_token_matches_the_store(kv_dtype: str) -> None:
+    config = PagedConfig(num_layers=2, kv_heads=3, head_dim=64, page_size=8, kv_dtype=kv_dtype)
+    store = PageStore(config, BlockPool(5, 8))
+    per_token = bytes_per_token_per_layer(kv_dtype, 3, 64, 8)
+    assert store.nbytes == per_token * 5 * 8 * 2
+
+
+def test_memory_per_token_really_shrinks() -> None:
+    sizes = {d: bytes_per_token_per_layer(d, 3, 64, 16) for d in KV_DTYPES}
+    # SmolLM2 shape (3 kv heads x 64): K and V, per token per layer.
+    assert sizes == {"fp32": 1536, "bf16": 768, "fp16": 768, "fp8": 408, "q4": 240, "q3": 240}
+    assert bytes_per_token_per_layer("q3", 8, 128, 16) / bytes_per_token_per_layer("bf16", 8, 128, 16) == 0.25
+
+
+def test_unknown_kv_dtype_and_bad_head_dim() -> None:
+    with pytest.raises(ConfigError, match="unknown kv_dtype"):
+        PagedConfig(1, 1, 16, kv_dtype="int8")
+    with pytest.raises(ConfigError, match="head_dim % 8"):
+        empty_pages("q3", 1, 1, 4, 12)
+
+
+# -- PagedKVState against the dense state -------------------------------------------------------------
+
+B, KVH, H, D, PS = 2, 2, 4, 16, 4
+
+
+def _rand(key: int, *shape: int) -> jax.Array:
+    return jnp.asarray(np.random.default_rng(key).standard_normal(shape), jnp.float32)
+
+
+@jax.jit
+def _write(state: PagedKVState | DenseKVState, k: jax.Array, v: jax.Array, pos: jax.Array):  # type: ignore[no-untyped-def]
+    return state.write(0, k, v, pos)
+
+
+@partial(jax.jit, static_argnums=3)
+def _attend(state: PagedKVState | DenseKVState, q: jax.Array, pos: jax.Array, window: int | None) -> jax.Array:
+    return state.attend(0, q, pos, sliding_window=window)
+
+
+@jax.jit
+def _view(state: PagedKVState) -> tuple[jax.Array, jax.Array]:
+    view = state.layer_view(0)
+    return view.k, view.v
+
+
+def _shuffled_state(kv_dtype: str, capacity: int, num_layers: int = 1, seed: int = 0) -> PagedKVState:
+    """A paged state whose rows own scattered, non-contiguous pages (the pool has spare pages)."""
+    pps = -(-capacity // PS)
+    num_pages = B * pps + 3
+    ids = np.random.default_rng(seed).permutation(num_pages)[: B * pps].reshape(B, pps)
+    pages = [empty_pages(kv_dtype, KVH, num_pages, PS, D) for _ in range(2 * num_layers)]
+    return PagedKVState(tuple(pages[:num_layers]), tuple(pages[num_layers:]), jnp.asarray(ids, jnp.int32), kv_dtype)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_paged_state_prefill_offset_and_decode_match_dense(window: int | None) -> None:
+    cap = 16
+    paged = _shuffled_state("fp32", cap)
+    dense = DenseKVState.zeros(1, B, cap, KVH, D, jnp.float32)
+    # Prefill 6 tokens, then 5 more from offset 6 (a cached prefix), then 3 single-token decode steps.
+    steps = [(0, 6), (6, 5), (11, 1), (12, 1), (13, 1)]
+    for i, (start, n) in enumerate(steps):
+        pos = jnp.broadcast_to(jnp.arange(start, start + n, dtype=jnp.int32), (B, n))
+        k, v, q = _rand(3 * i, B, n, KVH, D), _rand(3 * i + 1, B, n, KVH, D), _rand(3 * i + 2, B, n, H, D)
+        paged, dense = _write(paged, k, v, pos), _write(dense, k, v, pos)
+        out_p, out_d = _attend(paged, q, pos, window), _attend(dense, q, pos, window)
+        np.testing.assert_allclose(out_p, out_d, rtol=1e-5, atol=1e-5)
+    end = steps[-1][0] + 1
+    np.testing.assert_array_equal(_view(paged)[0][:, :end], dense.k[0][:, :end])
+
+
+def test_paged_state_drops_out_of_range_writes() -> None:
+    paged = _shuffled_state("fp32", 8)
+    before = jax.tree_util.tree_leaves(paged)
+    pos = jnp.asarray([[8, 9], [-1, 100]], jnp.int32)
+    after = _write(paged, _rand(0, B, 2, KVH, D), _rand(1, B, 2, KVH, D), pos)
+    for x, y in zip(before, jax.tree_util.tree_leaves(after), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp16", "fp8", "q4", "q3"])
+def test_quantized_state_attends_like_its_dequantized_view(kv_dtype: str) -> None:
+    """Decode (kernel over quantized pages) and prefill (dense gather) both equal attention over the
+    dequantized cache: quantization error is the only difference from full precision."""
+    cap = 12
+    state = _shuffled_state(kv_dtype, cap, seed=1)
+    pos = jnp.broadcast_to(jnp.arange(0, 9, dtype=jnp.int32), (B, 9))
+    state = _write(state, _rand(1, B, 9, KVH, D), _rand(2, B, 9, KVH, D), pos)
+    vk, vv = _view(state)
+    dense = DenseKVState((vk,), (vv,))
+    q_pos = jnp.asarray([[8], [5]], jnp.int32)  # rows at different lengths
+    q = _rand(3, B, 1, H, D)
+    np.testing.assert_allclose(_attend(state, q, q_pos, None), _attend(dense, q, q_pos, None), rtol=2e-2, atol=2e-2)
+    qp = _rand(4, B, 9, H, D)
+    np.testing.assert_allclose(_attend(state, qp, pos, 4), _attend(dense, qp, pos, 4), rtol=2e-2, atol=2e-2)
+
+
+def test_contiguous_state_is_the_dense_layout_with_any_storage_dtype() -> None:
+    state = PagedKVState.contiguous(2, 3, 10, KVH, D, kv_dtype="q4", page_size=4)
+    assert state.capacity == 12
+    np.testing.assert_array_equal(state.block_tables, np.arange(9).reshape(3, 3))
+    assert state.num_pages == 9
+
+
+# -- end to end: a tiny random model through ExecutionPlan ---------------------------------------------
+
+CONFIG = ModelConfig(
+    architecture="llama",
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    max_position_embeddings=64,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_model() -> tuple[ExecutionPlan, dict[str, jax.Array]]:
+    graph = build_decoder(CONFIG)
+    rng = np.random.default_rng(0)
+    params = {
+        name: jnp.asarray(rng.standard_normal(shape) * (0.3 if len(shape) > 1 else 1.0), jnp.float32)
+        for name, shape in graph.param_shapes().items()
+    }
+    return ExecutionPlan(graph, None), params
+
+
+def _run(plan: ExecutionPlan, params: dict[str, jax.Array], state, rows: list[list[int]], offsets: list[int]):  # type: ignore[no-untyped-def]
+    """Feed each row's tokens at offset..offset+len (padded to a common width); last-token logits."""
+    width = max(len(r) for r in rows)
+    tokens = np.zeros((len(rows), width), np.int32)
+    for i, r in enumerate(rows):
+        tokens[i, : len(r)] = r
+    positions = np.asarray(offsets, np.int32)[:, None] + np.arange(width, dtype=np.int32)
+    last = np.asarray([[len(r) - 1] for r in rows], np.int32)
+    logits, state = plan.prefill(params, state, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(last))
+    return np.asarray(logits[:, 0]), state
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "q4"])
+def test_tiny_model_prefill_and_decode_logits_paged_equal_dense(tiny_model, kv_dtype: str) -> None:  # type: ignore[no-untyped-def]
+    plan, params = tiny_model
+    backend = PagedBackend(PagedConfig(CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.head_dim, 4, kv_dtype), BlockPool(40, 4))
+    backend.pool.allocate(5)  # the state's blocks do not start at block 0
+    paged = backend.allocate(2, 24)
+    dense = DenseKVState.zeros(CONFIG.num_layers, 2, 24, CONFIG.num_kv_heads, CONFIG.head_dim, jnp.float32)
+    prompts = [[5, 17, 3, 88, 42, 9, 1, 60, 33], [7, 7, 21, 14, 2, 96, 50, 11, 4]]
+
+    def check(lp: np.ndarray, ld: np.ndarray, what: str) -> None:
+        if kv_dtype == "fp32":
+            np.testing.assert_allclose(lp, ld, rtol=1e-4, atol=1e-4, err_msg=what)
+        else:  # q4 at head_dim 16 (groups of 8): logits move by the quantization error, not more
+            rel = float(np.linalg.norm(lp - ld) / np.linalg.norm(ld))
+            assert rel < 0.35, f"{what}: relative logit error {rel:.3f}"
+
+    lp, paged = _run(plan, params, paged, prompts, [0, 0])
+    ld, dense = _run(plan, params, dense, prompts, [0, 0])
+    check(lp, ld, "prefill")
+    pos = [9, 9]
+    for step in range(4):  # T == 1: the paged decode kernel
+        tok = [[int(np.argmax(ld[i]))] for i in range(2)]
+        lp, paged = _run(plan, params, paged, tok, pos)
+        ld, dense = _run(plan, params, dense, tok, pos)
+        check(lp, ld, f"decode step {step}")
+        pos = [p + 1 for p in pos]
+    backend.release(paged)
+    assert backend.pool.num_free == 35
+
+
+def test_prefix_reuse_gives_the_same_logits_as_a_full_prefill(tiny_model) -> None:  # type: ignore[no-untyped-def]
+    plan, params = tiny_model
+    backend = PagedBackend(PagedConfig(CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.head_dim, 4, "fp32"), BlockPool(24, 4))
+    shared = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
+    first = shared + [30, 31]
+    state, reused = backend.allocate_with_prefix([first], 16)
+    assert reused == [0] and backend.radix is not None and backend.radix.stats.misses == 1
+    full_logits, state = _run(plan, params, state, [first], [0])
+    assert backend.commit_prefix(state, 0, first) == 3  # 12 tokens = 3 full blocks
+    backend.release(state)
+    assert backend.pool.num_used == 3  # the radix tree keeps the committed blocks
+
+    second = shared + [40, 41, 42]  # shares 10 tokens = 2 full blocks
+    state, reused = backend.allocate_with_prefix([second, first], 16)
+    assert reused == [8, 8]  # `first` could reuse 12 but must feed its last token: 8 = largest block multiple <= 11
+    table = np.asarray(state.block_tables)
+    assert table[0, 0] == table[1, 0] and backend.pool.refcount(int(table[0, 0])) == 3  # shared, not copied
+    logits, state = _run(plan, params, state, [second[8:], first[8:]], reused)
+    backend.release(state)
+    fresh = DenseKVState.zeros(CONFIG.num_layers, 2, 16, CONFIG.num_kv_heads, CONFIG.head_dim, jnp.float32)
+    ref, _ = _run(plan, params, fresh, [second, first], [0, 0])
+    np.testing.assert_allclose(logits, ref, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(logits[1], full_logits[0], rtol=1e-4, atol=1e-4)
+
+
+# -- PagedBackend bookkeeping -----------------------------------------------------------------------
+
+
+def _backend(num_blocks: int = 10, prefix: bool = True) -> PagedBackend:
+    return PagedBackend(PagedConfig(1, 1, 8, 4, "fp32"), BlockPool(num_blocks, 4), prefix_cache=prefix)
+
+
+def test_backend_allocate_release_and_exhaustion() -> None:
+    backend = _backend(10)
+    state = backend.allocate(2, 13)  # ceil(13/4) = 4 blocks per row
+    assert state.block_tables.shape == (2, 4) and backend.pool.num_free == 2
+    with pytest.raises(CacheError, match="one batch at a time"):
+        backend.allocate(1, 4)
+    backend.release(state)
+    assert backend.pool.num_free == 10
+    with pytest.raises(PoolExhaustedError):
+        backend.allocate(3, 16)  # 12 blocks > 10
+    assert backend.pool.num_free == 10 and not backend.store.checked_out
+    with pytest.raises(CacheError, match="already released"):
+        backend.release(state)
+
+
+def test_backend_evicts_unused_prefix_blocks_only_when_that_suffices() -> None:
+    backend = _backend(6)
+    assert backend.radix is not None
+    state, _ = backend.allocate_with_prefix([list(range(9))], 12)
+    backend.commit_prefix(state, 0, list(range(9)))  # 2 full blocks
+    backend.release(state)
+    assert backend.pool.num_free == 4 and backend.radix.num_blocks == 2
+    with pytest.raises(PoolExhaustedError):
+        backend.allocate(7, 4)  # 7 > 4 free + 2 evictable: nothing is evicted
+    assert backend.radix.num_blocks == 2
+    state = backend.allocate(1, 24)  # 6 blocks: evicts both cached blocks
+    assert backend.radix.num_blocks == 0 and backend.radix.stats.evicted_blocks == 2
+    backend.release(state)
+
+
+def test_release_of_a_donated_state_recovers_and_warns(tiny_model) -> None:  # type: ignore[no-untyped-def]
+    plan, params = tiny_model
+    backend = PagedBackend(PagedConfig(CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.head_dim, 4, "fp32"), BlockPool(8, 4))
+    given = backend.allocate(1, 16)
+    _, returned = _run(plan, params, given, [[1, 2, 3, 4, 5]], [0])
+    backend.commit_prefix(returned, 0, [1, 2, 3, 4, 5])
+    assert backend.radix is not None and backend.radix.num_blocks == 1
+    if not any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(given.k)):
+        pytest.skip("this platform did not donate the state's buffers")
+    with pytest.warns(RuntimeWarning, match="donated"):
+        backend.release(given)  # the wrong (pre-plan) state: pages are lost, bookkeeping is not
+    assert backend.pool.num_free == 8 and backend.radix.num_blocks == 0 and not backend.store.checked_out
+    backend.release(backend.allocate(2, 16))
+
+
+# -- PagedKVCache host handle --------------------------------------------------------------------------
+
+
+def test_cache_fork_shares_full_blocks_and_copies_the_partial_one_on_write() -> None:
+    cache = PagedKVCache.create(1, 2, 32, KVH, D, page_size=4, num_blocks=16)
+    k = _rand(0, 2, 6, KVH, D)
+    cache.update(0, k, k)
+    twin = cache.fork()
+    assert cache.pool.num_used == 4  # nothing copied by fork
+    assert all(cache.pool.refcount(b) == 2 for b in cache.owned_blocks())
+    k2 = _rand(1, 2, 3, KVH, D)
+    twin.update(0, k2, k2)
+    # Block 0 of each row still shared; the partial block 1 was copied for the twin.
+    assert twin.block_table[0, 0] == cache.block_table[0, 0]
+    assert twin.block_table[0, 1] != cache.block_table[0, 1]
+    np.testing.assert_array_equal(cache.get(0).k, k)
+    np.testing.assert_array_equal(twin.get(0).k, jnp.concatenate([k, k2], axis=1))
+    k3 = _rand(2, 2, 2, KVH, D)
+    cache.update(0, k3, k3)  # the original writes into its own block 1 (now unshared): no copy
+    np.testing.assert_array_equal(twin.get(0).k[:, 6:], k2)
+    twin.release()
+    cache.release()
+    cache.pool.check_invariants(owners=[])
+    assert cache.pool.num_free == 16
+
+
+def test_cache_truncate_is_exact_and_frees_blocks() -> None:
+    cache = PagedKVCache.create(2, 1, 32, KVH, D, page_size=4, kv_dtype="bf16", num_blocks=8)
+    k = _rand(0, 1, 10, KVH, D)
+    for layer in range(2):
+        cache.update(layer, k, -k)
+    before = cache.get(1)
+    cache.truncate(5)
+    assert cache.pool.num_used == 2 and cache.seq_len == 5
+    np.testing.assert_array_equal(cache.get(1).k, before.k[:, :5])
+    np.testing.assert_array_equal(cache.get(1).v, before.v[:, :5])
+    with pytest.raises(CacheError, match="cannot truncate"):
+        cache.truncate(6)
+
+
+def test_cache_update_exhaustion_changes_nothing() -> None:
+    cache = PagedKVCache.create(1, 2, 32, KVH, D, page_size=4, num_blocks=5)
+    k = _rand(0, 2, 8, KVH, D)
+    cache.update(0, k, k)  # 4 blocks
+    table = cache.block_table
+    with pytest.raises(PoolExhaustedError):
+        cache.update(0, _rand(1, 2, 1, KVH, D), _rand(1, 2, 1, KVH, D))  # needs 2 more, 1 free
+    np.testing.assert_array_equal(cache.block_table, table)
+    assert cache.seq_len == 8 and cache.pool.num_free == 1
+    np.testing.assert_array_equal(cache.get(0).k, k)
+
+
+def test_cache_inject_blocks_and_errors() -> None:
+    cache = PagedKVCache.create(1, 1, 16, KVH, D, page_size=4, num_blocks=8)
+    k = _rand(0, 1, 8, KVH, D)
+    cache.update(0, k, k)
+    other = PagedKVCache(cache.store, 1, 16)
+    other.inject_blocks([cache.owned_blocks()], 7)
+    np.testing.assert_array_equal(other.get(0).k, k[:, :7])
+    k2 = _rand(1, 1, 2, KVH, D)
+    other.update(0, k2, k2)  # position 7 sits in a shared block: copied first
+    np.testing.assert_array_equal(cache.get(0).k, k)
+    np.testing.assert_array_equal(other.get(0).k, jnp.concatenate([k[:, :7], k2], axis=1))
+    with pytest.raises(CacheError, match="empty cache"):
+        other.inject_blocks([[0]], 4)
+    with pytest.raises(CacheError, match=r"shaped \[batch=1"):
+        other.update(0, _rand(0, 2, 1, KVH, D), _rand(0, 2, 1, KVH, D))
+    with pytest.raises(CacheError, match="cannot append"):
+        other.update(0, _rand(0, 1, 8, KVH, D), _rand(0, 1, 8, KVH, D))
+    other.release()
+    with pytest.raises(CacheError, match="released"):
+        other.get(0)
+
+
+# -- RadixCache --------------------------------------------------------------------------------------
+
+
+def test_radix_match_insert_share_and_lru_eviction() -> None:
+    pool = BlockPool(8, page_size=2)
+    radix = RadixCache(pool)
+    a = pool.allocate(3)
+    assert radix.insert([1, 2, 3, 4, 5, 6, 7], a) == 3  # 7 tokens: 3 full blocks
+    assert radix.match([1, 2, 3, 4, 9, 9]) == (a[:2], 4)
+    assert radix.match([1, 3]) == ([], 0)
+    b = pool.allocate(2)
+    assert radix.insert([1, 2, 8, 8], b) == 1  # block [1, 2] already cached: keeps a[0]
+    assert pool.refcount(b[0]) == 1 and pool.refcount(b[1]) == 2
+    pool.free(a + b)  # the sequences finish; only the tree holds the blocks
+    assert pool.num_used == 4
+    radix.match([1, 2, 8, 8])  # most recently used path
+    assert radix.evict(1) == 1
+    assert radix.match([1, 2, 3, 4, 5, 6]) == (a[:2], 4)  # the LRU leaf [5, 6] went first
+    pool.share([b[1]])  # in use again: not evictable
+    assert radix.evictable_blocks() == 1  # [3, 4]; [1, 2] has an in-use child
+    assert radix.evict(10) == 1
+    assert radix.num_blocks == 2 and pool.refcount(b[1]) == 2
+    s = radix.stats
+    assert (s.lookups, s.hits, s.misses, s.inserted_blocks, s.evicted_blocks) == (4, 3, 1, 4, 2)
+    assert len(block_hashes([1, 2, 8, 8], 2)) == 2 and radix.contains_hash(block_hashes([1, 2, 8, 8], 2)[1])

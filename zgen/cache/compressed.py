@@ -1,0 +1,525 @@
+"""CompressedKVCache: chunk-wise mean pooling, with the most recent chunk kept raw.
+
+Positions are grouped into chunks of ``chunk_size`` tokens: chunk ``c`` covers ``[c*C, (c+1)*C)``.
+The chunk holding the newest token is the *recent* chunk and is stored raw, token by token. Once a
+token of a later chunk arrives, every earlier chunk is replaced by one mean-pooled K/V entry (the mean
+over the chunk's stored tokens). A pooled entry carries the position of its chunk's last token,
+``c*C + C - 1``. With ``L`` tokens, ``(L-1) // C`` chunks are pooled and 1 to ``C`` tokens are raw.
+
+Visibility (the dense rule of :func:`~zgen.cache.tensor.causal_attention`, adapted): a query at
+position ``p`` sees the pooled entry of every chunk before its own (``c < p // C``) and the raw tokens
+of its own chunk up to itself (``p // C * C <= j <= p``). Under a sliding window ``w`` an entry is also
+required to lie inside the window by its position (``pos > p - w``). For the query at the newest
+position this is exactly "every stored entry".
+
+Truncation is lossy where it must be (the raw tokens of a pooled chunk are gone). ``truncate(n)``:
+
+- keeps every pooled chunk that lies wholly before ``n`` (``(c+1)*C <= n``);
+- keeps the raw tokens before ``n``;
+- drops a pooled chunk that ``n`` cuts (``c*C < n < (c+1)*C``) as a whole. Its tokens before ``n``
+  are lost: :attr:`CompressedKVCache.seq_len` still reports ``n`` (the logical length, where the
+  next token goes), while :meth:`CompressedKVCache.stats` says what is stored (``compressed_tokens``
+  folded into pooled entries, ``raw_tokens``, ``stored_entries`` and ``lost_tokens``).
+
+A chunk with lost tokens is refilled by later tokens and, when pooled, is the mean of the tokens it
+then holds. A pooled chunk left as the newest chunk by a truncate at its end stays pooled. Truncating to
+the current length changes nothing. Every other cut is exact.
+
+Device state (:class:`CompressedKVState`) — compression happens inside the compiled plan, also inside
+the on-device decode loop: per layer it keeps running float32 sums and token counts per chunk slot
+(``[batch, ceil(capacity/C), kv_heads, head_dim]``) and a ring of ``raw_slots`` raw tokens (slot
+``p % raw_slots``) with their positions. ``write`` adds tokens to their chunk's sum and to the ring
+(a token written again at the same position replaces its earlier value in the sum while that value is
+still in the ring); ``attend`` divides sums by counts (the pooled means), concatenates the ring and
+masks by the rule above. ``raw_slots = capacity`` (the default) works for any write; a smaller ring
+saves memory but limits one ``write`` call to ``raw_slots - chunk_size + 1`` tokens (prefill in chunks
+of that size), checked when the plan is traced.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Self
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
+
+from zgen.cache.base import LayerKV
+from zgen.errors import CacheError
+
+
+def masked_attention(
+    q: Float[Array, "B T H D"],
+    k: Float[Array, "B S KVH D"],
+    v: Float[Array, "B S KVH D"],
+    visible: Bool[Array, "B T S"],
+) -> Float[Array, "B T H D"]:
+    """Grouped-query attention of ``q`` over the keys ``visible`` marks; a query that sees none gets 0."""
+    batch, seq, heads, dim = q.shape
+    kv_heads = k.shape[2]
+    grouped = q.reshape(batch, seq, kv_heads, heads // kv_heads, dim)
+    scores = jnp.einsum("btkgd,bskd->bkgts", grouped, k, preferred_element_type=jnp.float32) / math.sqrt(dim)
+    mask = visible[:, None, None]
+    scores = jnp.where(mask, scores, -1e30)
+    weights = (jax.nn.softmax(scores, axis=-1) * mask).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", weights, v, preferred_element_type=jnp.float32)
+    return out.reshape(batch, seq, heads, dim).astype(q.dtype)
+
+
+def _swap(items: tuple[jax.Array, ...], index: int, value: jax.Array) -> tuple[jax.Array, ...]:
+    return items[:index] + (value,) + items[index + 1 :]
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class CompressedKVState:
+    """Per-layer chunk sums/counts and a raw ring; see the module docstring for the rules."""
+
+    sum_k: tuple[jax.Array, ...]  # [B, NC, KVH, D] float32
+    sum_v: tuple[jax.Array, ...]
+    count: tuple[jax.Array, ...]  # [B, NC] int32: tokens folded into each chunk's sum
+    ring_k: tuple[jax.Array, ...]  # [B, R, KVH, D] cache dtype
+    ring_v: tuple[jax.Array, ...]
+    ring_pos: tuple[jax.Array, ...]  # [B, R] int32, -1 = empty
+    chunk_size: int = field(metadata=dict(static=True))
+    max_len: int = field(metadata=dict(static=True))
+
+    @classmethod
+    def zeros(
+        cls,
+        num_layers: int,
+        batch: int,
+        capacity: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: jnp.dtype,
+        *,
+        chunk_size: int,
+        raw_slots: int | None = None,
+    ) -> CompressedKVState:
+        """Empty state for positions ``[0, capacity)``; ``raw_slots`` defaults to ``capacity``."""
+        if chunk_size <= 0 or capacity <= 0:
+            raise CacheError(f"chunk_size ({chunk_size}) and capacity ({capacity}) must be positive")
+        ring = capacity if raw_slots is None else raw_slots
+        if ring < chunk_size:
+            raise CacheError(
+                f"raw_slots={ring} cannot hold a whole recent chunk of {chunk_size} tokens; "
+                f"pass raw_slots >= chunk_size (or leave it None for capacity)"
+            )
+        chunks = -(-capacity // chunk_size)
+        big = (batch, chunks, kv_heads, head_dim)
+        raw = (batch, ring, kv_heads, head_dim)
+        return cls(
+            sum_k=tuple(jnp.zeros(big, jnp.float32) for _ in range(num_layers)),
+            sum_v=tuple(jnp.zeros(big, jnp.float32) for _ in range(num_layers)),
+            count=tuple(jnp.zeros((batch, chunks), jnp.int32) for _ in range(num_layers)),
+            ring_k=tuple(jnp.zeros(raw, dtype) for _ in range(num_layers)),
+            ring_v=tuple(jnp.zeros(raw, dtype) for _ in range(num_layers)),
+            ring_pos=tuple(jnp.full((batch, ring), -1, jnp.int32) for _ in range(num_layers)),
+            chunk_size=chunk_size,
+            max_len=capacity,
+        )
+
+    @property
+    def capacity(self) -> int:
+        return self.max_len
+
+    @property
+    def num_chunks(self) -> int:
+        return self.count[0].shape[1]
+
+    @property
+    def raw_slots(self) -> int:
+        return self.ring_pos[0].shape[1]
+
+    @property
+    def max_write(self) -> int:
+        """Most tokens one ``write`` call may carry."""
+        if self.raw_slots >= self.max_len:
+            return self.max_len
+        return self.raw_slots - self.chunk_size + 1
+
+    def write(
+        self,
+        layer: int,
+        k: Float[Array, "B T KVH D"],
+        v: Float[Array, "B T KVH D"],
+        positions: Int[Array, "B T"],
+    ) -> Self:
+        batch, new = positions.shape
+        if new > self.max_write:
+            raise CacheError(
+                f"a write of {new} tokens does not fit a raw ring of {self.raw_slots} slots with chunk_size "
+                f"{self.chunk_size} (at most {self.max_write} per write); prefill in pieces of at most "
+                f"{self.max_write} tokens or allocate with a larger raw_slots"
+            )
+        size, ring = self.chunk_size, self.raw_slots
+        dtype = self.ring_k[layer].dtype
+        rows = jnp.arange(batch)[:, None]
+        valid = (positions >= 0) & (positions < self.max_len)
+        slot = jnp.where(valid, positions % ring, ring)
+        chunk = jnp.where(valid, positions // size, self.num_chunks)
+        gather = jnp.minimum(slot, ring - 1)
+        rewrite = valid & (self.ring_pos[layer][rows, gather] == positions)
+        again = rewrite[..., None, None]
+        k_raw, v_raw = k.astype(dtype), v.astype(dtype)
+        add_k = k_raw.astype(jnp.float32) - jnp.where(again, self.ring_k[layer][rows, gather].astype(jnp.float32), 0)
+        add_v = v_raw.astype(jnp.float32) - jnp.where(again, self.ring_v[layer][rows, gather].astype(jnp.float32), 0)
+        return replace(
+            self,
+            sum_k=_swap(self.sum_k, layer, self.sum_k[layer].at[rows, chunk].add(add_k, mode="drop")),
+            sum_v=_swap(self.sum_v, layer, self.sum_v[layer].at[rows, chunk].add(add_v, mode="drop")),
+            count=_swap(
+                self.count, layer, self.count[layer].at[rows, chunk].add(jnp.where(rewrite, 0, 1), mode="drop")
+            ),
+            ring_k=_swap(self.ring_k, layer, self.ring_k[layer].at[rows, slot].set(k_raw, mode="drop")),
+            ring_v=_swap(self.ring_v, layer, self.ring_v[layer].at[rows, slot].set(v_raw, mode="drop")),
+            ring_pos=_swap(self.ring_pos, layer, self.ring_pos[layer].at[rows, slot].set(positions, mode="drop")),
+        )
+
+    def select(self, layer: int) -> CompressedKVState:
+        """A one-layer state holding ``layer`` (no copy: the same arrays)."""
+        return replace(
+            self,
+            sum_k=(self.sum_k[layer],),
+            sum_v=(self.sum_v[layer],),
+            count=(self.count[layer],),
+            ring_k=(self.ring_k[layer],),
+            ring_v=(self.ring_v[layer],),
+            ring_pos=(self.ring_pos[layer],),
+        )
+
+    def merge(self, layer: int, one: CompressedKVState) -> CompressedKVState:
+        """This state with ``layer`` replaced by the one-layer state ``one`` (see :meth:`select`)."""
+        return replace(
+            self,
+            sum_k=_swap(self.sum_k, layer, one.sum_k[0]),
+            sum_v=_swap(self.sum_v, layer, one.sum_v[0]),
+            count=_swap(self.count, layer, one.count[0]),
+            ring_k=_swap(self.ring_k, layer, one.ring_k[0]),
+            ring_v=_swap(self.ring_v, layer, one.ring_v[0]),
+            ring_pos=_swap(self.ring_pos, layer, one.ring_pos[0]),
+        )
+
+    def pooled(self, layer: int) -> LayerKV:
+        """Mean K/V of every chunk slot, [batch, num_chunks, kv_heads, head_dim] (zeros where empty)."""
+        dtype = self.ring_k[layer].dtype
+        count = jnp.maximum(self.count[layer], 1).astype(jnp.float32)[:, :, None, None]
+        return LayerKV((self.sum_k[layer] / count).astype(dtype), (self.sum_v[layer] / count).astype(dtype))
+
+    def entry_positions(self, layer: int) -> Int[Array, "B E"]:
+        """Positions of :meth:`layer_view`'s entries: pooled slots (``c*C + C - 1``) then ring slots; -1 = empty."""
+        size = self.chunk_size
+        chunk_pos = jnp.arange(self.num_chunks, dtype=jnp.int32) * size + size - 1
+        pooled = jnp.where(self.count[layer] > 0, chunk_pos[None, :], -1)
+        return jnp.concatenate([pooled, self.ring_pos[layer]], axis=1)
+
+    def visibility(
+        self, layer: int, positions: Int[Array, "B T"], sliding_window: int | None
+    ) -> Bool[Array, "B T E"]:
+        """Which of :meth:`layer_view`'s entries a query at each position sees."""
+        size = self.chunk_size
+        q_chunk = (positions // size)[:, :, None]
+        chunk_ids = jnp.arange(self.num_chunks)[None, None, :]
+        see_pooled = (self.count[layer][:, None, :] > 0) & (chunk_ids < q_chunk)
+        ring_pos = self.ring_pos[layer][:, None, :]
+        see_raw = (ring_pos >= 0) & (ring_pos // size == q_chunk) & (ring_pos <= positions[:, :, None])
+        if sliding_window is not None:
+            low = positions[:, :, None] - sliding_window
+            see_pooled &= (chunk_ids * size + size - 1) > low
+            see_raw &= ring_pos > low
+        return jnp.concatenate([see_pooled, see_raw], axis=2)
+
+    def attend(
+        self,
+        layer: int,
+        q: Float[Array, "B T H D"],
+        positions: Int[Array, "B T"],
+        *,
+        sliding_window: int | None,
+    ) -> Float[Array, "B T H D"]:
+        view = self.layer_view(layer)
+        return masked_attention(q, view.k, view.v, self.visibility(layer, positions, sliding_window))
+
+    def layer_view(self, layer: int) -> LayerKV:
+        """Every storage slot of ``layer``: the pooled means, then the raw ring (see :meth:`entry_positions`)."""
+        pooled = self.pooled(layer)
+        return LayerKV(
+            jnp.concatenate([pooled.k, self.ring_k[layer]], axis=1),
+            jnp.concatenate([pooled.v, self.ring_v[layer]], axis=1),
+        )
+
+    def truncate(self, n: int | Int[Array, ""], lengths: Int[Array, " L"] | tuple[int, ...]) -> CompressedKVState:
+        """The state after cutting every row from ``lengths[layer]`` tokens to ``n`` (the module's lossy rule).
+
+        ``lengths`` holds what each layer's rows hold (the host handle knows it); ``n`` must not exceed
+        any of them. Traceable: ``n`` and ``lengths`` may be traced scalars, so one compilation serves
+        every cut. Where ``n`` cuts the raw recent chunk, its sum is rebuilt from the ring.
+        """
+        lengths = jnp.asarray(lengths, jnp.int32)
+        n = jnp.asarray(n, jnp.int32)
+        parts = [self._truncate_layer(layer, n, lengths[layer]) for layer in range(len(self.count))]
+        return replace(
+            self,
+            sum_k=tuple(p[0] for p in parts),
+            sum_v=tuple(p[1] for p in parts),
+            count=tuple(p[2] for p in parts),
+            ring_pos=tuple(p[3] for p in parts),
+        )
+
+    def _truncate_layer(
+        self, layer: int, n: Int[Array, ""], length: Int[Array, ""]
+    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        size = self.chunk_size
+        recent = jnp.maximum(length - 1, 0) // size  # the chunks before it are pooled
+        cut = n // size
+        keep_chunk = (jnp.arange(self.num_chunks) < cut)[None, :]
+        pos = self.ring_pos[layer]
+        keep_raw = (pos >= 0) & (pos < n) & (pos // size >= recent)  # raw tokens of the recent chunk, before n
+        sum_k = jnp.where(keep_chunk[:, :, None, None], self.sum_k[layer], 0.0)
+        sum_v = jnp.where(keep_chunk[:, :, None, None], self.sum_v[layer], 0.0)
+        count = jnp.where(keep_chunk, self.count[layer], 0)
+        # Where n cuts the raw recent chunk, its sum and count are rebuilt from the head it keeps.
+        head = keep_raw & (pos // size == cut) & (n % size != 0) & (cut >= recent)
+        wide = head[:, :, None, None]
+        rebuilt_k = jnp.sum(jnp.where(wide, self.ring_k[layer].astype(jnp.float32), 0.0), axis=1)
+        rebuilt_v = jnp.sum(jnp.where(wide, self.ring_v[layer].astype(jnp.float32), 0.0), axis=1)
+        rebuild = (n % size != 0) & (cut >= recent)
+        index = jnp.minimum(cut, self.num_chunks - 1)
+        sum_k = jnp.where(rebuild, sum_k.at[:, index].set(rebuilt_k), sum_k)
+        sum_v = jnp.where(rebuild, sum_v.at[:, index].set(rebuilt_v), sum_v)
+        count = jnp.where(rebuild, count.at[:, index].set(jnp.sum(head, axis=1, dtype=jnp.int32)), count)
+        return sum_k, sum_v, count, jnp.where(keep_raw, pos, -1)
+
+
+def _write_one(
+    one: CompressedKVState,
+    k: Float[Array, "B T KVH D"],
+    v: Float[Array, "B T KVH D"],
+    positions: Int[Array, "B T"],
+) -> CompressedKVState:
+    return one.write(0, k, v, positions)
+
+
+# Host-handle entry points, compiled once per shape (eager op-by-op dispatch would compile each op);
+# writes go through a one-layer state, so every layer shares one executable.
+_jit_write = jax.jit(_write_one)
+_jit_truncate = jax.jit(CompressedKVState.truncate)
+
+
+@dataclass(frozen=True)
+class CompressionStats:
+    """What one layer of a :class:`CompressedKVCache` stores."""
+
+    seq_len: int  # logical length: where the next token goes
+    compressed_chunks: int  # pooled entries
+    compressed_tokens: int  # tokens folded into the pooled entries
+    raw_tokens: int  # tokens stored as they are
+    stored_entries: int  # compressed_chunks + raw_tokens: the keys a query at seq_len attends over
+    lost_tokens: int  # seq_len - compressed_tokens - raw_tokens (dropped by lossy truncates)
+
+
+@dataclass(frozen=True)
+class CompressedBackend:
+    """:class:`~zgen.cache.base.CacheBackend` handing out :class:`CompressedKVState` for a Generator batch."""
+
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    chunk_size: int
+    dtype: jnp.dtype = jnp.dtype(jnp.float32)
+    raw_slots: int | None = None  # None: capacity (no limit on prefill length)
+
+    def allocate(self, batch: int, capacity: int) -> CompressedKVState:
+        return CompressedKVState.zeros(
+            self.num_layers, batch, capacity, self.kv_heads, self.head_dim, self.dtype,
+            chunk_size=self.chunk_size, raw_slots=self.raw_slots,
+        )
+
+    def release(self, state: CompressedKVState) -> None:
+        del state
+
+
+class CompressedKVCache:
+    """Host handle over a :class:`CompressedKVState`; all rows of the batch share one length.
+
+    ``get(layer)`` returns the stored entries in position order (pooled means, then the raw recent
+    tokens): ``stats(layer).stored_entries`` of them, not ``seq_len``. It is a copy assembled on the host.
+    ``fork()`` is O(1): the state is immutable, so both handles share it until either writes.
+    """
+
+    def __init__(self, state: CompressedKVState) -> None:
+        self._state = state
+        self._lengths = [0] * len(state.count)
+
+    @classmethod
+    def allocate(
+        cls,
+        num_layers: int,
+        batch: int,
+        max_len: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: jnp.dtype = jnp.dtype(jnp.float32),
+        *,
+        chunk_size: int,
+        raw_slots: int | None = None,
+    ) -> CompressedKVCache:
+        return cls(
+            CompressedKVState.zeros(
+                num_layers, batch, max_len, kv_heads, head_dim, dtype, chunk_size=chunk_size, raw_slots=raw_slots
+            )
+        )
+
+    @property
+    def state(self) -> CompressedKVState:
+        return self._state
+
+    @state.setter
+    def state(self, value: CompressedKVState) -> None:
+        self._state = value
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._state.count)
+
+    @property
+    def chunk_size(self) -> int:
+        return self._state.chunk_size
+
+    @property
+    def capacity(self) -> int:
+        return self._state.capacity
+
+    @property
+    def seq_len(self) -> int:
+        """Logical length every layer has reached (stored entries may be fewer: see :meth:`stats`)."""
+        return min(self._lengths)
+
+    def set_seq_len(self, n: int) -> None:
+        """Record that a compiled plan wrote positions ``[seq_len, n)`` of every layer, in order."""
+        if not self.seq_len <= n <= self.capacity:
+            raise CacheError(f"sequence length {n} outside [{self.seq_len}, {self.capacity}]")
+        self._lengths = [n] * self.num_layers
+
+    def update(self, layer: int, k: Float[Array, "B T KVH D"], v: Float[Array, "B T KVH D"]) -> None:
+        """Append ``k``/``v`` [batch, new, kv_heads, head_dim] to ``layer``; finished chunks are pooled."""
+        layer = self._check_layer(layer)
+        ring = self._state.ring_k[layer]
+        new = k.shape[1] if k.ndim == 4 else -1
+        expected = (ring.shape[0], new, ring.shape[2], ring.shape[3])
+        if tuple(k.shape) != expected or tuple(v.shape) != expected:
+            raise CacheError(
+                f"update of layer {layer}: k {tuple(k.shape)} and v {tuple(v.shape)} must both be "
+                f"[batch={ring.shape[0]}, new, kv_heads={ring.shape[2]}, head_dim={ring.shape[3]}]"
+            )
+        start = self._lengths[layer]
+        if start + new > self.capacity:
+            raise CacheError(
+                f"cannot append {new} tokens to layer {layer} at length {start} of {self.capacity}; "
+                "allocate a larger cache or truncate first"
+            )
+        if new == 0:
+            return
+        positions = np.broadcast_to(np.arange(start, start + new, dtype=np.int32), (ring.shape[0], new))
+        one = _jit_write(self._state.select(layer), k, v, positions)
+        self._state = self._state.merge(layer, one)
+        self._lengths[layer] = start + new
+
+    def _layout(self, layer: int) -> tuple[list[int], list[int], np.ndarray]:
+        """(pooled chunk ids, ring slots of raw tokens in position order, counts) of row 0."""
+        n = self._lengths[layer]
+        if n == 0:
+            return [], [], np.zeros(0, np.int32)
+        size = self.chunk_size
+        recent = (n - 1) // size
+        count = np.asarray(self._state.count[layer])[0]
+        pos = np.asarray(self._state.ring_pos[layer])[0]
+        slots = [int(s) for s in np.nonzero((pos >= 0) & (pos // size == recent) & (pos < n))[0]]
+        slots.sort(key=lambda s: int(pos[s]))
+        chunks = [c for c in range(recent) if count[c] > 0]
+        if not slots and count[recent] > 0:  # a pooled chunk left newest by a truncate at its end
+            chunks.append(recent)
+        return chunks, slots, count
+
+    def get(self, layer: int) -> LayerKV:
+        """Stored K/V of ``layer`` in position order: pooled means, then raw recent tokens (a host-side copy)."""
+        layer = self._check_layer(layer)
+        chunks, slots, _ = self._layout(layer)
+        state = self._state
+        dtype = state.ring_k[layer].dtype
+        # Assembled in numpy (np.asarray of a CPU array shares its memory): no per-shape compilation.
+        count = np.maximum(np.asarray(state.count[layer])[:, chunks], 1).astype(np.float32)[:, :, None, None]
+
+        def stored(sums: jax.Array, ring: jax.Array) -> jax.Array:
+            pooled = (np.asarray(sums)[:, chunks] / count).astype(dtype)
+            return jax.device_put(np.concatenate([pooled, np.asarray(ring)[:, slots]], axis=1))
+
+        return LayerKV(stored(state.sum_k[layer], state.ring_k[layer]), stored(state.sum_v[layer], state.ring_v[layer]))
+
+    def positions(self, layer: int) -> list[int]:
+        """Position of each entry :meth:`get` returns (a pooled entry: its chunk's last token)."""
+        layer = self._check_layer(layer)
+        chunks, slots, _ = self._layout(layer)
+        ring_pos = np.asarray(self._state.ring_pos[layer])[0]
+        size = self.chunk_size
+        return [c * size + size - 1 for c in chunks] + [int(ring_pos[s]) for s in slots]
+
+    def stats(self, layer: int | None = None) -> CompressionStats:
+        """What ``layer`` (default: the last) stores."""
+        layer = self._check_layer(self.num_layers - 1 if layer is None else layer)
+        chunks, slots, count = self._layout(layer)
+        folded = int(sum(int(count[c]) for c in chunks))
+        n = self._lengths[layer]
+        return CompressionStats(
+            seq_len=n,
+            compressed_chunks=len(chunks),
+            compressed_tokens=folded,
+            raw_tokens=len(slots),
+            stored_entries=len(chunks) + len(slots),
+            lost_tokens=n - folded - len(slots),
+        )
+
+    @property
+    def compressed_tokens(self) -> int:
+        return self.stats().compressed_tokens
+
+    @property
+    def stored_entries(self) -> int:
+        return self.stats().stored_entries
+
+    def reset(self) -> None:
+        state = self._state
+        layers = self.num_layers
+        batch, _, kv_heads, head_dim = state.ring_k[0].shape
+        self._state = CompressedKVState.zeros(
+            layers, batch, state.capacity, kv_heads, head_dim, state.ring_k[0].dtype,
+            chunk_size=state.chunk_size, raw_slots=state.raw_slots,
+        )
+        self._lengths = [0] * layers
+
+    def truncate(self, n: int) -> None:
+        """Cut to logical length ``n`` (lossy inside a pooled chunk: see the module docstring)."""
+        if not 0 <= n <= self.seq_len:
+            raise CacheError(
+                f"cannot truncate a CompressedKVCache of {self.seq_len} tokens to {n}; n must lie in [0, {self.seq_len}]"
+            )
+        self._state = _jit_truncate(self._state, np.int32(n), np.asarray(self._lengths, np.int32))
+        self._lengths = [n] * self.num_layers
+
+    def fork(self) -> CompressedKVCache:
+        """A second handle on the same (immutable) state: O(1), the two diverge on their next writes."""
+        twin = CompressedKVCache(self._state)
+        twin._lengths = list(self._lengths)
+        return twin
+
+    def _check_layer(self, layer: int) -> int:
+        if not 0 <= layer < self.num_layers:
+            raise CacheError(f"layer {layer} out of range; this cache has layers 0..{self.num_layers - 1}")
+        return layer
+
+
+__all__ = ["CompressedBackend", "CompressedKVCache", "CompressedKVState", "CompressionStats", "masked_attention"]

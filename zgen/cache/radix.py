@@ -1,0 +1,236 @@
+"""RadixCache: a prefix cache over whole KV blocks, shared by reference count.
+
+The tree has one node per full block of ``page_size`` tokens. A node is found from its parent by the
+block's exact tokens (so :meth:`RadixCache.match` can never return a block whose tokens differ from
+the query — no hash collision can alias two blocks), and carries a hash chained with its parent's
+(``blake2b(parent_hash || tokens)``), which names the whole prefix up to and including the block.
+
+Each node owns one reference on its block in the :class:`~zgen.cache.block_pool.BlockPool`: blocks are
+shared with the sequences that reuse them, never copied. A node is *in use* while any sequence holds
+its block too (pool reference count above one); eviction takes least-recently-used leaves that are not
+in use, so it never frees a block some sequence still reads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from zgen.cache.block_pool import BlockPool
+from zgen.errors import CacheError, ConfigError
+
+ROOT_HASH = b"\x00" * 16
+
+
+def block_hash(parent_hash: bytes, tokens: Sequence[int]) -> bytes:
+    """The chained hash of a block: its parent's hash and its own tokens."""
+    h = hashlib.blake2b(parent_hash, digest_size=16)
+    h.update(b"".join(int(t).to_bytes(8, "little", signed=True) for t in tokens))
+    return h.digest()
+
+
+def block_hashes(tokens: Sequence[int], page_size: int) -> list[bytes]:
+    """Chained hashes of every full block of ``tokens``."""
+    out: list[bytes] = []
+    parent = ROOT_HASH
+    for i in range(len(tokens) // page_size):
+        parent = block_hash(parent, tokens[i * page_size : (i + 1) * page_size])
+        out.append(parent)
+    return out
+
+
+@dataclass(eq=False)
+class _Node:
+    tokens: tuple[int, ...]
+    block: int
+    hash: bytes
+    parent: _Node | None
+    children: dict[tuple[int, ...], _Node] = field(default_factory=dict)
+    last_used: int = 0
+
+
+@dataclass(frozen=True)
+class RadixStats:
+    """Counters since the cache was built (or ``reset_stats``)."""
+
+    lookups: int = 0
+    hits: int = 0  # lookups that reused at least one block
+    misses: int = 0
+    query_tokens: int = 0  # tokens asked for (full blocks only count as matchable)
+    hit_tokens: int = 0
+    inserted_blocks: int = 0
+    evicted_blocks: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """Share of queried tokens served from the cache."""
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+
+class RadixCache:
+    """Radix tree of token blocks whose KV blocks live in (and are reference-counted by) ``pool``."""
+
+    def __init__(self, pool: BlockPool, *, max_blocks: int | None = None) -> None:
+        if max_blocks is not None and max_blocks < 0:
+            raise ConfigError(f"max_blocks must be non-negative or None, got {max_blocks}")
+        self.pool = pool
+        self.page_size = pool.page_size
+        self.max_blocks = max_blocks
+        self._root = _Node((), -1, ROOT_HASH, None)
+        self._by_hash: dict[bytes, _Node] = {}
+        self._clock = 0
+        self._stats = RadixStats()
+
+    # -- queries ----------------------------------------------------------------------------------
+
+    @property
+    def stats(self) -> RadixStats:
+        return self._stats
+
+    def reset_stats(self) -> None:
+        self._stats = RadixStats()
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks the tree holds a reference on."""
+        return len(self._by_hash)
+
+    def blocks(self) -> list[int]:
+        """Every block the tree holds a reference on (one reference each)."""
+        return [n.block for n in self._by_hash.values()]
+
+    def contains_hash(self, h: bytes) -> bool:
+        return h in self._by_hash
+
+    def entries(self) -> list[tuple[tuple[int, ...], int]]:
+        """``(prefix tokens, block)`` for every node: the full token prefix ending with that block."""
+        out: list[tuple[tuple[int, ...], int]] = []
+
+        def walk(node: _Node, prefix: tuple[int, ...]) -> None:
+            for child in node.children.values():
+                p = prefix + child.tokens
+                out.append((p, child.block))
+                walk(child, p)
+
+        walk(self._root, ())
+        return out
+
+    def evictable_blocks(self) -> int:
+        """Blocks that eviction could free now: nodes whose whole subtree is not in use."""
+
+        def count(node: _Node) -> tuple[int, bool]:
+            total, all_free = 0, True
+            for child in node.children.values():
+                c, free = count(child)
+                total += c
+                all_free &= free
+            if node is self._root:
+                return total, all_free
+            free = all_free and self.pool.refcount(node.block) == 1
+            return total + (1 if free else 0), free
+
+        return count(self._root)[0]
+
+    # -- the cache --------------------------------------------------------------------------------
+
+    def match(self, tokens: Sequence[int]) -> tuple[list[int], int]:
+        """The blocks of the longest cached prefix of ``tokens`` made of whole blocks, and its length.
+
+        The returned blocks are *not* shared yet: a caller that keeps them must ``pool.share`` them
+        before anything can evict them. Marks the matched path as recently used.
+        """
+        self._clock += 1
+        node, blocks = self._root, []
+        ps = self.page_size
+        for i in range(len(tokens) // ps):
+            child = node.children.get(tuple(int(t) for t in tokens[i * ps : (i + 1) * ps]))
+            if child is None:
+                break
+            child.last_used = self._clock
+            blocks.append(child.block)
+            node = child
+        n = len(blocks) * ps
+        s = self._stats
+        self._stats = RadixStats(
+            lookups=s.lookups + 1,
+            hits=s.hits + (1 if n else 0),
+            misses=s.misses + (0 if n else 1),
+            query_tokens=s.query_tokens + len(tokens),
+            hit_tokens=s.hit_tokens + n,
+            inserted_blocks=s.inserted_blocks,
+            evicted_blocks=s.evicted_blocks,
+        )
+        return blocks, n
+
+    def insert(self, tokens: Sequence[int], blocks: Sequence[int]) -> int:
+        """Record that ``blocks[i]`` holds the KV of tokens ``[i*page_size, (i+1)*page_size)``.
+
+        Only whole blocks are inserted (``min(len(blocks), len(tokens) // page_size)`` of them). A block
+        whose prefix is already cached keeps the cached block (the caller's copy is left alone); a new
+        node takes one reference on its block. Returns the number of new nodes.
+        """
+        ps = self.page_size
+        n = min(len(blocks), len(tokens) // ps)
+        for b in blocks[:n]:
+            if self.pool.refcount(int(b)) <= 0:
+                raise CacheError(
+                    f"block {int(b)} is free in the pool; insert blocks while the sequence that wrote them still holds them"
+                )
+        self._clock += 1
+        node, added = self._root, 0
+        for i in range(n):
+            chunk = tuple(int(t) for t in tokens[i * ps : (i + 1) * ps])
+            child = node.children.get(chunk)
+            if child is None:
+                block = int(blocks[i])
+                self.pool.share([block])
+                child = _Node(chunk, block, block_hash(node.hash, chunk), node)
+                node.children[chunk] = child
+                self._by_hash[child.hash] = child
+                added += 1
+            child.last_used = self._clock
+            node = child
+        s = self._stats
+        self._stats = RadixStats(
+            s.lookups, s.hits, s.misses, s.query_tokens, s.hit_tokens, s.inserted_blocks + added, s.evicted_blocks
+        )
+        if self.max_blocks is not None and self.num_blocks > self.max_blocks:
+            self.evict(self.num_blocks - self.max_blocks)
+        return added
+
+    def evict(self, n_blocks: int) -> int:
+        """Free up to ``n_blocks`` blocks, least recently used leaves first, skipping blocks in use.
+
+        Returns how many blocks went back to the pool's free list.
+        """
+        freed = 0
+        while freed < n_blocks:
+            leaves = sorted(
+                (n for n in self._by_hash.values() if not n.children and self.pool.refcount(n.block) == 1),
+                key=lambda n: n.last_used,
+            )
+            if not leaves:
+                break
+            for leaf in leaves:
+                if freed >= n_blocks:
+                    break
+                self._remove(leaf)
+                freed += 1
+        if freed:
+            s = self._stats
+            self._stats = RadixStats(
+                s.lookups, s.hits, s.misses, s.query_tokens, s.hit_tokens, s.inserted_blocks, s.evicted_blocks + freed
+            )
+        return freed
+
+    def clear(self) -> int:
+        """Drop every node not in use (as ``evict`` would); returns the blocks freed."""
+        return self.evict(self.num_blocks)
+
+    def _remove(self, leaf: _Node) -> None:
+        assert leaf.parent is not None and not leaf.children
+        del leaf.parent.children[leaf.tokens]
+        del self._by_hash[leaf.hash]
+        released = self.pool.free([leaf.block])
+        assert released == [leaf.block], "evicted a block that something else still holds"
