@@ -155,6 +155,23 @@ class DecodeProblem:
         return dense(self.k), dense(self.v)
 
 
+# name -> (num_warps, num_stages, num_splits or None for the default ~1024 programs).
+# Why and what to expect at 32k on the H200 (default after this round's changes: w4s3, 16 splits):
+# - w2s3: the Q3 value dots are [16,64]x[64,16]; with N=16 Triton puts the 4 warps along M and every
+#   warp dequantizes the whole V page (PTX: 3516 selects/thread at 4 warps vs 2732 at 2). Expect Q3
+#   ~1.3x faster than w4s3 if its register spills stay cheap; bf16/fp8/q4 about equal to w4s3.
+# - w4s2: previously the best at 4k for bf16/q4 (one fewer page in flight, less shared memory).
+# - w4s3x32 / w2s3x32: 32 splits (2048 programs): more loads in flight and a shorter tail wave;
+#   expected to help fp8 (latency-, not byte-bound: same time as bf16 at half the bytes) by ~1.2-1.5x
+#   at 32k; at 4k the splits are capped by the page count (64) so 4k barely changes.
+DECODE_VARIANTS: dict[str, tuple[int, int, int | None]] = {
+    "w2s3": (2, 3, None),
+    "w4s2": (4, 2, None),
+    "w4s3x32": (4, 3, 32),
+    "w2s3x32": (2, 3, 32),
+}
+
+
 def paged_candidates(p: DecodeProblem, fmt: str, kq: KVPages, vq: KVPages) -> dict[str, Callable[[], jax.Array]]:
     cands: dict[str, Callable[[], jax.Array]] = {}
     args = (p.q, kq, vq, p.tables, p.lengths)
@@ -162,15 +179,17 @@ def paged_candidates(p: DecodeProblem, fmt: str, kq: KVPages, vq: KVPages) -> di
     for impl in ("triton", "xla"):
         f = jax.jit(lambda q, k, v, t, n, impl=impl: paged_decode_attention(q, k, v, t, n, implementation=impl))
         cands[f"zgen {impl}"] = lambda f=f: f(*args)
-    # A few launch configurations of our kernel, called below the api (same preprocessing).
+    # Launch variants of our kernel, called below the api (same preprocessing). Default: 4 warps, 3
+    # stages, ~1024 programs (16 splits at B=8 x 8 kv heads). Predictions (H200, 32k) in DECODE_VARIANTS.
     pages = visible_pages(p.tables, p.lengths, None, page_size, None)
-    for warps, stages in ((4, 2), (8, 3)):
+    for name, (warps, stages, splits) in DECODE_VARIANTS.items():
         f = jax.jit(
-            lambda q, k, v, t, n, m, w=warps, s=stages: paged_triton.paged_decode_attention(
-                q, k, v, t, n, m, scale=HEAD_DIM**-0.5, soft_cap=None, sliding_window=None, num_warps=w, num_stages=s
+            lambda q, k, v, t, n, m, w=warps, s=stages, sp=splits: paged_triton.paged_decode_attention(
+                q, k, v, t, n, m, scale=HEAD_DIM**-0.5, soft_cap=None, sliding_window=None,
+                num_warps=w, num_stages=s, num_splits=sp,
             )
         )
-        cands[f"zgen triton w{warps}s{stages}"] = lambda f=f: f(*args, pages)
+        cands[f"zgen triton {name}"] = lambda f=f: f(*args, pages)
     if fmt == "bf16":
         f = jax.jit(lambda q, k, v, t, n: paged_decode_attention(q, k, v, t, n, implementation="mosaic_gpu"))
         cands["zgen mosaic_gpu"] = lambda f=f: f(*args)
@@ -222,10 +241,17 @@ def bench_decode(contexts: list[int], page_size: int, repeats: int, copy_bw: flo
 def flash_candidates(q: jax.Array, k: jax.Array, v: jax.Array) -> dict[str, Callable[[], jax.Array]]:
     cands: dict[str, Callable[[], jax.Array]] = {}
     lengths = jnp.full((q.shape[0],), q.shape[1], jnp.int32)
-    for impl in ("mosaic_gpu", "triton", "xla"):
+    for impl in ("triton", "xla"):
         f = jax.jit(lambda q, k, v, impl=impl: flash_attention(q, k, v, implementation=impl))
         cands[f"zgen {impl}"] = lambda f=f: f(q, k, v)
-    for bq, bk, warps, stages in ((128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 8, 3)):
+    # jax's Mosaic GPU kernel keeps float16 shared-memory tiles whatever the inputs, so bf16 fails to
+    # lower ("src had type bfloat16 and dst had type float16"): time it (our wrapper and the raw kernel)
+    # on float16 copies of the same inputs; the rows say fmt=f16. zgen's default sends bf16 to Triton.
+    q16, k16, v16 = (x.astype(jnp.float16) for x in (q, k, v))
+    f = jax.jit(lambda q, k, v: flash_attention(q, k, v, implementation="mosaic_gpu"))
+    cands["zgen mosaic_gpu (f16)"] = lambda f=f: f(q16, k16, v16)
+    # Default is now q128 k64 w8 s3 (the best at 8k in the last run); the old default and the runners-up.
+    for bq, bk, warps, stages in ((128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 4, 3)):
         f = jax.jit(
             lambda q, k, v, n, bq=bq, bk=bk, w=warps, s=stages: flash_triton.flash_attention(
                 q, k, v, n, causal=True, sliding_window=None, soft_cap=None, scale=HEAD_DIM**-0.5,
@@ -243,7 +269,7 @@ def flash_candidates(q: jax.Array, k: jax.Array, v: jax.Array) -> dict[str, Call
         for bq, bkv in ((64, 128), (64, 64)):
             config = attention_mgpu.TuningConfig(block_q=bq, block_kv=bkv, max_concurrent_steps=2, causal=True)
             f = jax.jit(lambda q, k, v, c=config: attention_mgpu.attention(q * HEAD_DIM**-0.5, k, v, c))
-            cands[f"jax attention_mgpu q{bq}k{bkv}"] = lambda f=f: f(q, k, v)
+            cands[f"jax attention_mgpu q{bq}k{bkv} (f16)"] = lambda f=f: f(q16, k16, v16)
     except ImportError as e:
         print("jax attention_mgpu not importable:", e)
     try:
@@ -268,7 +294,7 @@ def bench_prefill(lengths: list[int], repeats: int, mm_flops: float | None, resu
         ref = jax.jit(lambda q, k, v: flash_attention(q, k, v, implementation="reference"))(q[:1], k[:1], v[:1])
         flops = 4 * PREFILL_BATCH * Q_HEADS * t * t * HEAD_DIM / 2  # causal: half the score matrix
         for name, fn in flash_candidates(q, k, v).items():
-            row = Row("flash_prefill", name, "bf16", t)
+            row = Row("flash_prefill", name, "f16" if "(f16)" in name else "bf16", t)
             try:
                 row.rel_err = rel_err(fn()[:1], ref)
                 if not row.rel_err <= MAX_REL_ERR:

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -23,3 +23,15 @@ def smollm2() -> "Model":
     from zgen.model import load_model
 
     return load_model("smollm2", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_gguf_path: Path) -> Any:
+    """HF transformers' own load of the same GGUF, float32 on CPU: the independent reference."""
+    import torch
+    import transformers
+
+    torch.set_num_threads(2)
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        smollm2_gguf_path.parent, gguf_file=smollm2_gguf_path.name, dtype=torch.float32
+    ).eval()

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-import torch
-import transformers
 
 from tests.hf_reference import hf_greedy, hf_logits, hf_teacher_forced
 from zgen import Generator, SamplingConfig
@@ -36,11 +33,8 @@ def model(smollm2: Model) -> Model:
 
 
 @pytest.fixture(scope="module")
-def hf_model(smollm2_gguf_path: Path) -> Any:
-    torch.set_num_threads(2)
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        smollm2_gguf_path.parent, gguf_file=smollm2_gguf_path.name, dtype=torch.float32
-    ).eval()
+def hf_model(hf_smollm2: Any) -> Any:
+    return hf_smollm2
 
 
 def test_long_prompt_is_long(model: Model) -> None:

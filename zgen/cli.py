@@ -5,12 +5,17 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import replace
+from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
 
+from zgen.cache.options import CACHE_KINDS, CacheOption, kv_dtype, prefix_cache
+from zgen.cache.paged import KV_DTYPES
 from zgen.errors import ZgenError
+from zgen.evaluation import perplexity
 from zgen.generator import Generator
 from zgen.loading.builtin import DEFAULT_MODEL
 from zgen.model import DTYPES, load_model
@@ -30,6 +35,18 @@ RepetitionOption = Annotated[float, typer.Option(help="Penalty on tokens already
 SeedOption = Annotated[int | None, typer.Option(help="Random seed; the same seed gives the same output.")]
 StopOption = Annotated[list[str] | None, typer.Option("--stop", help="Stop string (repeatable).")]
 IgnoreEosOption = Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at the model's EOS tokens.")]
+KVCacheOption = Annotated[str, typer.Option("--kv-cache", help=f"KV cache kind: {', '.join(CACHE_KINDS)}.")]
+KVDtypeOption = Annotated[str | None, typer.Option("--kv-dtype", help=f"KV storage dtype: {', '.join(KV_DTYPES)} (default: the model dtype).")]
+PrefixCacheOption = Annotated[bool, typer.Option("--prefix-cache", help="Share prompt prefixes across requests (paged cache).")]
+
+
+def _cache_options(kind: str, dtype: str | None, prefix: bool) -> list[CacheOption]:
+    options: list[CacheOption] = [lambda o: replace(o, kind=kind)]
+    if dtype is not None:
+        options.append(kv_dtype(dtype))
+    if prefix:
+        options.append(prefix_cache(capacity_blocks=4096))
+    return options
 
 
 def _sampling(
@@ -76,12 +93,15 @@ def generate(
     stop: StopOption = None,
     ignore_eos: IgnoreEosOption = False,
     dtype: DtypeOption = "float32",
+    kv_cache: KVCacheOption = "tensor",
+    kv_dtype_name: KVDtypeOption = None,
+    use_prefix_cache: PrefixCacheOption = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of streaming text.")] = False,
 ) -> None:
     """Generate a continuation of a prompt (streamed to stdout)."""
     try:
         loaded = load_model(model, dtype=dtype)
-        generator = Generator(loaded)
+        generator = Generator(loaded, *_cache_options(kv_cache, kv_dtype_name, use_prefix_cache))
         sampling = _sampling(max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed, stop, ignore_eos)
         request = [{"role": "user", "content": prompt}] if chat else prompt
         if not as_json:
@@ -133,13 +153,16 @@ def chat(
     repetition_penalty: RepetitionOption = 1.0,
     seed: SeedOption = None,
     dtype: DtypeOption = "float32",
+    kv_cache: KVCacheOption = "tensor",
+    kv_dtype_name: KVDtypeOption = None,
+    use_prefix_cache: PrefixCacheOption = False,
 ) -> None:
     """Chat interactively; an empty line or end of input quits. The conversation's KV cache is reused."""
     try:
         loaded = load_model(model, dtype=dtype)
+        session = Generator(loaded, *_cache_options(kv_cache, kv_dtype_name, use_prefix_cache)).new_session()
     except ZgenError as err:
         raise _fail(err) from None
-    session = Generator(loaded).new_session()
     sampling = _sampling(max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed, None, False)
     messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     console = Console()
@@ -159,6 +182,41 @@ def chat(
             continue
         messages.append({"role": "assistant", "content": result.text})
         console.print(f"[bold blue]zgen>[/] {result.text}")
+
+
+eval_app = typer.Typer(help="Evaluate a model.", no_args_is_help=True)
+app.add_typer(eval_app, name="eval")
+
+
+@eval_app.command("ppl")
+def eval_ppl(
+    text_file: Annotated[Path, typer.Option("--text-file", help="UTF-8 text to score.")],
+    model: ModelOption = DEFAULT_MODEL,
+    window: Annotated[int, typer.Option(help="Tokens per window; each window starts from an empty cache.")] = 512,
+    chunk: Annotated[int, typer.Option(help="Tokens fed per step within a window (1 = pure decode).")] = 64,
+    kv_cache: KVCacheOption = "tensor",
+    kv_dtype_name: KVDtypeOption = None,
+    dtype: DtypeOption = "float32",
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Perplexity of a text with the chosen KV cache in the loop (no BOS; every token after a window's first is scored)."""
+    try:
+        text = text_file.read_text(encoding="utf-8")
+    except OSError as err:
+        err_console.print(f"[bold red]error:[/] cannot read {text_file}: {err}")
+        raise typer.Exit(code=2) from None
+    try:
+        loaded = load_model(model, dtype=dtype)
+        backend = Generator(loaded, *_cache_options(kv_cache, kv_dtype_name, False)).kv_backend
+        ids = loaded.tokenizer.encode(text, add_special_tokens=False)
+        result = perplexity(loaded, ids, window=window, chunk=chunk, backend=backend)
+    except ZgenError as err:
+        raise _fail(err) from None
+    fields = {"ppl": result.ppl, "nll": result.nll, "tokens_scored": result.tokens_scored, "windows": result.windows}
+    if as_json:
+        print(json.dumps(fields))
+    else:
+        Console().print(fields)
 
 
 def main() -> None:

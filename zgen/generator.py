@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from zgen.cache.base import CacheBackend, KVState
+from zgen.cache.options import CacheOption, make_backend, resolve
+from zgen.cache.paged import PagedBackend, PagedKVState
 from zgen.cache.tensor import DenseBackend
 from zgen.errors import ConfigError, InputError, PromptTooLongError, TokenIdError
 from zgen.graph.plan import DecodeState
@@ -45,6 +47,7 @@ Prompt = str | Sequence[int] | Sequence[Message]
 class TokenUsage:
     prompt_tokens: int
     completion_tokens: int
+    cached_prompt_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache, not prefill
 
     @property
     def total_tokens(self) -> int:
@@ -135,6 +138,7 @@ class _Batch:
     sampling: SamplingParams
     flags: SamplingFlags
     prefill_s: float
+    reused: list[int] = field(default_factory=lambda: [])  # per row: prompt tokens taken from the prefix cache
 
 
 class Generator:
@@ -150,7 +154,7 @@ class Generator:
     def __init__(
         self,
         model: Model,
-        *,
+        *options: CacheOption,
         max_batch_size: int = 16,
         sync_interval: int = 8,
         host_sampler: HostSampler | None = None,
@@ -162,10 +166,10 @@ class Generator:
         self.max_batch_size = max_batch_size
         self.sync_interval = sync_interval
         self.host_sampler = host_sampler
-        c = model.config
-        self.kv_backend: CacheBackend[Any] = kv_backend or DenseBackend(
-            c.num_layers, c.num_kv_heads, c.head_dim, model.dtype
-        )
+        if kv_backend is not None and options:
+            raise ConfigError("pass either cache options or a kv_backend, not both")
+        self.cache_options = resolve(options)
+        self.kv_backend: CacheBackend[Any] = kv_backend or make_backend(self.cache_options, model.config, model.dtype)
 
     # -- public API ----------------------------------------------------------------------------
 
@@ -183,7 +187,7 @@ class Generator:
                 if pieces[0]:
                     yield pieces[0]
         finally:
-            self.kv_backend.release(batch.cache)
+            self._finish(batch)
 
     def batch_generate(self, requests: Sequence[Request | Prompt]) -> list[GenerationResult]:
         """Generate for several prompts at once, in batches of up to ``max_batch_size`` rows."""
@@ -196,8 +200,16 @@ class Generator:
                 syncs = sum(1 for _ in self._decode(batch, stream=False))
                 results.extend(self._results(batch, time.perf_counter() - decode_start, syncs))
             finally:
-                self.kv_backend.release(batch.cache)
+                self._finish(batch)
         return results
+
+    def _finish(self, batch: _Batch) -> None:
+        """Hand the batch's cache back, first sharing its full blocks with the prefix cache."""
+        backend, cache = self.kv_backend, batch.cache
+        if isinstance(backend, PagedBackend) and backend.radix is not None and isinstance(cache, PagedKVState):
+            for row, (prompt, text) in enumerate(zip(batch.prompts, batch.rows, strict=True)):
+                backend.commit_prefix(cache, row, prompt + text.tokens)  # every token was fed
+        self.kv_backend.release(cache)
 
     def new_session(self) -> Session:
         return Session(self)
@@ -248,9 +260,19 @@ class Generator:
             min(_bucket(needed, 128), _bucket(config.max_position_embeddings, 128)),
             _bucket(max(len(p) for p in padded), 16),
         )
-        cache = self.kv_backend.allocate(width, capacity)
-        logits, cache, prefill_s = self._prefill(cache, padded, [0] * width)
-        return self._make_batch(prompts, configs, padded, logits, cache, prefill_s)
+        backend = self.kv_backend
+        if isinstance(backend, PagedBackend) and backend.radix is not None:
+            cache, reused = backend.allocate_with_prefix(padded, capacity)
+        else:
+            cache, reused = backend.allocate(width, capacity), [0] * width
+        try:
+            logits, cache, prefill_s = self._prefill(cache, [p[r:] for p, r in zip(padded, reused, strict=True)], reused)
+        except BaseException:
+            backend.release(cache)
+            raise
+        batch = self._make_batch(prompts, configs, padded, logits, cache, prefill_s)
+        batch.reused = reused[: len(prompts)]
+        return batch
 
     def _prefill(
         self, cache: KVState, rows: Sequence[Sequence[int]], offsets: Sequence[int]
@@ -388,7 +410,8 @@ class Generator:
 
     def _results(self, batch: _Batch, decode_s: float, syncs: int) -> list[GenerationResult]:
         results: list[GenerationResult] = []
-        for prompt, text in zip(batch.prompts, batch.rows, strict=True):
+        reused = batch.reused or [0] * len(batch.prompts)
+        for prompt, text, cached in zip(batch.prompts, batch.rows, reused, strict=True):
             results.append(
                 GenerationResult(
                     text="".join(text.text),
@@ -396,7 +419,7 @@ class Generator:
                     prompt_token_ids=list(prompt),
                     logprobs=list(text.logprobs),
                     finish_reason=text.finish_reason,
-                    usage=TokenUsage(len(prompt), len(text.tokens)),
+                    usage=TokenUsage(len(prompt), len(text.tokens), cached),
                     timings=Timings(batch.prefill_s, decode_s, syncs),
                 )
             )
@@ -437,6 +460,12 @@ class Session:
         gen = self.generator
         ids = gen.encode_prompt(prompt)
         gen._check_fits(len(ids), sampling.max_new_tokens)
+        if not isinstance(gen.kv_backend, DenseBackend):
+            # Other backends lend one state at a time (paged) or keep lossy views: nothing is held
+            # between turns; a paged backend with a prefix cache still skips the shared prefix.
+            (result,) = gen.batch_generate([Request(ids, sampling)])
+            self._tokens = ids + result.token_ids
+            return result
         reused = _common_prefix(self._tokens, ids[:-1])  # the last prompt token must be fed for logits
         # The suffix is prefilled in a power-of-two bucket that must fit the cache too.
         needed = max(len(ids) + sampling.max_new_tokens, reused + _bucket(len(ids) - reused, 16))
@@ -457,7 +486,9 @@ class Session:
         gen = self.generator
         assert self._cache is not None
         logits, cache, prefill_s = gen._prefill(self._cache, [ids[reused:]], [reused])
-        return gen._make_batch([ids], [sampling], [ids], logits, cache, prefill_s)
+        batch = gen._make_batch([ids], [sampling], [ids], logits, cache, prefill_s)
+        batch.reused = [reused]
+        return batch
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

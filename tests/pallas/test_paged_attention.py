@@ -99,3 +99,16 @@ def test_rejects_mismatched_layouts() -> None:
         paged_decode_attention(q, quantize(k, "q4"), v, tables, lengths)
     with pytest.raises(ValueError):
         paged_decode_attention(q, k, v, tables, lengths, implementation="cuda")
+
+
+def test_triton_reads_f32_q4_scales() -> None:
+    """The Triton kernel widens 2-byte metadata to u32 pairs; 4-byte (f32) scales take the direct path."""
+    from zgen.pallas.paged_attention.layouts import quantize_q4
+
+    q, k, v, tables, lengths = _dense_problem()
+    kq, vq = quantize_q4(k, scale_dtype=jnp.float32), quantize_q4(v, group_size=16, scale_dtype=jnp.float32)
+    kb, vb = quantize_q4(k), quantize_q4(v, group_size=16)
+    for kk, vv in ((kq, vq), (kb, vb)):
+        got = paged_decode_attention(q, kk, vv, tables, lengths, implementation="triton")
+        expected = paged_decode_attention(q, kk, vv, tables, lengths, implementation="reference")
+        np.testing.assert_allclose(got, expected, atol=2e-4)

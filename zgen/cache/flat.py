@@ -48,22 +48,6 @@ def _donation_supported(array: jax.Array) -> bool:
     return all(device.platform != "cpu" for device in array.devices())
 
 
-@dataclass(frozen=True)
-class FlatBackend:
-    """:class:`~zgen.cache.base.CacheBackend` handing out flat (dense) buffers for a Generator batch."""
-
-    num_layers: int
-    kv_heads: int
-    head_dim: int
-    dtype: jnp.dtype = jnp.dtype(jnp.float32)
-
-    def allocate(self, batch: int, capacity: int) -> DenseKVState:
-        return DenseKVState.zeros(self.num_layers, batch, capacity, self.kv_heads, self.head_dim, self.dtype)
-
-    def release(self, state: DenseKVState) -> None:
-        del state  # the buffers are freed when the last reference goes
-
-
 class KVCache:
     """Host handle over one pre-allocated ``[batch, max_len, kv_heads, head_dim]`` buffer pair per layer.
 
@@ -229,4 +213,4 @@ class KVCache:
         return layer
 
 
-__all__ = ["FlatBackend", "KVCache"]
+__all__ = ["KVCache"]

@@ -25,67 +25,152 @@ from zgen.pallas.paged_attention.common import group_queries, split_pages
 from zgen.pallas.paged_attention.layouts import Fp8Pages, KVPages, Q3Pages, Q4Pages, leading_shape
 from zgen.pallas.triton_utils import MIN_DOT, dot_nn, dot_nt, next_pow2
 
-Tiles = tuple[list[Array], Array | None]  # dequantized pieces, optional per-token scale
-
-
 @dataclasses.dataclass(frozen=True)
 class PageReader:
-    """How one page of a layout becomes dequantized tiles: ``load(refs, page) -> (pieces, row_scale)``.
+    """How a kernel consumes one page of a layout, with the dequantization folded where it is cheapest.
 
-    ``pieces[i]`` is a ``[page_size, width_i]`` tile holding dims ``[start_i, start_i + width_i)``;
-    ``row_scale`` (or None) multiplies each token's logit (K) or probability (V).
+    ``prepare(q_pieces)`` runs once per program (e.g. per-group query sums); ``logits(refs, page, q_pieces,
+    prepared)`` returns the unscaled ``q . k`` of the page's tokens, ``[rows, page_size]`` f32;
+    ``values(refs, page, p)`` returns ``p @ v`` for the probabilities ``p`` ``[rows, page_size]`` f32, one
+    ``[rows, width]`` f32 tile per entry of ``pieces`` (``(start, width)`` dim ranges that unpack
+    without lane shuffles, see ``layouts``).
     """
 
     pieces: tuple[tuple[int, int], ...]
     num_refs: int
-    load: Callable[[Sequence[jax.Ref], Array], Tiles]
+    logits: Callable[[Sequence[jax.Ref], Array, Sequence[Array], Sequence[Array]], Array]
+    values: Callable[[Sequence[jax.Ref], Array, Array], list[Array]]
+    prepare: Callable[[Sequence[Array]], list[Array]] = lambda q_pieces: []
+
+
+def _columns(ref: jax.Ref, p: Array, n: int) -> list[Array]:
+    """The ``n`` per-token f32 columns ``[page_size]`` of a small metadata leaf of page ``p``.
+
+    2-byte metadata (bf16 scales, codebooks) arrives bitcast to pairs in u32 (``widen_metadata``): a
+    column of 2-byte values is a strided 2-byte load that Triton neither vectorizes nor pipelines, so
+    every loop step waited for it (144 such loads per thread per page for Q4 on the H200 PTX). A u32
+    column is a 4-byte load that goes through cp.async with the pages; a bf16 half becomes f32 with a
+    shift (low half) or a mask (high half).
+    """
+    if ref.dtype == jnp.uint32:
+        cols = []
+        for j in range(-(-n // 2)):
+            word = ref[p, :, j]
+            cols.append(jax.lax.bitcast_convert_type(word << 16, jnp.float32))
+            cols.append(jax.lax.bitcast_convert_type((word >> 16) << 16, jnp.float32))
+        return cols[:n]
+    return [ref[p, :, j].astype(jnp.float32) for j in range(n)]
+
+
+def widen_metadata(leaf: Array) -> Array:
+    """Bitcast a 2-byte metadata leaf ``[..., n]`` (n even) to u32 pairs ``[..., n/2]`` (free in XLA)."""
+    if leaf.dtype.itemsize != 2 or leaf.shape[-1] % 2:
+        return leaf
+    return jax.lax.bitcast_convert_type(leaf.reshape(*leaf.shape[:-1], leaf.shape[-1] // 2, 2), jnp.uint32)
+
+
+def _scaled(p: Array, col: Array, dtype: jnp.dtype) -> Array:
+    return (p * col[None, :]).astype(dtype)
 
 
 def _native_reader(head_dim: int, dtype: jnp.dtype) -> PageReader:
-    return PageReader(((0, head_dim),), 1, lambda refs, p: ([refs[0][p].astype(dtype)], None))
+    def logits(refs: Sequence[jax.Ref], p: Array, q: Sequence[Array], _: Sequence[Array]) -> Array:
+        return dot_nt(q[0], refs[0][p].astype(dtype))
+
+    def values(refs: Sequence[jax.Ref], p: Array, probs: Array) -> list[Array]:
+        return [dot_nn(probs.astype(dtype), refs[0][p].astype(dtype))]
+
+    return PageReader(((0, head_dim),), 1, logits, values)
 
 
 def _fp8_reader(head_dim: int, dtype: jnp.dtype) -> PageReader:
-    def load(refs: Sequence[jax.Ref], p: Array) -> Tiles:
-        values, scale = refs
-        return [values[p].astype(dtype)], scale[p]
+    """E4M3 tiles go to the dot as they are (exact in bf16); the per-token scale multiplies the logits
+    (K) or the probabilities (V), ``page_size`` values per row instead of ``page_size * D``."""
 
-    return PageReader(((0, head_dim),), 2, load)
+    def logits(refs: Sequence[jax.Ref], p: Array, q: Sequence[Array], _: Sequence[Array]) -> Array:
+        vals, scale = refs
+        return dot_nt(q[0], vals[p].astype(dtype)) * scale[p][None, :]
+
+    def values(refs: Sequence[jax.Ref], p: Array, probs: Array) -> list[Array]:
+        vals, scale = refs
+        return [dot_nn(_scaled(probs, scale[p], dtype), vals[p].astype(dtype))]
+
+    return PageReader(((0, head_dim),), 2, logits, values)
 
 
 def _q4_reader(head_dim: int, group: int, dtype: jnp.dtype) -> PageReader:
+    """Codes ``c`` in 0..15 are exact in bf16, so the dots run on the raw codes and the group's scale
+    ``s`` and min ``z`` act on whole rows: per group ``g`` and token ``t``,
+
+        q . k_t = sum_g s_tg (q_g . c_tg) + z_tg sum(q_g)        (K: sum(q_g) computed once)
+        (p @ v)_g = (p * s_g) @ c_g + (p @ z_g)                    (V: a [rows] vector per group)
+
+    so the per-element work is a shift or mask and an int->bf16 convert; no per-element FMA.
+    """
     half = head_dim // 2
     n = half // group  # groups per half
+    groups = 2 * n
 
-    def load(refs: Sequence[jax.Ref], p: Array) -> Tiles:
-        packed, scale, zero = refs
+    def codes(packed: jax.Ref, p: Array) -> list[Array]:
+        """Code tiles in group order (low nibbles: dims [0, D/2), high nibbles: [D/2, D))."""
         lows, highs = [], []
         for j in range(n):
             byte = packed[p, :, pl.ds(j * group, group)].astype(jnp.int32)
-            for codes, g, out in ((byte & 0xF, j, lows), (byte >> 4, n + j, highs)):
-                out.append((codes.astype(jnp.float32) * scale[p, :, g][:, None] + zero[p, :, g][:, None]).astype(dtype))
-        return lows + highs, None
+            lows.append((byte & 0xF).astype(dtype))
+            highs.append((byte >> 4).astype(dtype))
+        return lows + highs
+
+    def prepare(q: Sequence[Array]) -> list[Array]:
+        return [jnp.sum(qg.astype(jnp.float32), axis=1) for qg in q]
+
+    def logits(refs: Sequence[jax.Ref], p: Array, q: Sequence[Array], qsum: Sequence[Array]) -> Array:
+        packed, scale, zero = refs
+        s_cols, z_cols = _columns(scale, p, groups), _columns(zero, p, groups)
+        out = None
+        for qg, cg, sg, zg, qs in zip(q, codes(packed, p), s_cols, z_cols, qsum, strict=True):
+            term = dot_nt(qg, cg) * sg[None, :] + qs[:, None] * zg[None, :]
+            out = term if out is None else out + term
+        assert out is not None
+        return out
+
+    def values(refs: Sequence[jax.Ref], p: Array, probs: Array) -> list[Array]:
+        packed, scale, zero = refs
+        s_cols, z_cols = _columns(scale, p, groups), _columns(zero, p, groups)
+        return [
+            dot_nn(_scaled(probs, sg, dtype), cg) + jnp.sum(probs * zg[None, :], axis=1)[:, None]
+            for cg, sg, zg in zip(codes(packed, p), s_cols, z_cols, strict=True)
+        ]
 
     pieces = tuple((h * half + j * group, group) for h in range(2) for j in range(n))
-    return PageReader(pieces, 3, load)
+    return PageReader(pieces, 3, logits, values, prepare)
 
 
 def _q3_reader(head_dim: int, dtype: jnp.dtype) -> PageReader:
+    """Bit ``i`` of the plane bytes gives the dim block ``[i*D/8, (i+1)*D/8)``; each element picks its
+    codebook entry with a 7-select tree on its 3 bits, the 8 entries being per-token columns (from 4
+    u32 words, so their loads pipeline with the pages)."""
     width = head_dim // 8
 
-    def load(refs: Sequence[jax.Ref], p: Array) -> Tiles:
+    def tiles(refs: Sequence[jax.Ref], p: Array) -> list[Array]:
         planes, codebook = refs
         bits = [planes[p, :, b, :].astype(jnp.int32) for b in range(3)]
-        cb = [codebook[p, :, c].astype(jnp.float32)[:, None] for c in range(8)]
-        tiles = []
+        cb = [c[:, None] for c in _columns(codebook, p, 8)]
+        out = []
         for i in range(8):
-            b0, b1, b2 = ((plane >> i) & 1 for plane in bits)
-            pair = [jnp.where(b0 == 1, cb[2 * c + 1], cb[2 * c]) for c in range(4)]
-            quad = [jnp.where(b1 == 1, pair[2 * c + 1], pair[2 * c]) for c in range(2)]
-            tiles.append(jnp.where(b2 == 1, quad[1], quad[0]).astype(dtype))
-        return tiles, None
+            b0, b1, b2 = ((plane & (1 << i)) != 0 for plane in bits)
+            pair = [jnp.where(b0, cb[2 * c + 1], cb[2 * c]) for c in range(4)]
+            quad = [jnp.where(b1, pair[2 * c + 1], pair[2 * c]) for c in range(2)]
+            out.append(jnp.where(b2, quad[1], quad[0]).astype(dtype))
+        return out
 
-    return PageReader(tuple((i * width, width) for i in range(8)), 2, load)
+    def logits(refs: Sequence[jax.Ref], p: Array, q: Sequence[Array], _: Sequence[Array]) -> Array:
+        return functools.reduce(jnp.add, [dot_nt(qi, ki) for qi, ki in zip(q, tiles(refs, p), strict=True)])
+
+    def values(refs: Sequence[jax.Ref], p: Array, probs: Array) -> list[Array]:
+        pd = probs.astype(dtype)
+        return [dot_nn(pd, vi) for vi in tiles(refs, p)]
+
+    return PageReader(tuple((i * width, width) for i in range(8)), 2, logits, values)
 
 
 def page_reader(pages: KVPages, head_dim: int, dtype: jnp.dtype) -> PageReader:
@@ -96,6 +181,12 @@ def page_reader(pages: KVPages, head_dim: int, dtype: jnp.dtype) -> PageReader:
     if isinstance(pages, Q3Pages):
         return _q3_reader(head_dim, dtype)
     return _native_reader(head_dim, dtype)
+
+
+def kernel_leaves(pages: KVPages) -> list[Array]:
+    """The leaves the kernel reads: the data leaf as stored, 2-byte metadata widened to u32 pairs."""
+    first, *meta = jax.tree_util.tree_leaves(pages)
+    return [first, *(widen_metadata(leaf) for leaf in meta)] if not isinstance(pages, jax.Array) else [first]
 
 
 def _kernel(
@@ -116,24 +207,19 @@ def _kernel(
     first = pl.program_id(2) * pages_per_split
     steps = jnp.clip(count_ref[0] - first, 0, pages_per_split)
     q_pieces = [q_ref[:, pl.ds(start, width)] for start, width in k_reader.pieces]
+    prepared = k_reader.prepare(q_pieces)
     rows = q_ref.shape[0]
 
     def step(i: Array, carry: tuple[Array, Array, list[Array]]) -> tuple[Array, Array, list[Array]]:
         m, l, acc = carry
         page = tables_ref[first + i]
-        k_tiles, k_scale = k_reader.load(k_refs, page)
-        s = functools.reduce(jnp.add, [dot_nt(qp, kt) for qp, kt in zip(q_pieces, k_tiles, strict=True)])
-        if k_scale is not None:
-            s = s * k_scale.astype(jnp.float32)[None, :]
+        s = k_reader.logits(k_refs, page, q_pieces, prepared)
         pos = logical_ref[first + i] * page_size + jnp.arange(page_size)
         ok = visible(length - 1, pos, length, causal=True, window=window)
         s = jnp.where(ok[None, :], apply_soft_cap(s * scale, soft_cap), -jnp.inf)
         m, l, p, alpha = softmax_rescale(m, l, s)
-        v_tiles, v_scale = v_reader.load(v_refs, page)
-        if v_scale is not None:
-            p = p * v_scale.astype(jnp.float32)[None, :]
-        p = p.astype(v_tiles[0].dtype)
-        acc = [a * alpha[:, None] + dot_nn(p, vt) for a, vt in zip(acc, v_tiles, strict=True)]
+        pv = v_reader.values(v_refs, page, p)
+        acc = [a * alpha[:, None] + c for a, c in zip(acc, pv, strict=True)]
         return m, l, acc
 
     init = (
@@ -179,8 +265,8 @@ def paged_decode_attention(
     per_split, tables, logical, count = split_pages(block_tables, page_mask, kvh, num_splits)
     splits = tables.shape[1] // per_split
 
-    k_leaves = jax.tree_util.tree_leaves(k_pages)
-    v_leaves = jax.tree_util.tree_leaves(v_pages)
+    k_leaves = kernel_leaves(k_pages)
+    v_leaves = kernel_leaves(v_pages)
     kernel = functools.partial(
         _kernel,
         k_reader=page_reader(k_pages, d, q.dtype),
