@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from pallas_cases import PagedCase, assert_close, paged_cases
 
+from zgen.errors import ConfigError
 from zgen.pallas import paged_decode_attention
 from zgen.pallas.common import platform
 from zgen.pallas.paged_attention.layouts import quantize
@@ -42,7 +43,7 @@ def test_mosaic_tpu_matches_reference() -> None:
 
 def test_mosaic_tpu_refuses_what_it_cannot_mask() -> None:
     q, k, v, tables, lengths = _dense_problem()
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(ConfigError):
         paged_decode_attention(q, k, v, tables, lengths, sliding_window=4, implementation="mosaic_tpu")
 
 

@@ -7,6 +7,7 @@ from typing import Any, Callable
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from zgen.errors import ConfigError
 from zgen.pallas.common import Implementation, check_implementation, interpret_pallas, platform, resolve_scale
 
 
@@ -27,7 +28,9 @@ def _backend(implementation: Implementation) -> Callable[..., Any]:
         from zgen.pallas.flash_attention import mosaic_gpu
 
         return mosaic_gpu.flash_attention
-    raise NotImplementedError(f"flash_attention has no {implementation!r} implementation yet")
+    raise ConfigError(
+        f"unknown flash_attention implementation {implementation!r}; choose reference, xla, triton, mosaic_gpu or None"
+    )
 
 
 def default_implementation(q: Array, k: Array, *, causal: bool, window: int | None, cap: float | None) -> Implementation:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from zgen.errors import ConfigError
+
 # Queries go in tiles of 2 x block_q (two consumer warpgroups); keys in tiles of block_kv.
 BLOCK_Q, BLOCK_KV, STEPS = 64, 128, 2
 PAD_MULTIPLE = 128  # lcm(2 * BLOCK_Q, BLOCK_KV)
@@ -49,7 +51,10 @@ def flash_attention(
     max_concurrent_steps: int = STEPS,
 ) -> Float[Array, "b t h d"]:
     if not supports(q, k, causal=causal, sliding_window=sliding_window, soft_cap=soft_cap):
-        raise NotImplementedError("mosaic_gpu prefill covers causal float16 self-attention without window or cap")
+        raise ConfigError(
+            "implementation='mosaic_gpu' prefill covers causal float16 self-attention without window or soft cap; "
+            "pass implementation=None to let zgen choose"
+        )
     from jax.experimental.pallas.ops.gpu import attention_mgpu
 
     t = q.shape[1]

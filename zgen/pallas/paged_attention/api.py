@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from zgen.errors import ConfigError
 from zgen.pallas.common import Implementation, check_implementation, interpret_pallas, platform, resolve_scale
 from zgen.pallas.paged_attention.common import visible_pages
 from zgen.pallas.paged_attention.layouts import KVPages, head_dim_of, leading_shape
@@ -52,9 +53,15 @@ def _backend(implementation: Implementation, k_pages: KVPages, page_mask_given: 
         from zgen.pallas.paged_attention import mosaic_tpu
 
         if not mosaic_tpu.supports(k_pages, page_mask_given=page_mask_given, sliding_window=window):
-            raise NotImplementedError("mosaic_tpu takes unquantized pages without page_mask or sliding_window")
+            raise ConfigError(
+                "implementation='mosaic_tpu' takes unquantized pages without page_mask or sliding_window; "
+                "pass implementation=None to let zgen choose"
+            )
         return lambda *a, **kw: mosaic_tpu.paged_decode_attention(*a, **kw, interpret=platform() != "tpu")
-    raise NotImplementedError(f"paged_decode_attention has no {implementation!r} implementation yet")
+    raise ConfigError(
+        f"unknown paged_decode_attention implementation {implementation!r}; choose reference, xla, triton, "
+        "mosaic_gpu, mosaic_tpu or None"
+    )
 
 
 def default_implementation(k_pages: KVPages, page_mask_given: bool, window: int | None) -> Implementation:

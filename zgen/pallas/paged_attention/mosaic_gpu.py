@@ -18,6 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Bool, Float, Int
 
+from zgen.errors import ConfigError
 from zgen.pallas.common import RUNNING_MAX_INIT, broadcast_rows, merge_partials, softmax_rescale, soft_cap as apply_soft_cap
 from zgen.pallas.paged_attention.common import group_queries, split_pages
 from zgen.pallas.paged_attention.layouts import KVPages, leading_shape
@@ -142,7 +143,10 @@ def paged_decode_attention(
     num_splits: int | None = None,
 ) -> Float[Array, "b h d"]:
     if not supports(k_pages, q):
-        raise NotImplementedError("mosaic_gpu paged decode takes bf16/f16 pages, page_size % 64 == 0, head_dim % 64 == 0")
+        raise ConfigError(
+            "implementation='mosaic_gpu' paged decode takes bf16/f16 pages with page_size and head_dim multiples of 64; "
+            "pass implementation=None to let zgen choose"
+        )
     assert isinstance(k_pages, jax.Array) and isinstance(v_pages, jax.Array)
     b, h, d = q.shape
     kvh, num_pages, page_size = leading_shape(k_pages)
