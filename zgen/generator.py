@@ -354,19 +354,22 @@ class Generator:
             batch.state, batch.cache = self.model.plan.decode(
                 self.model.params, batch.cache, batch.state, batch.sampling, stop_at, batch.flags
             )
-            step = int(batch.state.step)
-            tokens = np.asarray(batch.state.tokens[:, seen:step])
-            logprobs = np.asarray(batch.state.logprobs[:, seen:step])
-            pieces = self._absorb(batch, tokens, logprobs)
+            # One device-to-host transfer per sync; slicing on the host compiles nothing.
+            state = batch.state
+            step_h, tokens_h, logprobs_h, device_finished = jax.device_get(
+                (state.step, state.tokens, state.logprobs, state.finished)
+            )
+            step = int(step_h)
+            pieces = self._absorb(batch, tokens_h[:, seen:step], logprobs_h[:, seen:step])
             seen = step
-            finished = np.asarray(batch.state.finished).copy()
+            finished = np.asarray(device_finished).copy()
             for row, text in enumerate(batch.rows):
                 finished[row] |= text.done
             if finished.all() or step >= max_new:
                 pieces = [p + r.finish() for p, r in zip(pieces, batch.rows, strict=True)]
                 yield pieces
                 return
-            if not np.array_equal(finished, np.asarray(batch.state.finished)):
+            if not np.array_equal(finished, device_finished):
                 # A stop string ended a row: stop spending the device loop on it.
                 batch.state = replace(batch.state, finished=jnp.asarray(finished))
             yield pieces

@@ -15,6 +15,14 @@ import jax
 from jaxtyping import Array, Float, Int
 
 
+T = TypeVar("T")
+
+
+def replace_layer(items: tuple[T, ...], layer: int, value: T) -> tuple[T, ...]:
+    """``items`` with entry ``layer`` replaced: per-layer state tuples stay immutable pytrees."""
+    return items[:layer] + (value,) + items[layer + 1 :]
+
+
 @dataclass(frozen=True)
 class LayerKV:
     """Full-precision keys and values of one layer, [batch, seq_len, kv_heads, head_dim] each."""

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from zgen.cache.base import LayerKV
+from zgen.cache.base import LayerKV, replace_layer
 from zgen.errors import CacheError
 
 
@@ -67,10 +67,6 @@ def masked_attention(
     weights = (jax.nn.softmax(scores, axis=-1) * mask).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", weights, v, preferred_element_type=jnp.float32)
     return out.reshape(batch, seq, heads, dim).astype(q.dtype)
-
-
-def _swap(items: tuple[jax.Array, ...], index: int, value: jax.Array) -> tuple[jax.Array, ...]:
-    return items[:index] + (value,) + items[index + 1 :]
 
 
 @jax.tree_util.register_dataclass
@@ -170,14 +166,14 @@ class CompressedKVState:
         add_v = v_raw.astype(jnp.float32) - jnp.where(again, self.ring_v[layer][rows, gather].astype(jnp.float32), 0)
         return replace(
             self,
-            sum_k=_swap(self.sum_k, layer, self.sum_k[layer].at[rows, chunk].add(add_k, mode="drop")),
-            sum_v=_swap(self.sum_v, layer, self.sum_v[layer].at[rows, chunk].add(add_v, mode="drop")),
-            count=_swap(
+            sum_k=replace_layer(self.sum_k, layer, self.sum_k[layer].at[rows, chunk].add(add_k, mode="drop")),
+            sum_v=replace_layer(self.sum_v, layer, self.sum_v[layer].at[rows, chunk].add(add_v, mode="drop")),
+            count=replace_layer(
                 self.count, layer, self.count[layer].at[rows, chunk].add(jnp.where(rewrite, 0, 1), mode="drop")
             ),
-            ring_k=_swap(self.ring_k, layer, self.ring_k[layer].at[rows, slot].set(k_raw, mode="drop")),
-            ring_v=_swap(self.ring_v, layer, self.ring_v[layer].at[rows, slot].set(v_raw, mode="drop")),
-            ring_pos=_swap(self.ring_pos, layer, self.ring_pos[layer].at[rows, slot].set(positions, mode="drop")),
+            ring_k=replace_layer(self.ring_k, layer, self.ring_k[layer].at[rows, slot].set(k_raw, mode="drop")),
+            ring_v=replace_layer(self.ring_v, layer, self.ring_v[layer].at[rows, slot].set(v_raw, mode="drop")),
+            ring_pos=replace_layer(self.ring_pos, layer, self.ring_pos[layer].at[rows, slot].set(positions, mode="drop")),
         )
 
     def select(self, layer: int) -> CompressedKVState:
@@ -196,12 +192,12 @@ class CompressedKVState:
         """This state with ``layer`` replaced by the one-layer state ``one`` (see :meth:`select`)."""
         return replace(
             self,
-            sum_k=_swap(self.sum_k, layer, one.sum_k[0]),
-            sum_v=_swap(self.sum_v, layer, one.sum_v[0]),
-            count=_swap(self.count, layer, one.count[0]),
-            ring_k=_swap(self.ring_k, layer, one.ring_k[0]),
-            ring_v=_swap(self.ring_v, layer, one.ring_v[0]),
-            ring_pos=_swap(self.ring_pos, layer, one.ring_pos[0]),
+            sum_k=replace_layer(self.sum_k, layer, one.sum_k[0]),
+            sum_v=replace_layer(self.sum_v, layer, one.sum_v[0]),
+            count=replace_layer(self.count, layer, one.count[0]),
+            ring_k=replace_layer(self.ring_k, layer, one.ring_k[0]),
+            ring_v=replace_layer(self.ring_v, layer, one.ring_v[0]),
+            ring_pos=replace_layer(self.ring_pos, layer, one.ring_pos[0]),
         )
 
     def pooled(self, layer: int) -> LayerKV:

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from zgen.cache.base import LayerKV
+from zgen.cache.base import LayerKV, replace_layer
 from zgen.cache.tensor import DenseKVState
 from zgen.errors import CacheError
 
@@ -158,8 +158,8 @@ class KVCache:
         new_k = write(self._state.k[layer], jnp.asarray(k), offset)
         new_v = write(self._state.v[layer], jnp.asarray(v), offset)
         self._state = DenseKVState(
-            self._state.k[:layer] + (new_k,) + self._state.k[layer + 1 :],
-            self._state.v[:layer] + (new_v,) + self._state.v[layer + 1 :],
+            replace_layer(self._state.k, layer, new_k),
+            replace_layer(self._state.v, layer, new_v),
         )
         self._shared[layer] = False
         self._lengths[layer] = start + new

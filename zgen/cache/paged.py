@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from zgen.cache.base import LayerKV
+from zgen.cache.base import LayerKV, replace_layer
 from zgen.cache.block_pool import BlockPool, blocks_for
 from zgen.cache.radix import RadixCache
 from zgen.cache.tensor import causal_attention
@@ -253,8 +253,8 @@ class PagedKVState:
         new_v = _scatter_tokens(self.v[layer], quantize_tokens(v, self.kv_dtype), page, offset)
         return replace(
             self,
-            k=self.k[:layer] + (new_k,) + self.k[layer + 1 :],
-            v=self.v[:layer] + (new_v,) + self.v[layer + 1 :],
+            k=replace_layer(self.k, layer, new_k),
+            v=replace_layer(self.v, layer, new_v),
         )
 
     def attend(
@@ -411,8 +411,8 @@ class PageStore:
             self.k[layer], self.v[layer], jnp.pad(k, pad), jnp.pad(v, pad), jnp.asarray(tables), jnp.asarray(pos),
             kv_dtype=self.config.kv_dtype,
         )
-        self.k = self.k[:layer] + (new_k,) + self.k[layer + 1 :]
-        self.v = self.v[:layer] + (new_v,) + self.v[layer + 1 :]
+        self.k = replace_layer(self.k, layer, new_k)
+        self.v = replace_layer(self.v, layer, new_v)
 
     def copy_pages(self, src: Sequence[int], dst: Sequence[int], width: int) -> None:
         """Copy pages ``src[i] -> dst[i]`` in every layer (padded to ``width`` entries to bound compiles)."""

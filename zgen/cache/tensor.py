@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from zgen.cache.base import LayerKV
+from zgen.cache.base import LayerKV, replace_layer
 from zgen.errors import CacheError
 
 
@@ -78,8 +78,8 @@ class DenseKVState:
         new_v = self.v[layer].at[rows, positions].set(v.astype(self.v[layer].dtype), mode="drop")
         return replace(
             self,
-            k=self.k[:layer] + (new_k,) + self.k[layer + 1 :],
-            v=self.v[:layer] + (new_v,) + self.v[layer + 1 :],
+            k=replace_layer(self.k, layer, new_k),
+            v=replace_layer(self.v, layer, new_v),
         )
 
     def attend(
