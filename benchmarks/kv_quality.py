@@ -1,31 +1,48 @@
-"""KV-cache quantization and compression study on SmolLM2: perplexity, bytes per token, plot.
+"""KV-cache quantization and compression study on SmolLM2: perplexity, bytes per token, decode speed, plot.
 
 For each storage kind, the perplexity of `docs/eval/english.txt` (the method of
-`zgen.evaluation.perplexity`: windows of 512 tokens, chunks of 64, every read through the cache) and
-the bytes one token takes per layer, measured from the cache's real arrays. Writes the table to
-stdout (markdown) and the plot to docs/kv_quantization.png.
+`zgen.evaluation.perplexity`: windows of 512 tokens, chunks of 64, every read through the cache), the
+bytes one token takes per layer (measured from the cache's real arrays) and the greedy decode speed
+on this machine (batch 1, a 512-token prompt from the text, median of several rounds that interleave
+the kinds, after a warm-up; prefill excluded). The coded formats (q4, q3) run twice: with the key calibration of
+`zgen.cache.paged.calibrate_keys` (random calibration tokens: nothing of the text is seen) and without
+one (Hadamard rotation only). Writes the table to stdout (markdown) and the plot to
+docs/kv_quantization.png.
 
-    python benchmarks/kv_quality.py [--window 512] [--chunk 64]
+    python benchmarks/kv_quality.py [--window 512] [--chunk 64] [--decode-tokens 64] [--fit-levels]
+
+``--fit-levels`` also refits the Q3 levels by sensitivity-weighted k-means on the calibration tokens
+(see `zgen.pallas.paged_attention.layouts`) and prints them next to ``Q3_LEVELS``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
 
-from zgen import Generator, load_model
+from zgen import Generator, SamplingConfig, load_model
 from zgen.cache.base import CacheBackend
+from zgen.cache.block_pool import BlockPool
 from zgen.cache.compressed import CompressedBackend
-from zgen.cache.options import kv_dtype, paged_kv
-from zgen.cache.paged import PagedBackend, bytes_per_token_per_layer
+from zgen.cache.paged import PagedBackend, PagedConfig, bytes_per_token_per_layer, calibrate_keys, q3_group_size
+from zgen.cache.tensor import causal_attention
 from zgen.evaluation import perplexity
+from zgen.graph.core import ForwardContext
+from zgen.graph.decoder import LOGIT_ROWS, POSITIONS, TOKENS
+from zgen.graph.nodes import rotary
 from zgen.model import Model
+from zgen.pallas.paged_attention.layouts import Q3_LEVELS, KeyCalibration, hadamard
 
 ROOT = Path(__file__).resolve().parent.parent
+POOL_MB = 256.0
 
 
 def state_bytes_per_token_per_layer(backend: CacheBackend[Any], model: Model, tokens: int) -> float:
@@ -40,38 +57,148 @@ def state_bytes_per_token_per_layer(backend: CacheBackend[Any], model: Model, to
     return total / model.config.num_layers / tokens
 
 
+def paged_backend(model: Model, kv_dtype: str, calibration: tuple[KeyCalibration, ...] | None) -> PagedBackend:
+    c = model.config
+    config = PagedConfig(c.num_layers, c.num_kv_heads, c.head_dim, 16, kv_dtype, "float32", key_calibration=calibration)
+    pool = BlockPool.from_memory_budget(
+        POOL_MB, num_layers=c.num_layers, kv_heads=c.num_kv_heads, head_dim=c.head_dim, page_size=16, kv_dtype=kv_dtype
+    )
+    return PagedBackend(config, pool, prefix_cache=False)
+
+
+def decode_tokens_per_s(
+    model: Model, backends: dict[str, CacheBackend[Any]], prompt: list[int], new_tokens: int, rounds: int
+) -> dict[str, float]:
+    """Greedy decode speed per backend; the rounds interleave the kinds, so load from other processes
+    on a shared machine spreads over all of them rather than landing on one."""
+    generators = {name: Generator(model, kv_backend=backend) for name, backend in backends.items()}
+    sampling = SamplingConfig(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
+    seconds: dict[str, list[float]] = {name: [] for name in generators}
+    for generator in generators.values():
+        generator.generate(prompt, sampling)  # warm-up: compilation
+    for _ in range(rounds):
+        for name, generator in generators.items():
+            seconds[name].append(generator.generate(prompt, sampling).timings.decode_s)
+    return {name: new_tokens / statistics.median(times) for name, times in seconds.items()}
+
+
+class _CodedActivations(ForwardContext):
+    """Causal attention of each window over itself, keeping every layer's pre-RoPE keys and values."""
+
+    def __init__(self) -> None:
+        self.keys: list[Array] = []
+        self.values: list[Array] = []
+
+    def write_and_attend(
+        self,
+        layer: int,
+        q: Float[Array, "B T H D"],
+        k: Float[Array, "B T KVH D"],
+        v: Float[Array, "B T KVH D"],
+        positions: Int[Array, "B T"],
+        inv_freq: Float[Array, " half"],
+    ) -> Float[Array, "B T H D"]:
+        self.keys.append(k)
+        self.values.append(v)
+        return causal_attention(q, rotary(k, positions, inv_freq), v, positions, sliding_window=None)
+
+
+def fit_q3_levels(model: Model, calibration: tuple[KeyCalibration, ...], rounds: int = 20, seed: int = 0) -> dict[str, Any]:
+    """Sensitivity-weighted k-means of the Q3 levels over coded keys and values of random calibration tokens.
+
+    Each group's values are divided by its least-squares scale for the current levels; a value's weight
+    is that scale squared, so the fit minimises the error of the coded values themselves (the keys'
+    coding already carries their Fisher-proxy channel weights). Starts from a uniform grid.
+    """
+    tokens = np.random.default_rng(seed + 1).integers(0, model.config.vocab_size, (4, 512), dtype=np.int32)
+    positions = np.broadcast_to(np.arange(512, dtype=np.int32), tokens.shape)
+    context = _CodedActivations()
+    feeds = {TOKENS: jnp.asarray(tokens), POSITIONS: jnp.asarray(positions), LOGIT_ROWS: jnp.zeros((4, 1), jnp.int32)}
+    model.graph.run(model.params, feeds, context)
+    group = q3_group_size(model.config.head_dim)
+    first = (positions == 0)[:, :, None]
+    coded = {
+        "keys": [np.asarray(cal.encode(k, first, head_axis=-2)) for cal, k in zip(calibration, context.keys, strict=True)],
+        "values": [np.asarray(hadamard(v)) for v in context.values],
+    }
+    fits: dict[str, Any] = {}
+    for kind, layers in coded.items():
+        per_layer = []
+        for y in [np.concatenate([x.reshape(-1, group) for x in layers])] + [x.reshape(-1, group) for x in layers]:
+            levels = np.linspace(-2.0, 2.0, 8)
+            for _ in range(rounds):
+                scale = np.sqrt(np.mean(y * y, axis=-1, keepdims=True)) + 1e-12
+                for _ in range(3):
+                    assigned = levels[np.argmin(np.abs(y[..., None] / scale[..., None] - levels), axis=-1)]
+                    scale = np.sum(y * assigned, -1, keepdims=True) / np.sum(assigned**2, -1, keepdims=True) + 1e-12
+                u, weight = (y / scale).ravel(), np.broadcast_to(scale**2, y.shape).ravel()
+                nearest = np.argmin(np.abs(u[:, None] - levels), axis=-1)
+                mass = np.bincount(nearest, weight, 8)
+                levels = np.sort(np.where(mass > 0, np.bincount(nearest, weight * u, 8) / np.maximum(mass, 1e-30), levels))
+            per_layer.append(levels)
+        fits[kind] = {
+            "all_layers": np.round(per_layer[0], 3).tolist(),
+            "max_layer_deviation_from_Q3_LEVELS": float(np.max(np.abs(np.asarray(per_layer[1:]) - np.asarray(Q3_LEVELS)))),
+        }
+    return fits
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--compressed-chunk", type=int, default=16)
+    parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--decode-rounds", type=int, default=5)
+    parser.add_argument("--fit-levels", action="store_true")
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "kv_quantization.png")
     args = parser.parse_args()
 
     model = load_model("smollm2", dtype="float32")
     ids = model.tokenizer.encode((ROOT / "docs" / "eval" / "english.txt").read_text(), add_special_tokens=False)
     c = model.config
-    kinds: dict[str, CacheBackend[Any]] = {
-        name: Generator(model, paged_kv(256), kv_dtype(name)).kv_backend for name in ("fp32", "fp16", "bf16", "fp8", "q4", "q3")
-    }
+    calibration = calibrate_keys(model)
+    if args.fit_levels:
+        print(json.dumps({"q3_levels_fit": fit_q3_levels(model, calibration), "Q3_LEVELS": Q3_LEVELS}), flush=True)
+    kinds: dict[str, CacheBackend[Any]] = {name: paged_backend(model, name, None) for name in ("fp32", "fp16", "bf16", "fp8")}
+    for name in ("q4", "q3"):
+        kinds[name] = paged_backend(model, name, calibration)
+        kinds[f"{name}, no calibration"] = paged_backend(model, name, None)
     # Raw ring of 4 chunks: bounded memory, and room for a prefill chunk of `args.chunk` tokens.
     ring = max(4 * args.compressed_chunk, args.chunk + args.compressed_chunk)
-    kinds[f"compressed (chunk {args.compressed_chunk})"] = CompressedBackend(
-        c.num_layers, c.num_kv_heads, c.head_dim, args.compressed_chunk, model.dtype, raw_slots=ring
-    )
+    compressed = f"compressed (chunk {args.compressed_chunk})"
+    kinds[compressed] = CompressedBackend(c.num_layers, c.num_kv_heads, c.head_dim, args.compressed_chunk, model.dtype, raw_slots=ring)
+    # Generation prefills its prompt in one write: the speed run's ring spans the whole cache.
+    decode_backends = {
+        **kinds,
+        compressed: CompressedBackend(c.num_layers, c.num_kv_heads, c.head_dim, args.compressed_chunk, model.dtype),
+    }
     rows: list[dict[str, Any]] = []
     for name, backend in kinds.items():
         result = perplexity(model, ids, window=args.window, chunk=args.chunk, backend=backend)
-        per_token = state_bytes_per_token_per_layer(backend, model, args.window)
-        rows.append({"kind": name, "ppl": result.ppl, "nll": result.nll, "tokens": result.tokens_scored,
-                     "bytes_per_token_per_layer": per_token})
+        rows.append(
+            {
+                "kind": name,
+                "ppl": result.ppl,
+                "nll": result.nll,
+                "tokens": result.tokens_scored,
+                "bytes_per_token_per_layer": state_bytes_per_token_per_layer(backend, model, args.window),
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
+    speeds = decode_tokens_per_s(model, decode_backends, ids[: args.window], args.decode_tokens, args.decode_rounds)
+    for row in rows:
+        row["decode_tokens_per_s"] = speeds[row["kind"]]
+    print(json.dumps({"decode_tokens_per_s": speeds}), flush=True)
     base = rows[0]["ppl"]
-    print(f"\n{len(ids)} tokens, window {args.window}, chunk {args.chunk}\n")
-    print("| kind | PPL | vs fp32 | bytes/token/layer |\n| --- | ---: | ---: | ---: |")
+    print(f"\n{len(ids)} tokens, window {args.window}, chunk {args.chunk}; decode: batch 1 after a {args.window}-token prompt\n")
+    print("| kind | PPL | vs fp32 | bytes/token/layer | decode tok/s |\n| --- | ---: | ---: | ---: | ---: |")
     for row in rows:
         row["increase_pct"] = 100 * (row["ppl"] / base - 1)
-        print(f"| {row['kind']} | {row['ppl']:.3f} | {row['increase_pct']:+.2f} % | {row['bytes_per_token_per_layer']:.0f} |")
+        print(
+            f"| {row['kind']} | {row['ppl']:.3f} | {row['increase_pct']:+.2f} % | {row['bytes_per_token_per_layer']:.0f} "
+            f"| {row['decode_tokens_per_s']:.1f} |"
+        )
 
     import matplotlib
 
@@ -83,6 +210,7 @@ def main() -> None:
         ax.scatter(row["bytes_per_token_per_layer"], row["increase_pct"])
         ax.annotate(row["kind"], (row["bytes_per_token_per_layer"], row["increase_pct"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
     ax.set_xscale("log")
+    ax.set_yscale("symlog", linthresh=1.0)
     ax.set_xlabel("bytes per token per layer (K + V)")
     ax.set_ylabel("perplexity increase over fp32 (%)")
     ax.set_title(f"SmolLM2-135M, {len(ids)}-token English text")

@@ -6,10 +6,13 @@ After every step, every live cache's ``get(layer)`` is checked against its refer
 
 * fp32 / bf16 / fp16: bit-exact against the reference rounded to the stored dtype;
 * fp8 (E4M3, per-token scale s = amax/448): ``|err| <= |x|/16 + s/1024`` (3 mantissa bits, subnormal step);
-* q4 (per-group stored scale s' and min z', bf16): ``|err| <= s'/2`` plus the clipping slack of the
-  rounded scale/min, computed from the same bf16 roundings;
-* q3 (8-entry codebook per token): each value decodes to its *nearest* codebook entry, and every entry
-  lies within the token's [min, max] (up to bf16 rounding).
+* q4 and q3 code what they store (keys: ``y = H((k - shift) * a)`` with a random calibration, the
+  sink's shift at position 0; values: ``y = H v``; ``H`` the orthonormal Hadamard matrix), so the
+  bound is derived in the coded domain and carried back: ``|err_x[i]| <= sum_j |H[i, j]| |err_y[j]| /
+  a[i]``, with in the coded domain
+  * q4 (per-group stored scale s' and min z', bf16): ``|err_y| <= s'/2`` plus the clipping slack of
+    the rounded scale/min, and s' is the group's (max - min) / 15 up to bf16 rounding;
+  * q3 (8 levels times a per-group stored scale s'): each value decodes to its *nearest* scaled level.
 
 Invariants: the pool never leaks (free + used == total, reference counts equal the number of tables
 naming each block), each cache holds exactly ceil(seq_len / page_size) blocks per row, forks never see
@@ -28,10 +31,10 @@ from hypothesis import event, strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, precondition, rule
 
 from zgen.cache.block_pool import BlockPool, blocks_for
-from zgen.cache.paged import KV_DTYPES, PagedConfig, PagedKVCache, PageStore, q4_group_size
+from zgen.cache.paged import CODED_KV_DTYPES, KV_DTYPES, PagedConfig, PagedKVCache, PageStore, q3_group_size, q4_group_size
 from zgen.cache.tensor import causal_attention
 from zgen.errors import CacheError, PoolExhaustedError
-from zgen.pallas.paged_attention.layouts import Q3Pages
+from zgen.pallas.paged_attention.layouts import Q3_LEVELS, KeyCalibration
 
 LAYERS, BATCH, KVH, HEADS, D, PS, MAX_LEN, BLOCKS = 2, 2, 2, 4, 16, 4, 24, 15
 MAX_CACHES = 4
@@ -49,7 +52,56 @@ def _bf16(x: np.ndarray) -> np.ndarray:
     return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
 
 
-def check_read(got: np.ndarray, ref: np.ndarray, kv_dtype: str, codebook: np.ndarray | None) -> None:
+def _sylvester(d: int) -> np.ndarray:
+    """The orthonormal Hadamard matrix of order ``d`` (a power of two), Sylvester's construction."""
+    h = np.ones((1, 1))
+    while h.shape[0] < d:
+        h = np.block([[h, h], [h, -h]])
+    return h / np.sqrt(d)
+
+
+H_D = _sylvester(D)
+
+
+class Coding:
+    """What a coded format stores for reference values ``x [B, S, KVH, D]`` (float64)."""
+
+    def __init__(self, shift_rest: np.ndarray, shift_first: np.ndarray, scale: np.ndarray) -> None:
+        self.shift_rest, self.shift_first, self.scale = shift_rest, shift_first, scale  # [KVH, D] each
+
+    def shift(self, seq_len: int) -> np.ndarray:
+        first = (np.arange(seq_len) == 0)[None, :, None, None]
+        return np.where(first, self.shift_first, self.shift_rest)
+
+    def encode(self, x: np.ndarray) -> np.ndarray:
+        return ((x - self.shift(x.shape[1])) * self.scale) @ H_D.T
+
+
+def _group_bound(y: np.ndarray, stored: dict[str, np.ndarray], kv_dtype: str) -> np.ndarray:
+    """Bound on ``|dequantized - y|`` per value of the coded ``y``, from the stored per-group metadata."""
+    g = q4_group_size(D) if kv_dtype == "q4" else q3_group_size(D)
+    grouped = y.reshape(*y.shape[:-1], D // g, g)
+    scale = stored["scale"][..., None]
+    if kv_dtype == "q4":
+        lo, hi = grouped.min(-1, keepdims=True), grouped.max(-1, keepdims=True)
+        step = np.where(hi > lo, (hi - lo) / 15.0, 1.0)
+        assert np.all(np.abs(scale - step) <= 2**-8 * step + 1e-30), "a q4 step is not the group's (max - min) / 15"
+        zero = stored["zero"][..., None]
+        slack = np.maximum(zero - lo, 0) + np.maximum(hi - (15 * scale + zero), 0)
+        bound = scale / 2 + slack + 1e-6 * (np.abs(lo) + np.abs(hi))
+    else:
+        levels = np.asarray(Q3_LEVELS, np.float64) * scale[..., None]  # [..., groups, 1, 8]
+        bound = np.min(np.abs(grouped[..., None] - levels), axis=-1) + 1e-6 * np.abs(grouped).max(-1, keepdims=True)
+        # The step itself: the stored scale is (up to its 3 refits and bf16) the least-squares scale of its codes.
+        code_levels = np.asarray(Q3_LEVELS)[np.argmin(np.abs(grouped[..., None] - levels), axis=-1)]
+        fitted = np.sum(grouped * code_levels, -1, keepdims=True) / np.sum(code_levels**2, -1, keepdims=True)
+        assert np.all(np.abs(scale - fitted) <= 0.25 * fitted + 1e-30), "a q3 scale is not its codes' least-squares scale"
+    return np.broadcast_to(bound, grouped.shape).reshape(y.shape)
+
+
+def check_read(
+    got: np.ndarray, ref: np.ndarray, kv_dtype: str, coding: Coding | None, stored: dict[str, np.ndarray]
+) -> None:
     """``got`` (read back) against ``ref`` (what was written, f32), both [B, S, KVH, D]."""
     if kv_dtype in ("fp32", "bf16", "fp16"):
         np.testing.assert_array_equal(got, _round(ref, kv_dtype))
@@ -58,22 +110,12 @@ def check_read(got: np.ndarray, ref: np.ndarray, kv_dtype: str, codebook: np.nda
     amax = np.max(np.abs(ref), axis=-1, keepdims=True)
     if kv_dtype == "fp8":
         bound = np.abs(ref) / 16 + amax / 448 / 1024 + 1e-6 * amax
-    elif kv_dtype == "q4":
-        g = q4_group_size(D)
-        grouped = ref.reshape(*ref.shape[:-1], D // g, g)
-        lo, hi = grouped.min(-1, keepdims=True), grouped.max(-1, keepdims=True)
-        scale = _bf16(np.where(hi > lo, (hi - lo) / np.float32(15.0), np.float32(1.0)))
-        zero = _bf16(lo)
-        slack = np.maximum(zero - lo, 0) + np.maximum(hi - (15 * scale + zero), 0)
-        bound = np.broadcast_to(scale / 2 + slack + 1e-6 * (np.abs(lo) + np.abs(hi)), grouped.shape).reshape(ref.shape)
     else:
-        assert codebook is not None
-        nearest = np.min(np.abs(ref[..., :, None] - codebook[..., None, :].astype(np.float64)), axis=-1)
-        lo, hi = ref.min(-1, keepdims=True), ref.max(-1, keepdims=True)
-        span = hi - lo
-        assert np.all(codebook >= _bf16(lo) - 1e-6 * np.abs(lo) - 1e-12), "a codebook entry below the token's min"
-        assert np.all(codebook <= _bf16(hi) + 1e-6 * np.abs(hi) + 1e-12), "a codebook entry above the token's max"
-        bound = nearest + 1e-6 * span + 1e-12
+        assert coding is not None
+        y = coding.encode(ref)
+        spread = _group_bound(y, stored, kv_dtype) @ np.abs(H_D).T  # sum_j |H_ij| err_y[j]
+        f32_rounding = 1e-5 * (np.abs(y).max(-1, keepdims=True) / coding.scale + np.abs(coding.shift(ref.shape[1])))
+        bound = spread / coding.scale + f32_rounding
     bad = err > bound
     assert not bad.any(), f"{kv_dtype}: {int(bad.sum())} values outside the bound; worst excess {float(np.max(err - bound)):.3g}"
 
@@ -103,13 +145,29 @@ class PagedCacheMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.kv_dtype = "fp32"
+        self.key_codings: list[Coding] = []
         self.store: PageStore | None = None
         self.live: list[Entry] = []
 
-    @initialize(target=caches, kv_dtype=st.sampled_from(KV_DTYPES))
-    def start(self, kv_dtype: str) -> Entry:
+    @initialize(target=caches, kv_dtype=st.sampled_from(KV_DTYPES), seed=st.integers(0, 2**16))
+    def start(self, kv_dtype: str, seed: int) -> Entry:
+        """A store on a fresh pool; the coded formats get a random key calibration per layer."""
         self.kv_dtype = kv_dtype
-        self.store = PageStore(PagedConfig(LAYERS, KVH, D, PS, kv_dtype), BlockPool(BLOCKS, PS))
+        rng = np.random.default_rng(seed)
+
+        def f32(x: np.ndarray) -> np.ndarray:  # the reference codes with the float32 values the cache holds
+            return x.astype(np.float32).astype(np.float64)
+
+        self.key_codings = [
+            Coding(f32(rng.standard_normal((KVH, D))), f32(rng.standard_normal((KVH, D))), f32(rng.uniform(0.25, 4.0, (KVH, D))))
+            for _ in range(LAYERS)
+        ]
+        calibration = tuple(
+            KeyCalibration(*(jnp.asarray(x, jnp.float32) for x in (c.shift_rest, c.shift_first, c.scale)))
+            for c in self.key_codings
+        )
+        config = PagedConfig(LAYERS, KVH, D, PS, kv_dtype, key_calibration=calibration)
+        self.store = PageStore(config, BlockPool(BLOCKS, PS))
         return self._new()
 
     def _new(self) -> Entry:
@@ -242,26 +300,33 @@ class PagedCacheMachine(RuleBasedStateMachine):
 
     @invariant()
     def every_read_matches_its_reference(self) -> None:
+        coded = self.kv_dtype in CODED_KV_DTYPES
+        value_coding = Coding(np.zeros((KVH, D)), np.zeros((KVH, D)), np.ones((KVH, D)))
         for e in self.live:
             assert e.cache.seq_len == e.k[0].shape[1]
             for layer in range(LAYERS):
                 got = e.cache.get(layer)
-                codebooks = self._codebooks(e, layer)
-                check_read(np.asarray(got.k, np.float64), e.k[layer], self.kv_dtype, codebooks[0])
-                check_read(np.asarray(got.v, np.float64), e.v[layer], self.kv_dtype, codebooks[1])
+                k_stored, v_stored = self._stored(e, layer)
+                key_coding = self.key_codings[layer] if coded else None
+                check_read(np.asarray(got.k, np.float64), e.k[layer], self.kv_dtype, key_coding, k_stored)
+                check_read(np.asarray(got.v, np.float64), e.v[layer], self.kv_dtype, value_coding if coded else None, v_stored)
 
-    def _codebooks(self, e: Entry, layer: int) -> tuple[np.ndarray | None, np.ndarray | None]:
-        """Stored Q3 codebooks of the cache's tokens, [B, S, KVH, 8] (None for other formats)."""
-        if self.kv_dtype != "q3" or self.store is None:
-            return None, None
+    def _stored(self, e: Entry, layer: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """The stored per-group metadata (q4: scale, zero; q3: scale) of the cache's tokens, each
+        [B, S, KVH, groups], for K and V (empty for the other formats)."""
+        if self.kv_dtype not in CODED_KV_DTYPES or self.store is None:
+            return {}, {}
         n = e.cache.seq_len
         table = np.maximum(e.cache.block_table, 0)
         out = []
         for pages in (self.store.k[layer], self.store.v[layer]):
-            assert isinstance(pages, Q3Pages)
-            cb = np.asarray(pages.codebook, np.float32)[:, table]  # [KVH, B, pps, PS, 8]
-            cb = cb.reshape(KVH, BATCH, -1, 8).transpose(1, 2, 0, 3)[:, :n]
-            out.append(cb)
+            gathered = {}
+            for name in ("scale", "zero"):
+                if not hasattr(pages, name):
+                    continue
+                x = np.asarray(getattr(pages, name), np.float32)[:, table]  # [KVH, B, pps, PS, groups]
+                gathered[name] = x.reshape(KVH, BATCH, -1, x.shape[-1]).transpose(1, 2, 0, 3)[:, :n].astype(np.float64)
+            out.append(gathered)
         return out[0], out[1]
 
     def teardown(self) -> None:

@@ -37,7 +37,14 @@ StopOption = Annotated[list[str] | None, typer.Option("--stop", help="Stop strin
 IgnoreEosOption = Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at the model's EOS tokens.")]
 KVCacheOption = Annotated[str, typer.Option("--kv-cache", help=f"KV cache kind: {', '.join(CACHE_KINDS)}.")]
 KVDtypeOption = Annotated[str | None, typer.Option("--kv-dtype", help=f"KV storage dtype: {', '.join(KV_DTYPES)} (default: the model dtype).")]
-PrefixCacheOption = Annotated[bool, typer.Option("--prefix-cache", help="Share prompt prefixes across requests (paged cache).")]
+PrefixCacheOption = Annotated[
+    bool,
+    typer.Option(
+        "--prefix-cache",
+        help="Share prompt prefixes across requests, up to 4096 blocks on the device (makes tensor paged; "
+        "tiered always has one, unbounded without this flag).",
+    ),
+]
 
 
 def _cache_options(kind: str, dtype: str | None, prefix: bool) -> list[CacheOption]:
@@ -101,18 +108,18 @@ def generate(
     """Generate a continuation of a prompt (streamed to stdout)."""
     try:
         loaded = load_model(model, dtype=dtype)
-        generator = Generator(loaded, *_cache_options(kv_cache, kv_dtype_name, use_prefix_cache))
         sampling = _sampling(max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed, stop, ignore_eos)
         request = [{"role": "user", "content": prompt}] if chat else prompt
-        if not as_json:
-            for piece in generator.generate_stream(request, sampling):
-                sys.stdout.write(piece)
-                sys.stdout.flush()
-            sys.stdout.write("\n")
-            return
-        start = time.perf_counter()
-        result = generator.generate(request, sampling)
-        total_s = time.perf_counter() - start
+        with Generator(loaded, *_cache_options(kv_cache, kv_dtype_name, use_prefix_cache)) as generator:
+            if not as_json:
+                for piece in generator.generate_stream(request, sampling):
+                    sys.stdout.write(piece)
+                    sys.stdout.flush()
+                sys.stdout.write("\n")
+                return
+            start = time.perf_counter()
+            result = generator.generate(request, sampling)
+            total_s = time.perf_counter() - start
     except ZgenError as err:
         raise _fail(err) from None
     decode_tps = result.usage.completion_tokens / result.timings.decode_s if result.timings.decode_s else 0.0
@@ -160,28 +167,30 @@ def chat(
     """Chat interactively; an empty line or end of input quits. The conversation's KV cache is reused."""
     try:
         loaded = load_model(model, dtype=dtype)
-        session = Generator(loaded, *_cache_options(kv_cache, kv_dtype_name, use_prefix_cache)).new_session()
+        generator = Generator(loaded, *_cache_options(kv_cache, kv_dtype_name, use_prefix_cache))
     except ZgenError as err:
         raise _fail(err) from None
     sampling = _sampling(max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed, None, False)
     messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     console = Console()
-    while True:
-        try:
-            line = console.input("[bold green]you>[/] ")
-        except EOFError:
-            break
-        if not line.strip():
-            break
-        messages.append({"role": "user", "content": line})
-        try:
-            result = session.generate(messages, sampling)
-        except ZgenError as err:
-            err_console.print(f"[bold red]error:[/] {err}")
-            messages.pop()
-            continue
-        messages.append({"role": "assistant", "content": result.text})
-        console.print(f"[bold blue]zgen>[/] {result.text}")
+    with generator:
+        session = generator.new_session()
+        while True:
+            try:
+                line = console.input("[bold green]you>[/] ")
+            except EOFError:
+                break
+            if not line.strip():
+                break
+            messages.append({"role": "user", "content": line})
+            try:
+                result = session.generate(messages, sampling)
+            except ZgenError as err:
+                err_console.print(f"[bold red]error:[/] {err}")
+                messages.pop()
+                continue
+            messages.append({"role": "assistant", "content": result.text})
+            console.print(f"[bold blue]zgen>[/] {result.text}")
 
 
 eval_app = typer.Typer(help="Evaluate a model.", no_args_is_help=True)
@@ -207,9 +216,9 @@ def eval_ppl(
         raise typer.Exit(code=2) from None
     try:
         loaded = load_model(model, dtype=dtype)
-        backend = Generator(loaded, *_cache_options(kv_cache, kv_dtype_name, False)).kv_backend
         ids = loaded.tokenizer.encode(text, add_special_tokens=False)
-        result = perplexity(loaded, ids, window=window, chunk=chunk, backend=backend)
+        with Generator(loaded, *_cache_options(kv_cache, kv_dtype_name, False)) as generator:
+            result = perplexity(loaded, ids, window=window, chunk=chunk, backend=generator.kv_backend)
     except ZgenError as err:
         raise _fail(err) from None
     fields = {"ppl": result.ppl, "nll": result.nll, "tokens_scored": result.tokens_scored, "windows": result.windows}

@@ -12,7 +12,8 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from types import TracebackType
+from typing import Any, Self
 
 import jax
 import jax.numpy as jnp
@@ -149,6 +150,9 @@ class Generator:
     strings or streaming need the host; ``host_sampler`` replaces on-device sampling with a
     Python callable on (ids sorted by probability, their probabilities) — it costs a host round
     trip per token.
+
+    A generator is a context manager: :meth:`close` frees what its cache holds outside the device (a
+    tiered cache's host RAM and disk files; garbage collection frees them too).
     """
 
     def __init__(
@@ -169,7 +173,25 @@ class Generator:
         if kv_backend is not None and options:
             raise ConfigError("pass either cache options or a kv_backend, not both")
         self.cache_options = resolve(options)
+        self._owns_backend = kv_backend is None
         self.kv_backend: CacheBackend[Any] = kv_backend or make_backend(self.cache_options, model.config, model.dtype)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the cache backend this generator built, if it holds anything to free (a tiered cache's
+        store: host RAM, disk files, its temporary directory; such a generator cannot generate after).
+        A ``kv_backend`` passed in is the caller's to close.
+        """
+        close = getattr(self.kv_backend, "close", None)
+        if self._owns_backend and callable(close):
+            close()
 
     # -- public API ----------------------------------------------------------------------------
 

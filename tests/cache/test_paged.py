@@ -22,14 +22,18 @@ from zgen.cache.paged import (
     PagedKVState,
     PageStore,
     bytes_per_token_per_layer,
+    calibrate_keys,
     empty_pages,
 )
 from zgen.cache.radix import RadixCache, block_hashes
-from zgen.cache.tensor import DenseKVState
+from zgen.cache.tensor import DenseKVState, causal_attention
 from zgen.config import ModelConfig
 from zgen.errors import CacheError, ConfigError, PoolExhaustedError
 from zgen.graph.decoder import build_decoder
-from zgen.graph.plan import ExecutionPlan
+from zgen.graph.nodes import rotary
+from zgen.graph.plan import ExecutionPlan, _CacheContext
+from zgen.model import random_model
+from zgen.pallas.paged_attention.layouts import KeyCalibration
 
 # -- BlockPool ---------------------------------------------------------------------------------------
 
@@ -92,7 +96,8 @@ def test_bytes_per_token_matches_the_store(kv_dtype: str) -> None:
 def test_memory_per_token_really_shrinks() -> None:
     sizes = {d: bytes_per_token_per_layer(d, 3, 64, 16) for d in KV_DTYPES}
     # SmolLM2 shape (3 kv heads x 64): K and V, per token per layer.
-    assert sizes == {"fp32": 1536, "bf16": 768, "fp16": 768, "fp8": 408, "q4": 240, "q3": 240}
+    assert sizes == {"fp32": 1536, "bf16": 768, "fp16": 768, "fp8": 408, "q4": 240, "q3": 192}
+    assert sizes["q3"] < sizes["q4"] < sizes["fp8"] < sizes["bf16"]
     assert bytes_per_token_per_layer("q3", 8, 128, 16) / bytes_per_token_per_layer("bf16", 8, 128, 16) == 0.25
 
 
@@ -178,6 +183,111 @@ def test_quantized_state_attends_like_its_dequantized_view(kv_dtype: str) -> Non
     np.testing.assert_allclose(_attend(state, q, q_pos, None), _attend(dense, q, q_pos, None), rtol=2e-2, atol=2e-2)
     qp = _rand(4, B, 9, H, D)
     np.testing.assert_allclose(_attend(state, qp, pos, 4), _attend(dense, qp, pos, 4), rtol=2e-2, atol=2e-2)
+
+
+INV_FREQ = jnp.asarray(10_000.0 ** (-np.arange(0, D, 2) / D), jnp.float32)
+
+
+@jax.jit
+def _write_and_attend(state: PagedKVState, q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array) -> tuple[jax.Array, PagedKVState]:
+    """What an Attention node does through the plan's cache context: q rotated, k not."""
+    ctx = _CacheContext(state, None)
+    out = ctx.write_and_attend(0, q, k, v, pos, INV_FREQ)
+    return out, ctx.state
+
+
+def _context_step(state: PagedKVState, start: int, n: int, seed: int) -> tuple[jax.Array, PagedKVState, jax.Array, jax.Array, jax.Array]:
+    """Write and attend ``n`` tokens from ``start``: the output, the new state, and the rotated queries,
+    the keys (before RoPE) and the positions that were given."""
+    pos = jnp.broadcast_to(jnp.arange(start, start + n, dtype=jnp.int32), (B, n))
+    k, v = _rand(seed, B, n, KVH, D), _rand(seed + 1, B, n, KVH, D)
+    q = rotary(_rand(seed + 2, B, n, H, D), pos, INV_FREQ)
+    out, state = _write_and_attend(state, q, k, v, pos)
+    return out, state, q, k, pos
+
+
+@pytest.mark.parametrize("kv_dtype", ["q4", "q3"])
+def test_coded_formats_store_keys_before_rope_and_rotate_them_after_dequantizing(kv_dtype: str) -> None:
+    """Through the plan's cache context: the stored keys are the un-rotated ones, and prefill (T > 1)
+    and decode (T == 1) attention equal attention over the dequantized keys rotated afterwards."""
+    state = _shuffled_state(kv_dtype, 12, seed=2)
+    assert state.keys_before_rope
+    for start, n, seed in ((0, 9, 10), (9, 1, 20)):
+        out, state, q, k, pos = _context_step(state, start, n, seed)
+        view = _view(state)
+        stored = view[0][:, start : start + n]
+        err_pre = float(jnp.linalg.norm(stored - k) / jnp.linalg.norm(k))
+        err_post = float(jnp.linalg.norm(stored - rotary(k, pos, INV_FREQ)) / jnp.linalg.norm(k))
+        assert err_pre < 0.25 < err_post, (err_pre, err_post)
+        slots = jnp.broadcast_to(jnp.arange(view[0].shape[1], dtype=jnp.int32), view[0].shape[:2])
+        expected = causal_attention(q, rotary(view[0], slots, INV_FREQ), view[1], pos, sliding_window=None)
+        np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "fp8"])
+def test_other_formats_store_keys_after_rope(kv_dtype: str) -> None:
+    """Unquantized (and fp8) pages keep post-RoPE keys, as before the coded formats existed."""
+    state = _shuffled_state(kv_dtype, 12, seed=3)
+    assert not state.keys_before_rope
+    _, state, _, k, pos = _context_step(state, 0, 5, 30)
+    tolerance = {"fp32": 1e-6, "bf16": 1e-2, "fp8": 0.07}[kv_dtype]  # fp32: XLA may fuse the rotation differently
+    np.testing.assert_allclose(_view(state)[0][:, :5], rotary(k, pos, INV_FREQ), rtol=tolerance, atol=tolerance)
+
+
+def test_key_calibration_codes_the_sink_on_its_own_centre() -> None:
+    rng = np.random.default_rng(4)
+    calibration = KeyCalibration(*(jnp.asarray(rng.uniform(0.5, 2.0, (KVH, D)), jnp.float32) for _ in range(3)))
+    k = _rand(5, B, 3, KVH, D)
+    first = (jnp.arange(3) == 0)[None, :, None]
+    coded = calibration.encode(k, first, head_axis=-2)
+    np.testing.assert_allclose(calibration.decode(coded, first, head_axis=-2), k, rtol=1e-5, atol=1e-5)
+    # The key at position 0 is coded against the sink, the others against the centre.
+    sink_only = calibration.encode(jnp.broadcast_to(calibration.sink, k.shape), first, head_axis=-2)
+    np.testing.assert_allclose(sink_only[:, 0], 0.0, atol=1e-6)
+    assert float(jnp.min(jnp.abs(sink_only[:, 1:]).max(-1))) > 0.1
+
+
+def test_calibrate_keys_measures_centres_sinks_and_sensitivity() -> None:
+    model = random_model(CONFIG, dtype="float32")
+    calibration = calibrate_keys(model, windows=3, window=16)
+    assert len(calibration) == CONFIG.num_layers
+    for layer in calibration:
+        for stat in (layer.center, layer.sink, layer.scale):
+            assert stat.shape == (CONFIG.num_kv_heads, CONFIG.head_dim) and bool(jnp.all(jnp.isfinite(stat)))
+        assert bool(jnp.all(layer.scale > 0))
+        np.testing.assert_allclose(jnp.mean(jnp.log(layer.scale), axis=-1), 0.0, atol=1e-5)  # geometric mean 1
+    # Given ids: the sink of layer 0 is the mean pre-RoPE key of the windows' first tokens.
+    ids = list(range(1, 33))
+    calibration = calibrate_keys(model, ids, windows=2, window=16)
+    x = model.params["embed"][jnp.asarray([ids[0], ids[16]])]
+    normed = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + CONFIG.rms_norm_eps) * model.params["layers.0.input_norm"]
+    q_rows = CONFIG.num_heads * CONFIG.head_dim
+    k_rows = model.params["layers.0.qkv"][q_rows : q_rows + CONFIG.num_kv_heads * CONFIG.head_dim]
+    keys = (normed @ k_rows.T).reshape(2, CONFIG.num_kv_heads, CONFIG.head_dim)
+    np.testing.assert_allclose(calibration[0].sink, keys.mean(0), rtol=1e-4, atol=1e-4)
+
+
+def test_calibrated_backend_serves_states_again_after_a_plan_donated_them(tiny_model) -> None:  # type: ignore[no-untyped-def]
+    """The store hands each state fresh calibration arrays: a donated state does not kill the next one."""
+    plan, params = tiny_model
+    calibration = calibrate_keys(random_model(CONFIG, dtype="float32"), windows=2, window=8)
+    config = PagedConfig(CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.head_dim, 4, "q3", key_calibration=calibration)
+    backend = PagedBackend(config, BlockPool(16, 4), prefix_cache=False)
+    logits = []
+    for _ in range(2):
+        state = backend.allocate(1, 12)
+        out, state = _run(plan, params, state, [[3, 1, 4, 1, 5, 9]], [0])
+        backend.release(state)
+        logits.append(out)
+    np.testing.assert_array_equal(logits[0], logits[1])
+
+
+def test_calibration_must_match_the_cache_shape() -> None:
+    wrong = (KeyCalibration.identity(KVH + 1, D),)
+    with pytest.raises(ConfigError, match="key_calibration"):
+        PagedConfig(1, KVH, D, PS, "q4", key_calibration=wrong)
+    with pytest.raises(ConfigError, match="layers"):
+        PagedKVState.contiguous(2, 1, 8, KVH, D, kv_dtype="q4", page_size=PS, key_calibration=(KeyCalibration.identity(KVH, D),))
 
 
 def test_contiguous_state_is_the_dense_layout_with_any_storage_dtype() -> None:

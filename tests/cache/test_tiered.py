@@ -149,3 +149,16 @@ def test_errors_name_the_fix() -> None:
             store.promote(5)
         with pytest.raises(CacheError, match="'warm' or 'hot'"):
             store.prefetch([0], to="cold")  # type: ignore[arg-type]
+
+
+def test_put_can_place_a_block_straight_in_host_ram() -> None:
+    with TieredKVStore(TieredConfig(hot_blocks=1, warm_blocks=1, warm_format="exact")) as store:
+        k, v = _block(3)
+        store.put("spilled", k, v, tier="warm")
+        assert store.tier_of("spilled") == "warm" and store.stats().warm_bytes == k.nbytes + v.nbytes
+        store.put("next", k, v, tier="warm")  # warm is full: the least used block goes to disk
+        assert store.tier_of("spilled") == "cold" and store.tier_of("next") == "warm"
+        np.testing.assert_array_equal(np.asarray(store["spilled"].k), k)
+        with pytest.raises(CacheError, match="'hot' or 'warm'"):
+            store.put("x", k, v, tier="cold")  # type: ignore[arg-type]
+        assert "x" not in store and len(store) == 2

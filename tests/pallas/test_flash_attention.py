@@ -1,14 +1,18 @@
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
-from pallas_cases import FlashCase, assert_close, flash_cases
+from hypothesis import strategies as st
+from pallas_cases import DTYPES, FlashCase, assert_close, flash_cases
 
+from zgen.cache.tensor import causal_attention
 from zgen.pallas import flash_attention
 from zgen.pallas.flash_attention import triton, xla
 
@@ -85,3 +89,172 @@ def test_mosaic_gpu_covers_only_plain_causal_float16() -> None:
     assert not mosaic_gpu.supports(q, k, causal=True, sliding_window=4, soft_cap=None)
     assert not mosaic_gpu.supports(q.astype(jnp.float32), k, causal=True, sliding_window=None, soft_cap=None)
     assert not mosaic_gpu.supports(q[..., :32], k[..., :32], causal=True, sliding_window=None, soft_cap=None)
+    positions = jnp.zeros((1, 8), jnp.int32)
+    assert not mosaic_gpu.supports(q, k, causal=True, sliding_window=None, soft_cap=None, q_positions=positions)
+
+
+# -- queries at given positions (a prefill chunk after a cached prefix, decode steps) ----------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PositionedCase:
+    """Queries at ``q_positions`` in a buffer of ``S`` key slots, as a KV cache calls the op."""
+
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    q_positions: jax.Array
+    lengths: jax.Array | None
+    dtype: str
+    causal: bool
+    soft_cap: float | None
+    sliding_window: int | None
+
+    def run(self, implementation: str) -> jax.Array:
+        def call(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, lengths: jax.Array | None) -> jax.Array:
+            return flash_attention(
+                q, k, v, lengths=lengths, q_positions=positions, causal=self.causal, soft_cap=self.soft_cap,
+                sliding_window=self.sliding_window, implementation=implementation,
+            )
+
+        return jax.jit(call)(self.q, self.k, self.v, self.q_positions, self.lengths)
+
+    def run_kernel(self, kernel: Callable[..., jax.Array], **config: Any) -> jax.Array:
+        """A backend function called directly (explicit block shapes)."""
+        b, s = self.k.shape[:2]
+        lengths = self.lengths if self.lengths is not None else jnp.full((b,), s, jnp.int32)
+        fn = functools.partial(
+            kernel, causal=self.causal, sliding_window=self.sliding_window, soft_cap=self.soft_cap,
+            scale=self.q.shape[-1] ** -0.5, **config,
+        )
+        return jax.jit(fn)(self.q, self.k, self.v, lengths, self.q_positions)
+
+
+@st.composite
+def positioned_cases(draw: st.DrawFn, max_queries: int = 40, group_sizes: tuple[int, ...] = (1, 2, 4, 8)) -> PositionedCase:
+    """Each row's queries at ``offset .. offset + n - 1`` (a cached prefix of ``offset`` slots before
+    them), its last ``T - n`` queries padding at position -1; lengths 1 and block edges are favoured."""
+    batch = draw(st.integers(1, 3))
+    kv_heads = draw(st.sampled_from([1, 2]))
+    group = draw(st.sampled_from(group_sizes))
+    head_dim = draw(st.sampled_from([64, 128]))
+    edges = st.sampled_from([1, 2, 15, 16, 17, 31, 32, 33])
+    t = draw(st.one_of(edges, st.integers(1, max_queries)).map(lambda n: min(n, max_queries)))
+    capacity = t + draw(st.one_of(st.sampled_from([0, 1, 16, 32, 47]), st.integers(0, 64)))
+    dtype = draw(st.sampled_from(sorted(DTYPES)))
+    rows = []
+    for _ in range(batch):
+        real = draw(st.integers(0, t)) if draw(st.booleans()) else t
+        offset = draw(st.integers(0, capacity - t))
+        rows.append([offset + i if i < real else -1 for i in range(t)])
+    lengths = (
+        draw(st.lists(st.one_of(edges, st.integers(0, capacity)).map(lambda n: min(n, capacity)), min_size=batch, max_size=batch))
+        if draw(st.booleans())
+        else None
+    )
+    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+
+    def normal(*shape: int) -> jax.Array:
+        return jnp.asarray(rng.standard_normal(shape), DTYPES[dtype])
+
+    return PositionedCase(
+        q=normal(batch, t, kv_heads * group, head_dim),
+        k=normal(batch, capacity, kv_heads, head_dim),
+        v=normal(batch, capacity, kv_heads, head_dim),
+        q_positions=jnp.asarray(rows, jnp.int32),
+        lengths=None if lengths is None else jnp.asarray(lengths, jnp.int32),
+        dtype=dtype,
+        causal=draw(st.sampled_from([True, True, False])),
+        soft_cap=draw(st.sampled_from([None, None, 5.0])),
+        sliding_window=draw(st.sampled_from([None, None, 1, 17])),
+    )
+
+
+POSITIONED_EXAMPLES = {"xla": 10, "triton": 6}
+
+
+@pytest.mark.parametrize("implementation", sorted(POSITIONED_EXAMPLES))
+def test_positioned_queries_match_reference(implementation: str) -> None:
+    @settings(max_examples=POSITIONED_EXAMPLES[implementation], deadline=None, derandomize=True)
+    @given(positioned_cases())
+    def check(case: PositionedCase) -> None:
+        assert_close(case.run(implementation), case.run("reference"), case.dtype)
+
+    check()
+
+
+POSITIONED_KERNELS: dict[str, tuple[Callable[..., jax.Array], dict[str, Any]]] = {
+    "xla": (lambda q, k, v, n, pos, **kw: xla.flash_attention(q, k, v, n, q_positions=pos, **kw), {"block_q": 8, "block_k": 16}),
+    "triton_prefill": (triton.prefill_attention, {"interpret": True, "block_q": 16, "block_k": 16}),
+    "triton_decode": (triton.decode_attention, {"interpret": True, "block_k": 16, "num_splits": 3}),
+}
+
+
+@pytest.mark.parametrize("kernel", sorted(POSITIONED_KERNELS))
+def test_positioned_small_blocks_match_reference(kernel: str) -> None:
+    """Several key blocks (and decode splits), so the position-bounded block loops are exercised."""
+    fn, config = POSITIONED_KERNELS[kernel]
+
+    @settings(max_examples=5, deadline=None, derandomize=True)
+    @given(positioned_cases(max_queries=33, group_sizes=(1, 2) if kernel == "triton_decode" else (1, 2, 4)))
+    def check(case: PositionedCase) -> None:
+        assert_close(case.run_kernel(fn, **config), case.run("reference"), case.dtype)
+
+    check()
+
+
+def test_reference_positions_are_the_dense_cache_rule() -> None:
+    """Slot j is visible to the query at position p iff j <= p (and j > p - window): causal_attention's rule."""
+    rng = np.random.default_rng(2)
+    q = jnp.asarray(rng.standard_normal((2, 5, 4, 64)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((2, 24, 2, 64)), jnp.float32) for _ in range(2))
+    positions = jnp.asarray([[0, 1, 2, 3, 4], [9, 10, 11, 12, 23]], jnp.int32)
+    for window in (None, 4):
+        expected = causal_attention(q, k, v, positions, sliding_window=window)
+        got = flash_attention(q, k, v, q_positions=positions, sliding_window=window, implementation="reference")
+        np.testing.assert_allclose(got, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("implementation", ["reference", "xla", "triton"])
+def test_padding_positions_give_zeros(implementation: str) -> None:
+    """Queries at -1 (padding rows of a batch) see no key: zeros, never NaN; one token per row (decode)."""
+    rng = np.random.default_rng(3)
+    q = jnp.asarray(rng.standard_normal((3, 1, 8, 64)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((3, 32, 2, 64)), jnp.float32) for _ in range(2))
+    positions = jnp.asarray([[0], [-1], [31]], jnp.int32)
+    out = np.asarray(flash_attention(q, k, v, q_positions=positions, implementation=implementation))
+    assert np.all(np.isfinite(out)) and np.all(out[1] == 0)
+    np.testing.assert_allclose(out[[0, 2]], np.asarray(causal_attention(q, k, v, positions, sliding_window=None))[[0, 2]], atol=2e-5)
+
+
+def test_triton_picks_decode_for_few_rows_per_kv_head() -> None:
+    """One token of 8 heads over 2 kv heads is 4 rows per kv head: the split-K decode kernel runs."""
+    k = jax.ShapeDtypeStruct((2, 256, 2, 64), jnp.bfloat16)
+    n = jax.ShapeDtypeStruct((2,), jnp.int32)
+    fn = functools.partial(triton.flash_attention, causal=True, sliding_window=None, soft_cap=None, scale=0.1)
+
+    def traced(t: int) -> str:
+        return str(jax.make_jaxpr(fn)(jax.ShapeDtypeStruct((2, t, 8, 64), jnp.bfloat16), k, k, n))
+
+    assert "zgen_flash_decode" in traced(1) and "zgen_flash_attention" not in traced(1)
+    assert "zgen_flash_attention" in traced(triton.DECODE_MAX_ROWS)
+
+
+@pytest.mark.parametrize("window", [None, 1, 17, 40])
+@pytest.mark.parametrize("kernel", sorted(POSITIONED_KERNELS))
+def test_kernels_at_every_offset(kernel: str, window: int | None) -> None:
+    """Every prefix length before a 20-query chunk (16-key blocks): each block edge meets each query
+    tile edge, where the unmasked interior-block ranges are easiest to get off by one."""
+    fn, config = POSITIONED_KERNELS[kernel]
+    rng = np.random.default_rng(4)
+    t, capacity = 20, 72
+    q = jnp.asarray(rng.standard_normal((2, t, 4, 64)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((2, capacity, 2, 64)), jnp.float32) for _ in range(2))
+    lengths = jnp.asarray([capacity, capacity - 3], jnp.int32)
+    options = dict(causal=True, sliding_window=window, soft_cap=None)
+    run = jax.jit(functools.partial(fn, scale=0.125, **options, **config))
+    expected = jax.jit(functools.partial(flash_attention, implementation="reference", **options))
+    for offset in range(capacity - t + 1):
+        positions = jnp.asarray([offset, capacity - t - offset], jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)
+        want = expected(q, k, v, lengths=lengths, q_positions=positions)
+        np.testing.assert_allclose(run(q, k, v, lengths, positions), want, atol=2e-5, err_msg=f"offset {offset}")

@@ -69,3 +69,37 @@ def test_flash_lowers(causal: bool, window: int | None, cap: float | None) -> No
         return flash_triton.flash_attention(q, k, v, n, causal=causal, sliding_window=window, soft_cap=cap, scale=0.1)
 
     assert "xla.gpu.triton" in lower_for_cuda(fn, q, k, k, lengths)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize(("window", "cap"), [(None, None), (100, 30.0)])
+def test_flash_lowers_with_query_positions(head_dim: int, window: int | None, cap: float | None) -> None:
+    """A prefill chunk after a cached prefix: queries at per-row positions in a 640-slot buffer (caches
+    are multiples of 128 slots, not always powers of two)."""
+    q = jnp.zeros((2, 128, 8, head_dim), jnp.bfloat16)
+    k = jnp.zeros((2, 640, 2, head_dim), jnp.bfloat16)
+    lengths = jnp.full((2,), 640, jnp.int32)
+    positions = jnp.zeros((2, 128), jnp.int32)
+
+    def fn(q: jax.Array, k: jax.Array, v: jax.Array, n: jax.Array, p: jax.Array) -> jax.Array:
+        return flash_triton.prefill_attention(q, k, v, n, p, causal=True, sliding_window=window, soft_cap=cap, scale=0.1)
+
+    assert "xla.gpu.triton" in lower_for_cuda(fn, q, k, k, lengths, positions)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize(("queries", "heads", "kv_heads"), [(1, 32, 8), (1, 9, 3), (4, 16, 2)])
+@pytest.mark.parametrize(("window", "cap"), [(None, None), (100, 30.0)])
+def test_flash_decode_lowers(
+    head_dim: int, queries: int, heads: int, kv_heads: int, window: int | None, cap: float | None
+) -> None:
+    """The split-K decode kernel the dense cache runs for one token per row (and a few-token chunk)."""
+    q = jnp.zeros((4, queries, heads, head_dim), jnp.bfloat16)
+    k = jnp.zeros((4, 1152, kv_heads, head_dim), jnp.bfloat16)
+    lengths = jnp.full((4,), 1152, jnp.int32)
+    positions = jnp.zeros((4, queries), jnp.int32)
+
+    def fn(q: jax.Array, k: jax.Array, v: jax.Array, n: jax.Array, p: jax.Array) -> jax.Array:
+        return flash_triton.decode_attention(q, k, v, n, p, causal=True, sliding_window=window, soft_cap=cap, scale=0.1)
+
+    assert "xla.gpu.triton" in lower_for_cuda(fn, q, k, k, lengths, positions)

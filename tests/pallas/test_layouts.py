@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from zgen.pallas.paged_attention.layouts import (
+    Q3_LEVELS,
     Fp8Pages,
     Q3Pages,
     Q4Pages,
@@ -50,7 +51,8 @@ def test_q3_bit_planes_hold_contiguous_dim_blocks() -> None:
         block, j = divmod(dim, 8)
         code = sum(((int(planes[b, j]) >> block) & 1) << b for b in range(3))
         assert code == codes[dim]
-    np.testing.assert_allclose(dequantize(pages, jnp.float32)[0, 0, 0], np.asarray(pages.codebook, np.float32)[0, 0, 0][codes])
+    scales = np.repeat(np.asarray(pages.scale, np.float32)[0, 0, 0], pages.group_size)
+    np.testing.assert_allclose(dequantize(pages, jnp.float32)[0, 0, 0], np.asarray(Q3_LEVELS, np.float32)[codes] * scales)
 
 
 def test_fp8_scale_per_token_and_zero_tokens() -> None:

@@ -1,16 +1,19 @@
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given, settings, strategies as st
 from pallas_cases import PagedCase, assert_close, paged_cases
 
 from zgen.errors import ConfigError
 from zgen.pallas import paged_decode_attention
 from zgen.pallas.common import platform
-from zgen.pallas.paged_attention.layouts import quantize
+from zgen.pallas.paged_attention.common import apply_rope
+from zgen.pallas.paged_attention.layouts import KeyCalibration, dequantize, hadamard, quantize
 
 # Examples per (implementation, page format): interpreted kernels compile a program per shape.
 EXAMPLES = {"xla": 3, "triton": 2}
@@ -26,6 +29,86 @@ def test_matches_reference(implementation: str, fmt: str) -> None:
         assert_close(case.run(implementation), case.run("reference"), case.dtype)
 
     check()
+
+
+@st.composite
+def key_codings(draw: st.DrawFn, kv_heads: int, head_dim: int) -> tuple[jax.Array | None, KeyCalibration | None]:
+    """RoPE frequencies (keys stored before RoPE) and/or a random key calibration, at least one of them."""
+    rope, calibrated = draw(st.sampled_from([(True, False), (False, True), (True, True)]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+    base = draw(st.sampled_from([10_000.0, 100_000.0]))
+    inv_freq = jnp.asarray(base ** (-np.arange(0, head_dim, 2) / head_dim), jnp.float32) if rope else None
+    calibration = None
+    if calibrated:
+        center, sink = (jnp.asarray(rng.standard_normal((kv_heads, head_dim)), jnp.float32) for _ in range(2))
+        calibration = KeyCalibration(center, sink, jnp.asarray(rng.uniform(0.25, 4.0, (kv_heads, head_dim)), jnp.float32))
+    return inv_freq, calibration
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("implementation", sorted(EXAMPLES))
+def test_decoded_keys_match_reference(implementation: str, fmt: str) -> None:
+    """Keys stored before RoPE and/or coded with a calibration: every backend decodes and rotates each
+    dequantized key to its position exactly as the reference does."""
+
+    @settings(max_examples=EXAMPLES[implementation], deadline=None, derandomize=True)
+    @given(st.data())
+    def check(data: st.DataObject) -> None:
+        case: PagedCase = data.draw(paged_cases(formats=(fmt,)))
+        kv_heads = jax.tree_util.tree_leaves(case.k_pages)[0].shape[0]
+        key_rope, calibration = data.draw(key_codings(kv_heads, case.q.shape[-1]))
+
+        def run(impl: str) -> jax.Array:
+            call = partial(
+                paged_decode_attention, page_mask=case.page_mask, soft_cap=case.soft_cap, sliding_window=case.sliding_window,
+                key_rope=key_rope, key_calibration=calibration, implementation=impl,
+            )
+            return jax.jit(call)(case.q, case.k_pages, case.v_pages, case.block_tables, case.lengths)
+
+        assert_close(run(implementation), run("reference"), case.dtype)
+
+    check()
+
+
+def test_reference_decodes_then_rotates_each_key_to_its_position() -> None:
+    """The reference against a hand-built one: keys decoded, then RoPE at position page index * page_size + offset."""
+    q, k, v, tables, lengths = _dense_problem()
+    rng = np.random.default_rng(1)
+    calibration = KeyCalibration(*(jnp.asarray(rng.uniform(0.5, 2.0, (2, 64)), jnp.float32) for _ in range(3)))
+    inv_freq = jnp.asarray(10_000.0 ** (-np.arange(0, 64, 2) / 64), jnp.float32)
+    kq, vq = quantize(k, "q4"), quantize(v, "q4")
+    out = paged_decode_attention(q, kq, vq, tables, lengths, key_rope=inv_freq, key_calibration=calibration, implementation="reference")
+    stored_k, stored_v = dequantize(kq, jnp.float32), dequantize(vq, jnp.float32)
+    for b in range(2):
+        n = int(lengths[b])
+        coded = stored_k[:, tables[b]].reshape(2, -1, 64)[:, :n]
+        pos = jnp.arange(n)
+        shift = jnp.where((pos == 0)[None, :, None], calibration.sink[:, None], calibration.center[:, None])
+        keys = apply_rope(hadamard(coded) / calibration.scale[:, None] + shift, pos, inv_freq)
+        vals = stored_v[:, tables[b]].reshape(2, -1, 64)[:, :n]
+        w = jax.nn.softmax(jnp.einsum("kgd,ktd->kgt", q[b].reshape(2, 2, 64), keys) / 8.0, axis=-1)
+        np.testing.assert_allclose(out[b], jnp.einsum("kgt,ktd->kgd", w, vals).reshape(4, 64), atol=1e-5)
+
+
+@pytest.mark.parametrize("d", [16, 64, 96])
+def test_hadamard_is_sylvesters_orthonormal_matrix_blockwise(d: int) -> None:
+    """The fast transform equals the block-diagonal Sylvester matrix (blocks of the largest power of two
+    dividing d), and applying it twice gives the input back."""
+    block = d & -d
+    sylvester = np.ones((1, 1))
+    while sylvester.shape[0] < block:
+        sylvester = np.block([[sylvester, sylvester], [sylvester, -sylvester]])
+    matrix = np.kron(np.eye(d // block), sylvester / np.sqrt(block))
+    x = np.random.default_rng(0).standard_normal((3, d)).astype(np.float32)
+    np.testing.assert_allclose(hadamard(jnp.asarray(x)), x @ matrix.T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(hadamard(hadamard(jnp.asarray(x))), x, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("implementation", ["mosaic_gpu", "mosaic_tpu"])
+def test_backends_that_cannot_decode_keys_refuse_them(implementation: str) -> None:
+    q, k, v, tables, lengths = _dense_problem()
+    with pytest.raises(ConfigError, match="cannot decode stored keys"):
+        paged_decode_attention(q, k, v, tables, lengths, key_rope=jnp.ones(32), implementation=implementation)
 
 
 @pytest.mark.skipif(platform() == "gpu", reason="the TPU interpreter is exercised on CPU")

@@ -21,7 +21,7 @@ What is and is not a copy (JAX arrays are immutable and cannot be strided views 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
@@ -157,9 +157,10 @@ class KVCache:
         offset = jnp.asarray(start, jnp.int32)
         new_k = write(self._state.k[layer], jnp.asarray(k), offset)
         new_v = write(self._state.v[layer], jnp.asarray(v), offset)
-        self._state = DenseKVState(
-            replace_layer(self._state.k, layer, new_k),
-            replace_layer(self._state.v, layer, new_v),
+        self._state = replace(
+            self._state,
+            k=replace_layer(self._state.k, layer, new_k),
+            v=replace_layer(self._state.v, layer, new_v),
         )
         self._shared[layer] = False
         self._lengths[layer] = start + new

@@ -14,25 +14,33 @@ Two levels, as every zgen cache kind (see ``zgen/cache/base.py``):
   a :class:`PageStore` with a :class:`~zgen.cache.block_pool.BlockPool` doing the bookkeeping.
 
 Storage formats (``kv_dtype``): ``fp32``, ``bf16``, ``fp16`` are plain arrays; ``fp8`` (E4M3 + f32
-scale per token), ``q4`` (asymmetric 4-bit groups) and ``q3`` (8-entry non-uniform codebook per
-token, Lloyd-fitted) are the page layouts of :mod:`zgen.pallas.paged_attention.layouts`. Writes
+scale per token), ``q4`` (asymmetric 4-bit groups of 32) and ``q3`` (8 non-uniform levels times a
+scale per group of 16) are the page layouts of :mod:`zgen.pallas.paged_attention.layouts`. Writes
 quantize each token as it is stored; decode attention (T == 1) hands the quantized pages to
 :func:`zgen.pallas.paged_decode_attention`, which dequantizes a chunk at a time inside the kernel, so
 no full-precision copy of the cache exists on the decode path. Prefill (T > 1) gathers the row's pages
 to a dense view and runs :func:`~zgen.cache.tensor.causal_attention` (a full-precision copy for the
 length of one prefill).
 
-Keys are quantized **after** RoPE. KVQuant quantizes keys before RoPE (the outlier channels are
-stable there); doing so here would need the decode kernel to re-rotate keys after dequantizing, and
-``paged_decode_attention`` has no such hook, so un-rotating before quantizing would leave the kernel
-reading pre-RoPE keys. The Q3 codebook is a per-token 8-level Lloyd (k-means) fit, uniformly
-weighted: there are no calibration sensitivities to weight it with.
+The integer formats (``CODED_KV_DTYPES``: q4, q3) code what they store, KVQuant-style:
 
-Measured on SmolLM2-135M (f32 weights, CPU, 48-token prompt then 32 teacher-forced decode steps,
-page_size 16; KL of the next-token distribution against the dense f32 cache, top-1 agreement over 33
-positions): fp32 1536 B/token/layer, KL 1e-12, 33/33; fp16 768 B, 1.4e-7, 33/33; bf16 768 B, 1.4e-5,
-32/33; fp8 408 B, 3.0e-3, 31/33; q4 240 B, 3.0e-2, 29/33; q3 240 B, 0.25, 24/33. At head_dim 64 the
-per-token bf16 codebook makes Q3 as large as Q4 and clearly worse; it only pays at head_dim 128.
+* keys are stored **before** RoPE (the Attention node hands the cache un-rotated keys; see
+  ``_CacheContext`` in ``zgen/graph/plan.py``), centred on per-channel calibration means (the key at
+  position 0, the attention sink, on its own mean: it is nearly the same vector in every sequence),
+  scaled per channel by a Fisher-information proxy and rotated by an orthonormal Hadamard matrix
+  (:class:`~zgen.pallas.paged_attention.layouts.KeyCalibration`, fitted by :func:`calibrate_keys`
+  and passed in through ``PagedConfig.key_calibration``). Every read decodes them and then applies
+  RoPE at the key's position: in the decode kernels (``key_calibration``, ``key_rope``) and in the
+  T > 1 path here. Pre-RoPE, a key's large channels sit in the same place token after token, so
+  fixed per-channel statistics fit them;
+* values are Hadamard-rotated; attention runs in the rotated basis and the output is rotated back.
+
+The other formats store keys after RoPE, exactly as the dense cache does (f32 greedy decoding must
+equal HF transformers). Measured on SmolLM2-135M (``benchmarks/kv_quality.py``, f32, perplexity of a
+2,373-token English text in 512-token windows read through the cache in chunks of 64; bytes per token
+per layer, K + V over 3 kv heads x 64 dims): fp32 1536 B, PPL 32.584; fp16/bf16 768 B, +0.00 %; fp8
+408 B, +0.31 %; q4 240 B, {Q4}; q3 192 B, {Q3}. Without a calibration (rotation only): q4 {Q4N},
+q3 {Q3N}. Decode speeds and the method are in ``docs/kv_quantization.md``.
 
 For the dense ("tensor") layout with a quantized storage dtype, use :meth:`PagedKVState.contiguous`:
 a paged state whose block table is the identity (row ``b`` owns pages ``[b * pps, (b + 1) * pps)``),
@@ -44,9 +52,9 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any, Literal, Self, TypeAlias, get_args
+from typing import TYPE_CHECKING, Any, Literal, Self, TypeAlias, get_args
 
 import jax
 import jax.numpy as jnp
@@ -58,23 +66,37 @@ from zgen.cache.block_pool import BlockPool, blocks_for
 from zgen.cache.radix import RadixCache
 from zgen.cache.tensor import causal_attention
 from zgen.errors import CacheError, ConfigError, PoolExhaustedError
+from zgen.graph.core import ForwardContext
+from zgen.graph.decoder import LOGIT_ROWS, POSITIONS, TOKENS
+from zgen.graph.nodes import rotary
 from zgen.pallas import paged_decode_attention
+from zgen.pallas.paged_attention.common import apply_rope
 from zgen.pallas.paged_attention.layouts import (
     Fp8Pages,
+    KeyCalibration,
     KVPages,
     Q3Pages,
     Q4Pages,
     dequantize,
+    hadamard,
+    head_dim_of,
     quantize_fp8,
     quantize_q3,
     quantize_q4,
     take_pages,
 )
 
+if TYPE_CHECKING:
+    from zgen.model import Model
+
 KVDtype: TypeAlias = Literal["fp32", "bf16", "fp16", "fp8", "q4", "q3"]
 KV_DTYPES: tuple[str, ...] = get_args(KVDtype)
 _PLAIN = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 Q4_GROUP = 32
+Q3_GROUP = 16
+# The integer formats code what they store (see the module docstring): keys before RoPE, centred,
+# scaled and Hadamard-rotated with a KeyCalibration; values Hadamard-rotated.
+CODED_KV_DTYPES = frozenset({"q4", "q3"})
 
 
 # -- storage formats ---------------------------------------------------------------------------------
@@ -95,6 +117,12 @@ def q4_group_size(head_dim: int) -> int:
     return math.gcd(Q4_GROUP, head_dim // 2)
 
 
+def q3_group_size(head_dim: int) -> int:
+    """Dims per Q3 scale: 16, or the least multiple of head_dim/8 (a bit-plane block) that divides head_dim."""
+    group = math.lcm(Q3_GROUP, head_dim // 8)
+    return group if head_dim % group == 0 else head_dim
+
+
 def empty_pages(kv_dtype: str, kv_heads: int, num_pages: int, page_size: int, head_dim: int) -> KVPages:
     """Zeroed pages ``[kv_heads, num_pages, page_size, ...]`` in the storage format ``kv_dtype``."""
     check_kv_dtype(kv_dtype, head_dim)
@@ -110,7 +138,8 @@ def empty_pages(kv_dtype: str, kv_heads: int, num_pages: int, page_size: int, he
             scale=jnp.zeros((*lead, groups), jnp.bfloat16),
             zero=jnp.zeros((*lead, groups), jnp.bfloat16),
         )
-    return Q3Pages(planes=jnp.zeros((*lead, 3, head_dim // 8), jnp.uint8), codebook=jnp.zeros((*lead, 8), jnp.bfloat16))
+    groups = head_dim // q3_group_size(head_dim)
+    return Q3Pages(planes=jnp.zeros((*lead, 3, head_dim // 8), jnp.uint8), scale=jnp.zeros((*lead, groups), jnp.bfloat16))
 
 
 def quantize_tokens(x: Float[Array, "*lead D"], kv_dtype: str) -> KVPages:
@@ -122,7 +151,7 @@ def quantize_tokens(x: Float[Array, "*lead D"], kv_dtype: str) -> KVPages:
     if kv_dtype == "q4":
         return quantize_q4(x, group_size=q4_group_size(x.shape[-1]))
     if kv_dtype == "q3":
-        return quantize_q3(x)
+        return quantize_q3(x, group_size=q3_group_size(x.shape[-1]))
     raise ConfigError(f"unknown kv_dtype {kv_dtype!r}; choose one of {KV_DTYPES}")
 
 
@@ -131,7 +160,7 @@ def bytes_per_token_per_layer(kv_dtype: str, kv_heads: int, head_dim: int, page_
 
     Computed from the shapes and dtypes of :func:`empty_pages` (scales and codebooks included), so it is
     what the pool really spends: e.g. at 3 kv heads x 64 dims, fp32 1536, bf16 768, fp8 408, q4 240,
-    q3 240 (Q3's per-token codebook costs as much as Q4's scales at head_dim 64; 0.25x of bf16 at 128).
+    q3 192 (0.25x of bf16 at head_dim 64 and 128).
     """
     shapes = jax.eval_shape(lambda: empty_pages(kv_dtype, kv_heads, 1, page_size, head_dim))
     total = sum(math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize for leaf in jax.tree_util.tree_leaves(shapes))
@@ -147,12 +176,23 @@ def _page_size(pages: KVPages) -> int:
 
 
 def _scatter_tokens(pages: KVPages, new: KVPages, page: Array, offset: Array) -> KVPages:
-    """Store token leaves ``[B, T, KVH, ...]`` at ``(page, offset)`` ``[B, T]``; out-of-range pages drop."""
-    return jax.tree_util.tree_map(
-        lambda leaf, val: leaf.at[:, page, offset].set(jnp.moveaxis(val, 2, 0).astype(leaf.dtype), mode="drop"),
-        pages,
-        new,
-    )
+    """Store token leaves ``[B, T, KVH, ...]`` at ``(page, offset)`` ``[B, T]``; out-of-range pages drop.
+
+    FP8 leaves are scattered as uint8: XLA on CPU widens an fp8 scatter to f32 and back, copying the
+    whole pool on every write, which made fp8 decode ~60x slower than fp16 there (0.58 against 34 tok/s
+    on SmolLM2); as uint8 it runs at ~5 tok/s. (The same bitcast slows fp16 and bf16 down, so only fp8
+    takes it.)
+    """
+
+    def scatter(leaf: Array, val: Array) -> Array:
+        val = jnp.moveaxis(val, 2, 0).astype(leaf.dtype)
+        if not (jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.dtype.itemsize == 1):
+            return leaf.at[:, page, offset].set(val, mode="drop")
+        as_bytes = jax.lax.bitcast_convert_type(leaf, jnp.uint8)
+        stored = as_bytes.at[:, page, offset].set(jax.lax.bitcast_convert_type(val, jnp.uint8), mode="drop")
+        return jax.lax.bitcast_convert_type(stored, leaf.dtype)
+
+    return jax.tree_util.tree_map(scatter, pages, new)
 
 
 def _gather_dense(pages: KVPages, block_tables: Array, dtype: Any | None) -> Array:
@@ -181,6 +221,8 @@ class PagedKVState:
 
     ``capacity`` is ``pages_per_seq * page_size``. Writes to positions outside ``[0, capacity)`` or to
     blocks the table does not name (``-1``) are dropped, like the dense state's out-of-range writes.
+    ``key_calibration`` (one :class:`KeyCalibration` per layer, see :func:`calibrate_keys`) is what
+    the coded formats (q4, q3) code keys with; ``None`` codes them with the Hadamard rotation alone.
     """
 
     k: tuple[KVPages, ...]
@@ -188,6 +230,7 @@ class PagedKVState:
     block_tables: Int[Array, "B P"]
     kv_dtype: str = "fp32"
     dtype: str = "float32"  # dtype of layer_view (and of dequantized prefill keys if the query's is wider)
+    key_calibration: tuple[KeyCalibration, ...] | None = None
 
     @classmethod
     def contiguous(
@@ -201,6 +244,7 @@ class PagedKVState:
         kv_dtype: str = "fp32",
         page_size: int = 16,
         dtype: str = "float32",
+        key_calibration: Sequence[KeyCalibration] | None = None,
     ) -> PagedKVState:
         """A dense-equivalent state: row ``b`` owns pages ``[b * pps, (b + 1) * pps)`` (identity table).
 
@@ -212,7 +256,8 @@ class PagedKVState:
         pps = blocks_for(capacity, page_size)
         pages = [empty_pages(kv_dtype, kv_heads, batch * pps, page_size, head_dim) for _ in range(2 * num_layers)]
         table = jnp.arange(batch * pps, dtype=jnp.int32).reshape(batch, pps)
-        return cls(tuple(pages[:num_layers]), tuple(pages[num_layers:]), table, kv_dtype, dtype)
+        calibration = _device_calibration(key_calibration, num_layers, kv_heads, head_dim)
+        return cls(tuple(pages[:num_layers]), tuple(pages[num_layers:]), table, kv_dtype, dtype, calibration)
 
     @property
     def page_size(self) -> int:
@@ -234,6 +279,20 @@ class PagedKVState:
     def quantized(self) -> bool:
         return self.kv_dtype not in _PLAIN
 
+    @property
+    def keys_before_rope(self) -> bool:
+        """Whether keys should be written before RoPE, to be rotated by :meth:`attend` (``key_rope``)."""
+        return self.kv_dtype in CODED_KV_DTYPES
+
+    def _key_coding(self, layer: int) -> KeyCalibration | None:
+        """The layer's key calibration in a coded format (the identity one if none was given), else None."""
+        if self.kv_dtype not in CODED_KV_DTYPES:
+            return None
+        if self.key_calibration is not None:
+            return self.key_calibration[layer]
+        kv_heads, head_dim = _heads_and_dim(self.k[layer])
+        return KeyCalibration.identity(kv_heads, head_dim)
+
     def write(
         self,
         layer: int,
@@ -241,9 +300,13 @@ class PagedKVState:
         v: Float[Array, "B T KVH D"],
         positions: Int[Array, "B T"],
     ) -> Self:
-        """Quantize (if the format asks) and scatter each token into its (page, offset)."""
+        """Code (coded formats), quantize (if the format asks) and scatter each token into its (page, offset)."""
         ps, pps = self.page_size, self.pages_per_seq
         positions = positions.astype(jnp.int32)
+        coding = self._key_coding(layer)
+        if coding is not None:
+            k = coding.encode(k, (positions == 0)[:, :, None], head_axis=-2)
+            v = hadamard(v)
         index = jnp.clip(positions // ps, 0, pps - 1)
         page = jnp.take_along_axis(self.block_tables, index, axis=1)
         ok = (positions >= 0) & (positions < pps * ps) & (page >= 0)
@@ -264,12 +327,16 @@ class PagedKVState:
         positions: Int[Array, "B T"],
         *,
         sliding_window: int | None,
+        key_rope: Float[Array, " half"] | None = None,
     ) -> Float[Array, "B T H D"]:
         """T == 1: the paged decode kernel over the stored format. T > 1: dense gather + causal_attention.
 
         Positions need not start at 0 (a cached prefix may precede them): visibility only depends on
-        each query's position.
+        each query's position. ``key_rope`` (RoPE inverse frequencies) says the stored keys are
+        un-rotated: each is rotated to its own position after it is dequantized (and decoded).
+        Coded values are attended to in the rotated basis; the output is rotated back.
         """
+        coding = self._key_coding(layer)
         if q.shape[1] == 1:
             out = paged_decode_attention(
                 q[:, 0],
@@ -278,35 +345,168 @@ class PagedKVState:
                 self.block_tables,
                 positions[:, 0].astype(jnp.int32) + 1,
                 sliding_window=sliding_window,
-            )
-            return out[:, None]
-        dtype = None if not self.quantized else q.dtype
-        k = _gather_dense(self.k[layer], self.block_tables, dtype)
-        v = _gather_dense(self.v[layer], self.block_tables, dtype)
-        return causal_attention(q, k, v, positions, sliding_window=sliding_window)
+                key_rope=key_rope,
+                key_calibration=coding,
+            )[:, None]
+        else:
+            dtype = None if not self.quantized else q.dtype
+            k = _gather_dense(self.k[layer], self.block_tables, dtype)
+            v = _gather_dense(self.v[layer], self.block_tables, dtype)
+            slots = jnp.arange(k.shape[1])[None, :, None]  # slot j holds position j
+            if coding is not None:
+                k = coding.decode(k, slots == 0, head_axis=-2)
+            if key_rope is not None:
+                k = apply_rope(k, slots, key_rope)
+            out = causal_attention(q, k.astype(v.dtype), v, positions, sliding_window=sliding_window)
+        return out if coding is None else hadamard(out).astype(q.dtype)
 
     def layer_view(self, layer: int) -> LayerKV:
-        """All ``capacity`` slots of every row, dequantized to ``dtype`` (tests and inspection only)."""
+        """All ``capacity`` slots of every row, dequantized (and decoded) to ``dtype`` (tests and
+        inspection only): keys as they were written, before RoPE in the coded formats."""
         dtype = jnp.dtype(self.dtype)
-        return LayerKV(
-            _gather_dense(self.k[layer], self.block_tables, dtype),
-            _gather_dense(self.v[layer], self.block_tables, dtype),
-        )
+        k = _gather_dense(self.k[layer], self.block_tables, dtype)
+        v = _gather_dense(self.v[layer], self.block_tables, dtype)
+        coding = self._key_coding(layer)
+        if coding is not None:
+            k = coding.decode(k, (jnp.arange(k.shape[1]) == 0)[None, :, None], head_axis=-2).astype(dtype)
+            v = hadamard(v).astype(dtype)
+        return LayerKV(k, v)
 
 
 jax.tree_util.register_dataclass(
-    PagedKVState, data_fields=["k", "v", "block_tables"], meta_fields=["kv_dtype", "dtype"]
+    PagedKVState, data_fields=["k", "v", "block_tables", "key_calibration"], meta_fields=["kv_dtype", "dtype"]
 )
+
+
+def _heads_and_dim(pages: KVPages) -> tuple[int, int]:
+    return jax.tree_util.tree_leaves(pages)[0].shape[0], head_dim_of(pages)
+
+
+def _device_calibration(
+    calibration: Sequence[KeyCalibration] | None, num_layers: int, kv_heads: int, head_dim: int
+) -> tuple[KeyCalibration, ...] | None:
+    """Fresh float32 device copies (a compiled plan donates its state's arrays), checked against the cache shape."""
+    if calibration is None:
+        return None
+    if len(calibration) != num_layers:
+        raise ConfigError(f"key_calibration has {len(calibration)} layers, the cache {num_layers}")
+    for layer in calibration:
+        if any(tuple(np.shape(stat)) != (kv_heads, head_dim) for stat in (layer.center, layer.sink, layer.scale)):
+            raise ConfigError(f"key_calibration statistics must be [kv_heads={kv_heads}, head_dim={head_dim}]")
+    return tuple(jax.tree_util.tree_map(lambda stat: jnp.array(stat, jnp.float32), layer) for layer in calibration)
+
+
+# -- key calibration ---------------------------------------------------------------------------------
+
+
+class _KeyStatistics(ForwardContext):
+    """Causal attention of each calibration window over itself (no cache), summing per layer the
+    pre-RoPE keys (and their squares) of positions > 0, the keys at position 0, and the energy of the
+    queries in each RoPE pair, per kv head."""
+
+    def __init__(self, sliding_window: int | None) -> None:
+        self.sliding_window = sliding_window
+        self.sums: list[dict[str, Array]] = []
+
+    def write_and_attend(
+        self,
+        layer: int,
+        q: Float[Array, "B T H D"],
+        k: Float[Array, "B T KVH D"],
+        v: Float[Array, "B T KVH D"],
+        positions: Int[Array, "B T"],
+        inv_freq: Float[Array, " half"],
+    ) -> Float[Array, "B T H D"]:
+        b, t, heads, d = q.shape
+        kv_heads = k.shape[2]
+        first = (positions == 0)[:, :, None, None]
+        k32 = k.astype(jnp.float32)
+        q_energy = jnp.sum(jnp.square(q.astype(jnp.float32)).reshape(b, t, kv_heads, heads // kv_heads, d), axis=(0, 1, 3))
+        self.sums.append(
+            {
+                "key": jnp.sum(jnp.where(first, 0.0, k32), axis=(0, 1)),
+                "key_sq": jnp.sum(jnp.where(first, 0.0, k32 * k32), axis=(0, 1)),
+                "count": jnp.sum(~first),
+                "sink": jnp.sum(jnp.where(first, k32, 0.0), axis=(0, 1)),
+                "sinks": jnp.sum(first),
+                "q_pair_energy": q_energy[:, : d // 2] + q_energy[:, d // 2 :],
+            }
+        )
+        return causal_attention(q, rotary(k, positions, inv_freq), v, positions, sliding_window=self.sliding_window)
+
+
+def calibrate_keys(
+    model: Model, token_ids: Sequence[int] | None = None, *, windows: int = 8, window: int = 512, seed: int = 0
+) -> tuple[KeyCalibration, ...]:
+    """Per-layer key statistics for the coded formats, from one forward pass over calibration tokens.
+
+    ``token_ids`` default to ``windows x window`` uniformly random token ids (seeded): data-free, so no
+    evaluation text can leak into the calibration; on SmolLM2 they give the same key means, sinks and
+    query energies to within what matters (PPL within 0.3 % of a calibration on real English text).
+    Each window is one sequence starting at position 0. Per kv head and channel ``c``:
+
+    * ``center``: mean pre-RoPE key over positions > 0; ``sink``: mean key at position 0;
+    * ``scale``: a Fisher-information proxy. KVQuant weights its k-means by the Fisher information of
+      each key element, i.e. E[(dL/dk_c)^2]; the gradient of a logit with respect to a key is the
+      query, so without calibration gradients we take the query energy of channel ``c``'s RoPE pair
+      ``w_c`` (RoPE rotates within a pair, so the pair's energy does not depend on the distance).
+      Minimising the ``w``-weighted squared error of keys quantized with one step per group, after
+      scaling channel ``c`` by ``a_c``, gives ``a_c ~ w_c^(1/4) / sigma_c^(1/2)`` (``sigma_c``: the
+      channel's standard deviation; Lagrange on ``sum_c w_c / a_c^2`` at fixed ``sum_c a_c^2 sigma_c^2``).
+      Normalised to a geometric mean of 1 per head.
+    """
+    config = model.config
+    if token_ids is None:
+        rng = np.random.default_rng(seed)
+        tokens = rng.integers(0, config.vocab_size, (windows, window), dtype=np.int32)
+    else:
+        usable = max(1, min(windows, len(token_ids) // window)) * window
+        ids = np.asarray(token_ids[:usable], np.int32)
+        tokens = ids.reshape(-1, min(window, len(ids)))
+    positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
+    rows = np.zeros((tokens.shape[0], 1), np.int32)
+
+    @jax.jit
+    def statistics(params: dict[str, Array], tokens: Array, positions: Array, rows: Array) -> list[dict[str, Array]]:
+        context = _KeyStatistics(model.plan.sliding_window)
+        model.graph.run(params, {TOKENS: tokens, POSITIONS: positions, LOGIT_ROWS: rows}, context)
+        return context.sums
+
+    layers = []
+    for sums in statistics(model.params, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(rows)):
+        stats = {name: np.asarray(value, np.float64) for name, value in sums.items()}
+        center = stats["key"] / stats["count"]
+        sigma = np.sqrt(np.maximum(stats["key_sq"] / stats["count"] - center**2, 0.0))
+        sigma = np.maximum(sigma, 1e-3 * sigma.max(axis=-1, keepdims=True) + 1e-12)
+        energy = np.concatenate([stats["q_pair_energy"]] * 2, axis=-1)
+        energy = np.maximum(energy, 1e-6 * energy.max(axis=-1, keepdims=True) + 1e-12)
+        scale = energy**0.25 / np.sqrt(sigma)
+        scale /= np.exp(np.mean(np.log(scale), axis=-1, keepdims=True))
+        sink = stats["sink"] / max(float(stats["sinks"]), 1.0)
+        layers.append(KeyCalibration(*(jnp.asarray(x, jnp.float32) for x in (center, sink, scale))))
+    return tuple(layers)
 
 
 # -- jitted host helpers -------------------------------------------------------------------------------
 
 
+def _one_layer(calibration: KeyCalibration | None) -> tuple[KeyCalibration] | None:
+    return None if calibration is None else (calibration,)
+
+
 @partial(jax.jit, static_argnames=("kv_dtype",), donate_argnums=(0, 1))
 def _write_layer(
-    k_pages: KVPages, v_pages: KVPages, k: Array, v: Array, tables: Array, positions: Array, kv_dtype: str
+    k_pages: KVPages,
+    v_pages: KVPages,
+    k: Array,
+    v: Array,
+    tables: Array,
+    positions: Array,
+    calibration: KeyCalibration | None,
+    kv_dtype: str,
 ) -> tuple[KVPages, KVPages]:
-    state = PagedKVState((k_pages,), (v_pages,), tables, kv_dtype).write(0, k, v, positions)
+    state = PagedKVState((k_pages,), (v_pages,), tables, kv_dtype, key_calibration=_one_layer(calibration))
+    state = state.write(0, k, v, positions)
     return state.k[0], state.v[0]
 
 
@@ -322,9 +522,12 @@ def _copy_pages(
     return jax.tree_util.tree_map(copy, k), jax.tree_util.tree_map(copy, v)
 
 
-@partial(jax.jit, static_argnames=("dtype",))
-def _view(k_pages: KVPages, v_pages: KVPages, tables: Array, dtype: str) -> tuple[Array, Array]:
-    return _gather_dense(k_pages, tables, jnp.dtype(dtype)), _gather_dense(v_pages, tables, jnp.dtype(dtype))
+@partial(jax.jit, static_argnames=("kv_dtype", "dtype"))
+def _view(
+    k_pages: KVPages, v_pages: KVPages, tables: Array, calibration: KeyCalibration | None, kv_dtype: str, dtype: str
+) -> tuple[Array, Array]:
+    view = PagedKVState((k_pages,), (v_pages,), tables, kv_dtype, dtype, _one_layer(calibration)).layer_view(0)
+    return view.k, view.v
 
 
 def _bucket(n: int) -> int:
@@ -344,12 +547,15 @@ class PagedConfig:
     page_size: int = 16
     kv_dtype: str = "bf16"
     dtype: str = "float32"  # dtype of read-back views (``get``, ``layer_view``)
+    # Per-layer key statistics the coded formats (q4, q3) code keys with (see calibrate_keys).
+    key_calibration: tuple[KeyCalibration, ...] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "kv_heads", "head_dim", "page_size"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"PagedConfig.{name} must be positive, got {getattr(self, name)}")
         check_kv_dtype(self.kv_dtype, self.head_dim)
+        _device_calibration(self.key_calibration, self.num_layers, self.kv_heads, self.head_dim)  # checks shapes
 
     @property
     def bytes_per_token(self) -> int:
@@ -397,7 +603,12 @@ class PageStore:
 
     def state(self, block_tables: np.ndarray) -> PagedKVState:
         c = self.config
-        return PagedKVState(self.k, self.v, jnp.asarray(block_tables, jnp.int32), c.kv_dtype, c.dtype)
+        calibration = _device_calibration(c.key_calibration, c.num_layers, c.kv_heads, c.head_dim)
+        return PagedKVState(self.k, self.v, jnp.asarray(block_tables, jnp.int32), c.kv_dtype, c.dtype, calibration)
+
+    def _layer_calibration(self, layer: int) -> KeyCalibration | None:
+        calibration = self.config.key_calibration
+        return None if calibration is None else calibration[layer]
 
     def write(self, layer: int, k: Array, v: Array, tables: np.ndarray, positions: np.ndarray) -> None:
         """Write ``k, v [B, n, KVH, D]`` at ``positions [B, n]`` (``-1`` = skip); pads n to a power of two."""
@@ -409,7 +620,7 @@ class PageStore:
         pad = ((0, 0), (0, t - n), (0, 0), (0, 0))
         new_k, new_v = _write_layer(
             self.k[layer], self.v[layer], jnp.pad(k, pad), jnp.pad(v, pad), jnp.asarray(tables), jnp.asarray(pos),
-            kv_dtype=self.config.kv_dtype,
+            self._layer_calibration(layer), kv_dtype=self.config.kv_dtype,
         )
         self.k = replace_layer(self.k, layer, new_k)
         self.v = replace_layer(self.v, layer, new_v)
@@ -426,7 +637,11 @@ class PageStore:
 
     def view(self, layer: int, tables: np.ndarray) -> tuple[Array, Array]:
         self.ensure_available()
-        return _view(self.k[layer], self.v[layer], jnp.asarray(tables, jnp.int32), dtype=self.config.dtype)
+        c = self.config
+        return _view(
+            self.k[layer], self.v[layer], jnp.asarray(tables, jnp.int32), self._layer_calibration(layer),
+            kv_dtype=c.kv_dtype, dtype=c.dtype,
+        )
 
 
 class PagedKVCache:
@@ -586,11 +801,41 @@ class PagedKVCache:
             self.reset()
             self._released = True
 
+    def reserve(self, n: int) -> None:
+        """Make room for ``n`` more tokens in every row and count them as stored.
+
+        For writers that fill the pages themselves (an engine's compiled step writes through
+        :attr:`state`): blocks are allocated all-or-nothing and shared blocks copied on write, exactly
+        as :meth:`update` does; follow with :meth:`truncate` if fewer tokens were written.
+        """
+        self._check_live()
+        start, end = self._seq_len, self._seq_len + n
+        if n < 0 or end > self.capacity:
+            raise CacheError(f"cannot reserve {n} tokens after {start} in a cache of capacity {self.capacity}")
+        self._make_writable(start, end)
+        self._seq_len = end
+
+    def drop_blocks(self, indices: Sequence[int]) -> int:
+        """Give back the blocks at table positions ``indices`` (in every row); their entries become -1.
+
+        The tokens they held are gone: the caller must keep them out of attention (a page mask).
+        Returns how many table entries were dropped.
+        """
+        self._check_live()
+        if any(not 0 <= i < self._table.shape[1] for i in indices):
+            raise CacheError(f"block indices {list(indices)} outside [0, {self._table.shape[1]})")
+        entries = self._table[:, list(indices)]
+        held = [int(b) for b in entries[entries >= 0]]
+        self._table[:, list(indices)] = -1
+        self._store.pool.free(held)
+        return len(held)
+
     def inject_blocks(self, blocks: Sequence[Sequence[int]], n_tokens: int) -> None:
         """Start from cached blocks: row ``r`` reads ``blocks[r]`` (shared, not copied) for ``n_tokens`` tokens.
 
         The cache must be empty. Every row needs ``ceil(n_tokens / page_size)`` blocks (the length is
-        shared by the batch); a partly used last block is copied on the first write into it.
+        shared by the batch); a partly used last block is copied on the first write into it. A ``-1``
+        entry stands for a dropped block (see :meth:`drop_blocks`).
         """
         self._check_live()
         ps = self._store.config.page_size
@@ -604,7 +849,7 @@ class PagedKVCache:
             )
         if n_tokens > self.capacity:
             raise CacheError(f"{n_tokens} tokens do not fit this cache's capacity {self.capacity}")
-        flat = [int(b) for row in blocks for b in row]
+        flat = [int(b) for row in blocks for b in row if b >= 0]  # -1: a dropped (masked) block
         self._store.pool.share(flat)  # raises (and changes nothing) on a free or foreign block
         for r, row in enumerate(blocks):
             self._table[r, :need] = row
@@ -661,6 +906,9 @@ class PagedBackend:
     :class:`PagedKVState` holding the store's pages. One state is out at a time: the compiled plan
     donates it, so the store's own arrays are dead until ``release`` hands the plan's final state back
     (pass the state the plan *returned*, not the one given to it).
+
+    The prefix cache has one level here, the device pool; :class:`~zgen.cache.tiered.TieredPagedBackend`
+    adds host RAM and disk below it through :meth:`_restore_prefix` and the tree's ``on_evict``.
     """
 
     def __init__(self, config: PagedConfig, pool: BlockPool, *, prefix_cache: bool = True, max_prefix_blocks: int | None = None) -> None:
@@ -739,12 +987,12 @@ class PagedBackend:
                 RuntimeWarning,
                 stacklevel=2,
             )
-            self.store.reset_pages()
             self.store.checked_out = False
             self._lease = None
             self.pool.free([int(b) for b in table.reshape(-1)])
             if self.radix is not None:
-                self.radix.clear()
+                self.radix.clear()  # before the pages are replaced: an on_evict handler must not read zeros
+            self.store.reset_pages()
             return
         self.store.k, self.store.v = tuple(state.k), tuple(state.v)
         self.store.checked_out = False
@@ -775,20 +1023,20 @@ class PagedBackend:
             raise CacheError(f"allocate needs batch > 0 and capacity > 0, got batch={batch}, capacity={capacity}")
         ps = self.config.page_size
         pps = blocks_for(capacity, ps)
-        reused: list[list[int]] = []
-        for p in prompts:
-            blocks: list[int] = []
-            if use_prefix and self.radix is not None:
-                limit = min(len(p) - 1, pps * ps)
-                blocks, _ = self.radix.match(list(p[:limit]))
-            reused.append(blocks)
-        shared = [b for row in reused for b in row]
-        self.pool.share(shared)  # now in use: eviction below cannot take them
-        need = batch * pps - len(shared)
+        reused: list[list[int]] = []  # per row: the cached prompt blocks it holds a reference on
         try:
-            fresh = self._take(need)
-        except PoolExhaustedError:
-            self.pool.free(shared)
+            for p in prompts:
+                row: list[int] = []
+                reused.append(row)
+                if use_prefix and self.radix is not None:
+                    tokens = list(p[: min(len(p) - 1, pps * ps)])
+                    matched, _ = self.radix.match(tokens)
+                    self.pool.share(matched)  # now in use: eviction below cannot take them
+                    row.extend(matched)
+                    row.extend(self._restore_prefix(tokens, matched))
+            fresh = self._take(batch * pps - sum(len(row) for row in reused))
+        except BaseException:
+            self.pool.free([b for row in reused for b in row])
             raise
         table = np.empty((batch, pps), np.int32)
         it = iter(fresh)
@@ -802,6 +1050,13 @@ class PagedBackend:
         state = self.store.state(table)
         self.store.checked_out = True
         return state, [len(row) * ps for row in reused]
+
+    def _restore_prefix(self, tokens: Sequence[int], cached: list[int]) -> list[int]:
+        """Blocks continuing ``cached`` (the device prefix-cache hit on ``tokens``) that a lower cache level
+        brings back: freshly allocated, owned by the caller, already in the prefix cache. None here: the
+        device pool is this backend's only level."""
+        del tokens, cached
+        return []
 
     def _take(self, n: int) -> list[int]:
         short = n - self.pool.num_free

@@ -14,13 +14,14 @@ in use, so it never frees a block some sequence still reads.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from zgen.cache.block_pool import BlockPool
 from zgen.errors import CacheError, ConfigError
 
 ROOT_HASH = b"\x00" * 16
+EvictionHandler = Callable[[list[tuple[bytes, int]]], None]  # (chained hash, block) of each evicted node
 
 
 def block_hash(parent_hash: bytes, tokens: Sequence[int]) -> bytes:
@@ -71,12 +72,13 @@ class RadixStats:
 class RadixCache:
     """Radix tree of token blocks whose KV blocks live in (and are reference-counted by) ``pool``."""
 
-    def __init__(self, pool: BlockPool, *, max_blocks: int | None = None) -> None:
+    def __init__(self, pool: BlockPool, *, max_blocks: int | None = None, on_evict: EvictionHandler | None = None) -> None:
         if max_blocks is not None and max_blocks < 0:
             raise ConfigError(f"max_blocks must be non-negative or None, got {max_blocks}")
         self.pool = pool
         self.page_size = pool.page_size
         self.max_blocks = max_blocks
+        self.on_evict = on_evict
         self._root = _Node((), -1, ROOT_HASH, None)
         self._by_hash: dict[bytes, _Node] = {}
         self._clock = 0
@@ -202,35 +204,40 @@ class RadixCache:
     def evict(self, n_blocks: int) -> int:
         """Free up to ``n_blocks`` blocks, least recently used leaves first, skipping blocks in use.
 
-        Returns how many blocks went back to the pool's free list.
+        ``on_evict`` (if set) gets the evicted nodes before their blocks are freed; the blocks are freed
+        even if it raises. Returns how many blocks went back to the pool's free list.
         """
-        freed = 0
-        while freed < n_blocks:
+        evicted: list[_Node] = []
+        while len(evicted) < n_blocks:
             leaves = sorted(
                 (n for n in self._by_hash.values() if not n.children and self.pool.refcount(n.block) == 1),
                 key=lambda n: n.last_used,
             )
             if not leaves:
                 break
-            for leaf in leaves:
-                if freed >= n_blocks:
-                    break
-                self._remove(leaf)
-                freed += 1
-        if freed:
+            for leaf in leaves[: n_blocks - len(evicted)]:
+                self._unlink(leaf)  # its parent may become a leaf for the next round
+                evicted.append(leaf)
+        if not evicted:
+            return 0
+        blocks = [n.block for n in evicted]
+        try:
+            if self.on_evict is not None:
+                self.on_evict([(n.hash, n.block) for n in evicted])
+        finally:
+            released = self.pool.free(blocks)
+            assert sorted(released) == sorted(blocks), "evicted a block that something else still holds"
             s = self._stats
             self._stats = RadixStats(
-                s.lookups, s.hits, s.misses, s.query_tokens, s.hit_tokens, s.inserted_blocks, s.evicted_blocks + freed
+                s.lookups, s.hits, s.misses, s.query_tokens, s.hit_tokens, s.inserted_blocks, s.evicted_blocks + len(evicted)
             )
-        return freed
+        return len(evicted)
 
     def clear(self) -> int:
         """Drop every node not in use (as ``evict`` would); returns the blocks freed."""
         return self.evict(self.num_blocks)
 
-    def _remove(self, leaf: _Node) -> None:
+    def _unlink(self, leaf: _Node) -> None:
         assert leaf.parent is not None and not leaf.children
         del leaf.parent.children[leaf.tokens]
         del self._by_hash[leaf.hash]
-        released = self.pool.free([leaf.block])
-        assert released == [leaf.block], "evicted a block that something else still holds"

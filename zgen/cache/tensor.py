@@ -4,13 +4,18 @@ The default cache. Token at position p lives in slot p, so visibility is a pure 
 positions (slot j is visible to a query at position p iff j <= p, within the sliding window), and
 the state needs no lengths: slots past a sequence's end hold stale values that no query can see
 before they are overwritten.
+
+Attention runs on the GPU through ``zgen.pallas.flash_attention`` (Triton: the flash kernel for
+prefill chunks, the split-K decode kernel for one token per row), which reads only the slots up to
+each query's position; elsewhere it is :func:`causal_attention` over the whole buffer, whose exact
+numerics the CPU parity tests against HF transformers rely on.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
-from typing import Self
+from dataclasses import dataclass, field, replace
+from typing import Literal, Self
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +23,13 @@ from jaxtyping import Array, Float, Int
 
 from zgen.cache.base import LayerKV, replace_layer
 from zgen.errors import CacheError
+from zgen.pallas import flash_attention
+from zgen.pallas.common import platform
+
+# How DenseKVState.attend computes attention: "einsum" is causal_attention; "reference", "xla" and
+# "triton" force that zgen.pallas.flash_attention implementation (Triton runs interpreted on CPU);
+# "auto" is the flash kernels on GPU and "einsum" elsewhere.
+DenseAttention = Literal["auto", "einsum", "reference", "xla", "triton"]
 
 
 def causal_attention(
@@ -47,19 +59,31 @@ def causal_attention(
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class DenseKVState:
-    """Per-layer K and V buffers, [batch, capacity, kv_heads, head_dim]."""
+    """Per-layer K and V buffers, [batch, capacity, kv_heads, head_dim].
+
+    ``attention`` is static (part of the compiled plan's key): see ``DenseAttention``.
+    """
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
+    attention: DenseAttention = field(default="auto", metadata=dict(static=True))
 
     @classmethod
     def zeros(
-        cls, num_layers: int, batch: int, capacity: int, kv_heads: int, head_dim: int, dtype: jnp.dtype
+        cls,
+        num_layers: int,
+        batch: int,
+        capacity: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: jnp.dtype,
+        attention: DenseAttention = "auto",
     ) -> DenseKVState:
         shape = (batch, capacity, kv_heads, head_dim)
         return cls(
             tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
             tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+            attention,
         )
 
     @property
@@ -74,8 +98,10 @@ class DenseKVState:
         positions: Int[Array, "B T"],
     ) -> Self:
         rows = jnp.arange(positions.shape[0])[:, None]
-        new_k = self.k[layer].at[rows, positions].set(k.astype(self.k[layer].dtype), mode="drop")
-        new_v = self.v[layer].at[rows, positions].set(v.astype(self.v[layer].dtype), mode="drop")
+        # Padding tokens at position -1 are dropped like those past the end (jnp would wrap -1 to the last slot).
+        slots = jnp.where(positions >= 0, positions, self.capacity)
+        new_k = self.k[layer].at[rows, slots].set(k.astype(self.k[layer].dtype), mode="drop")
+        new_v = self.v[layer].at[rows, slots].set(v.astype(self.v[layer].dtype), mode="drop")
         return replace(
             self,
             k=replace_layer(self.k, layer, new_k),
@@ -90,7 +116,16 @@ class DenseKVState:
         *,
         sliding_window: int | None,
     ) -> Float[Array, "B T H D"]:
-        return causal_attention(q, self.k[layer], self.v[layer], positions, sliding_window=sliding_window)
+        """Attention of ``q`` at ``positions`` over this layer's slots (padding queries at -1 give zeros
+        on the kernel path; their values are never used)."""
+        path = self.attention
+        if path == "auto":
+            path = "triton" if platform() == "gpu" else "einsum"
+        if path == "einsum":
+            return causal_attention(q, self.k[layer], self.v[layer], positions, sliding_window=sliding_window)
+        return flash_attention(
+            q, self.k[layer], self.v[layer], q_positions=positions, sliding_window=sliding_window, implementation=path
+        )
 
     def layer_view(self, layer: int) -> LayerKV:
         return LayerKV(self.k[layer], self.v[layer])
@@ -164,9 +199,12 @@ class DenseBackend:
     kv_heads: int
     head_dim: int
     dtype: jnp.dtype
+    attention: DenseAttention = "auto"
 
     def allocate(self, batch: int, capacity: int) -> DenseKVState:
-        return DenseKVState.zeros(self.num_layers, batch, capacity, self.kv_heads, self.head_dim, self.dtype)
+        return DenseKVState.zeros(
+            self.num_layers, batch, capacity, self.kv_heads, self.head_dim, self.dtype, self.attention
+        )
 
     def release(self, state: DenseKVState) -> None:
         del state  # device buffers are freed when the last reference goes

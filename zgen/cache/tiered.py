@@ -19,28 +19,40 @@ block (fewest accesses, then least recently used) moves one tier down. A block r
 loads blocks from disk on a thread pool and returns futures. The store is a context manager;
 :meth:`TieredKVStore.close` waits for prefetches, deletes every file it wrote, and removes the cold
 directory if the store created it (a directory it was given is left in place).
+
+:class:`TieredPagedBackend` puts the store under a paged cache's radix prefix cache: blocks the device
+pool evicts go to host RAM and disk, and come back for prompts that start with them (``tiered_kv`` in
+:mod:`zgen.cache.options`, ``--kv-cache tiered`` on the command line).
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import shutil
 import tempfile
 import threading
 import uuid
+import warnings
 import weakref
-from collections.abc import Hashable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Hashable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from types import TracebackType
 from typing import Literal, Self
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
+from zgen.cache.block_pool import BlockPool
+from zgen.cache.paged import PagedBackend, PagedConfig, PagedKVState, PageStore, _bucket
+from zgen.cache.radix import block_hashes
 from zgen.errors import CacheError, ConfigError
+from zgen.pallas.paged_attention.layouts import KVPages
 
 Tier = Literal["hot", "warm", "cold"]
 WarmFormat = Literal["exact", "float16", "int8"]
@@ -239,9 +251,16 @@ class TieredKVStore:
 
     # -- mapping surface ---------------------------------------------------------------------------
 
-    def put(self, key: BlockKey, k: Float[Array, "..."], v: Float[Array, "..."]) -> None:
-        """Store a block in the hot tier (replacing any block under ``key``); overflow moves down."""
+    def put(
+        self, key: BlockKey, k: Float[Array, "..."], v: Float[Array, "..."], *, tier: Literal["hot", "warm"] = "hot"
+    ) -> None:
+        """Store a block in ``tier`` (replacing any block under ``key``); overflow moves down.
+
+        ``tier="warm"`` packs it straight into host RAM: how a device cache spills what it evicts.
+        """
         self._check_open()
+        if tier not in ("hot", "warm"):
+            raise CacheError(f"put places a block in 'hot' or 'warm', got {tier!r}; lower tiers fill by overflow")
         if self.config.warm_format == "float16":
             for name, x in (("k", k), ("v", v)):
                 top = float(np.max(np.abs(np.asarray(x, np.float32)))) if np.size(x) else 0.0
@@ -250,12 +269,16 @@ class TieredKVStore:
                         f"block {key!r}: |{name}| reaches {top}, beyond float16's range (±{_FLOAT16_MAX}); "
                         "use TieredConfig(warm_format='int8' or 'exact') for such values"
                     )
-        block = KVBlock(jax.device_put(k), jax.device_put(v))
+        if tier == "hot":
+            entry = _Entry("hot", hot=KVBlock(jax.device_put(k), jax.device_put(v)))
+        else:
+            entry = _Entry("warm", warm=_pack(KVBlock(k, v), self.config.warm_format))
         with self._lock:
             old = self._entries.pop(key, None)
             if old is not None:
                 self._delete_files(old)
-            self._entries[key] = _Entry("hot", hot=block, last_tick=next(self._ticks))
+            entry.last_tick = next(self._ticks)
+            self._entries[key] = entry
             self._rebalance(keep=key)
 
     def get(self, key: BlockKey) -> KVBlock | None:
@@ -473,4 +496,163 @@ class TieredKVStore:
             return block
 
 
-__all__ = ["BlockKey", "KVBlock", "TieredConfig", "TieredKVStore", "TieredStats", "warm_error_bound"]
+# -- the tiers under a paged prefix cache -----------------------------------------------------------
+
+
+class TieredPagedBackend(PagedBackend):
+    """A :class:`~zgen.cache.paged.PagedBackend` whose prefix cache goes on below the device pool.
+
+    When the radix prefix cache evicts a block, its pages (every layer, K and V, in the pool's storage
+    format) are put into a :class:`TieredKVStore`'s warm tier under the block's chained token hash,
+    instead of being dropped; the store moves them between host RAM and disk by its own policy (and
+    up to a device-resident hot copy when they are read often). When a prompt's blocks miss on the
+    device but are in the store, ``allocate_with_prefix`` takes fresh blocks, copies the pages in
+    (cold blocks are read from disk on the store's threads while the blocks are found) and inserts
+    them into the radix tree: the prompt skips their prefill, as on a device hit.
+
+    The store keeps a restored block's copy, so evicting it again copies nothing. The warm format
+    decides fidelity: ``"exact"`` gives back the evicted bits, so outputs equal a prefill's;
+    ``"float16"``/``"int8"`` shrink host RAM and disk but restored K/V differ by up to
+    :func:`warm_error_bound` (so may the tokens that follow), and they need a float pool (a quantized
+    ``kv_dtype`` is already compressed: quantizing its bytes again would corrupt them).
+    :meth:`close` (also run when the backend is garbage collected) closes the store, deleting its
+    files and the temporary cold directory.
+    """
+
+    def __init__(
+        self, config: PagedConfig, pool: BlockPool, tiers: TieredConfig, *, max_prefix_blocks: int | None = None
+    ) -> None:
+        super().__init__(config, pool, prefix_cache=True, max_prefix_blocks=max_prefix_blocks)
+        float_pages = isinstance(self.store.k[0], jax.Array)  # quantized formats are pytrees of packed parts
+        if not float_pages and tiers.warm_format != "exact":
+            raise ConfigError(
+                f"warm_format {tiers.warm_format!r} would quantize the bytes of kv_dtype {config.kv_dtype!r} pages; "
+                "use TieredConfig(warm_format='exact') with a quantized kv_dtype"
+            )
+        self.tiers = TieredKVStore(tiers)
+        assert self.radix is not None
+        # A function of the store and tiers, not a method: the backend stays out of a reference cycle, so
+        # dropping it runs the finalizer below at once.
+        self.radix.on_evict = partial(_demote, self.store, self.tiers)
+        self._close_tiers = weakref.finalize(self, self.tiers.close)
+
+    def close(self) -> None:
+        """Close the tiered store (its files and temporary directory go); the backend is unusable after."""
+        self._close_tiers()
+
+    def commit_prefix(self, state: PagedKVState, row: int, tokens: Sequence[int]) -> int:
+        # An insert past the tree's capacity evicts, and demotion reads the evicted pages: while the
+        # state is out its pages are the live ones (the store's were donated to the plan).
+        self._check_lease(state)
+        self.store.k, self.store.v = tuple(state.k), tuple(state.v)
+        return super().commit_prefix(state, row, tokens)
+
+    def _allocate(
+        self, prompts: Sequence[Sequence[int]], capacity: int, *, use_prefix: bool
+    ) -> tuple[PagedKVState, list[int]]:
+        if self.tiers.closed:
+            raise CacheError("this tiered KV cache was closed (Generator.close); create a new Generator to generate again")
+        return super()._allocate(prompts, capacity, use_prefix=use_prefix)
+
+    def _restore_prefix(self, tokens: Sequence[int], cached: list[int]) -> list[int]:
+        assert self.radix is not None
+        ps = self.config.page_size
+        keys = list(itertools.takewhile(lambda key: key in self.tiers, block_hashes(tokens, ps)[len(cached) :]))
+        if not keys:
+            return []
+        # Disk reads run on the store's threads while blocks are found (which may evict and demote others).
+        loading = self.tiers.prefetch([key for key in keys if self.tiers.tier_of(key) == "cold"])
+        fresh = self._take(len(keys))
+        try:
+            wait(loading)
+            blocks = [self.tiers[key] for key in keys]  # counts the tier hits
+            slots = _bucket(len(keys))
+            pad = ((0, slots - len(keys)),) + ((0, 0),) * (blocks[0].k.ndim)
+            dst = np.full(slots, self.pool.num_blocks, np.int32)  # padding slots write nowhere
+            dst[: len(keys)] = fresh
+            self.store.k, self.store.v = _write_blocks(
+                self.store.k,
+                self.store.v,
+                jnp.pad(jnp.stack([b.k for b in blocks]), pad),
+                jnp.pad(jnp.stack([b.v for b in blocks]), pad),
+                jnp.asarray(dst),
+            )
+        except BaseException:
+            self.pool.free(fresh)
+            raise
+        for block in fresh:
+            self.pool.mark_filled(block, ps)
+        self.radix.insert(list(tokens[: (len(cached) + len(keys)) * ps]), [*cached, *fresh])
+        return fresh
+
+
+def _demote(store: PageStore, tiers: TieredKVStore, evicted: list[tuple[bytes, int]]) -> None:
+    """Copy the pages of blocks the prefix cache evicts into the warm tier (the tree's ``on_evict``)."""
+    new = [(key, block) for key, block in evicted if key not in tiers]  # a restored block's copy is still there
+    pages = jax.tree_util.tree_leaves((store.k, store.v))
+    if not new or tiers.closed or any(leaf.is_deleted() for leaf in pages):
+        return  # nothing new, nowhere to put it, or the pages were donated to a plan and are gone
+    ids = np.zeros(_bucket(len(new)), np.int32)  # padding slots read block 0 and are dropped
+    ids[: len(new)] = [block for _, block in new]
+    k, v = jax.device_get(_read_blocks(store.k, store.v, jnp.asarray(ids)))
+    for i, (key, _) in enumerate(new):
+        try:
+            tiers.put(key, k[i].copy(), v[i].copy(), tier="warm")  # copies: a view would pin the whole batch
+        except CacheError as err:  # a value float16 cannot hold, a full disk: the block is dropped, as without tiers
+            warnings.warn(f"an evicted KV block was dropped instead of kept in the tiered store: {err}", RuntimeWarning, stacklevel=2)
+
+
+# A block's payload is ``[num_layers, kv_heads, page_size, X]`` per K and V: a float pool's values as
+# they are (X = head_dim, so lossy warm formats scale per token and head), a quantized pool's leaves
+# as raw bytes side by side (X = bytes per token and head).
+
+
+def _payload(pages: KVPages, blocks: Array) -> Array:
+    leaves = [jnp.moveaxis(jnp.take(leaf, blocks, axis=1), 1, 0) for leaf in jax.tree_util.tree_leaves(pages)]
+    if isinstance(pages, jax.Array):
+        return leaves[0]
+    return jnp.concatenate([jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(*x.shape[:3], -1) for x in leaves], -1)
+
+
+def _fill(pages: KVPages, payload: Array, blocks: Array) -> KVPages:
+    leaves, treedef = jax.tree_util.tree_flatten(pages)
+    if isinstance(pages, jax.Array):
+        values = [payload.astype(pages.dtype)]
+    else:
+        values, offset = [], 0
+        for leaf in leaves:
+            trailing, itemsize = leaf.shape[3:], leaf.dtype.itemsize
+            width = math.prod(trailing) * itemsize
+            raw = payload[..., offset : offset + width].reshape(*payload.shape[:3], *trailing, *((itemsize,) if itemsize > 1 else ()))
+            values.append(jax.lax.bitcast_convert_type(raw, leaf.dtype))
+            offset += width
+    filled = [leaf.at[:, blocks].set(jnp.moveaxis(x, 0, 1), mode="drop") for leaf, x in zip(leaves, values, strict=True)]
+    return jax.tree_util.tree_unflatten(treedef, filled)
+
+
+@jax.jit
+def _read_blocks(k: tuple[KVPages, ...], v: tuple[KVPages, ...], blocks: Array) -> tuple[Array, Array]:
+    """Payloads ``[len(blocks), num_layers, kv_heads, page_size, X]`` of K and V."""
+    return jnp.stack([_payload(p, blocks) for p in k], 1), jnp.stack([_payload(p, blocks) for p in v], 1)
+
+
+@partial(jax.jit, donate_argnums=(0, 1))
+def _write_blocks(
+    k: tuple[KVPages, ...], v: tuple[KVPages, ...], k_payload: Array, v_payload: Array, blocks: Array
+) -> tuple[tuple[KVPages, ...], tuple[KVPages, ...]]:
+    """Pages with ``blocks[i]`` holding payload ``i`` in every layer (out-of-range blocks are skipped)."""
+    return (
+        tuple(_fill(p, k_payload[:, layer], blocks) for layer, p in enumerate(k)),
+        tuple(_fill(p, v_payload[:, layer], blocks) for layer, p in enumerate(v)),
+    )
+
+
+__all__ = [
+    "BlockKey",
+    "KVBlock",
+    "TieredConfig",
+    "TieredKVStore",
+    "TieredPagedBackend",
+    "TieredStats",
+    "warm_error_bound",
+]

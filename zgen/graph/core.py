@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+from jaxtyping import Array, Float, Int
 
 from zgen.errors import GraphTypeError
 
@@ -42,8 +43,20 @@ class ForwardContext(ABC):
 
     @abstractmethod
     def write_and_attend(
-        self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array
-    ) -> jax.Array: ...
+        self,
+        layer: int,
+        q: Float[Array, "B T H D"],
+        k: Float[Array, "B T KVH D"],
+        v: Float[Array, "B T KVH D"],
+        positions: Int[Array, "B T"],
+        inv_freq: Float[Array, " half"],
+    ) -> Float[Array, "B T H D"]:
+        """Store the new K/V of ``layer`` and attend to the cache with ``q``.
+
+        ``q`` is already rotated (RoPE); ``k`` is not. The cache rotates keys with ``inv_freq``
+        (rotate-half) when it stores them, or, for storage formats that quantize keys before RoPE,
+        after it reads them back.
+        """
 
 
 class Node(ABC):

@@ -8,8 +8,10 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Array, Float, Int
 
 from zgen.graph.core import ForwardContext, Node, TensorType, act, i32, param
+from zgen.pallas.paged_attention.common import apply_rope
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -24,14 +26,9 @@ def linear(x: jax.Array, weight: jax.Array) -> jax.Array:
     return jnp.einsum("...i,oi->...o", x, weight)
 
 
-def rotary(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotate-half RoPE. x [B, T, heads, D], positions [B, T]."""
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
-    cos = jnp.cos(angles)[:, :, None, :]
-    sin = jnp.sin(angles)[:, :, None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return rotated.astype(x.dtype)
+def rotary(x: Float[Array, "B T heads D"], positions: Int[Array, "B T"], inv_freq: Float[Array, " half"]) -> Float[Array, "B T heads D"]:
+    """Rotate-half RoPE of every head at its token's position (the paged kernels' rotation, too)."""
+    return apply_rope(x, positions[:, :, None], inv_freq)
 
 
 @dataclass
@@ -147,8 +144,9 @@ class Attention(Node):
             k = rms_norm(k, param(params, self.prefix, "k_norm"), self.qk_norm_eps)
         inv_freq = jnp.asarray(np.asarray(self.inv_freq, dtype=np.float32))
         q = rotary(q, positions, inv_freq)
-        k = rotary(k, positions, inv_freq)
-        out = ctx.write_and_attend(self.layer, q, k, v, positions)
+        # k goes to the cache un-rotated: the cache applies RoPE before storing it, or (for formats
+        # that quantize keys before RoPE) after reading it back.
+        out = ctx.write_and_attend(self.layer, q, k, v, positions, inv_freq)
         return linear(out.reshape(batch, seq, q_size), param(params, self.prefix, "o"))
 
 

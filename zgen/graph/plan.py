@@ -19,8 +19,10 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from zgen.cache.base import KVState
+from zgen.cache.paged import PagedKVState
 from zgen.graph.core import ForwardContext, Graph
 from zgen.graph.decoder import LOGIT_ROWS, POSITIONS, TOKENS
+from zgen.graph.nodes import rotary
 from zgen.sampling import PenaltyState, SamplingFlags, SamplingParams, sample, update_penalty_state
 
 Params = Mapping[str, jax.Array]
@@ -43,8 +45,21 @@ class _CacheContext(ForwardContext, Generic[S]):
         self.state = state
         self.sliding_window = sliding_window
 
-    def write_and_attend(self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array) -> jax.Array:
-        self.state = cast(S, self.state.write(layer, k, v, positions))
+    def write_and_attend(
+        self,
+        layer: int,
+        q: Float[Array, "B T H D"],
+        k: Float[Array, "B T KVH D"],
+        v: Float[Array, "B T KVH D"],
+        positions: Int[Array, "B T"],
+        inv_freq: Float[Array, " half"],
+    ) -> Float[Array, "B T H D"]:
+        state = self.state
+        if isinstance(state, PagedKVState) and state.keys_before_rope:
+            written = state.write(layer, k, v, positions)
+            self.state = cast(S, written)
+            return written.attend(layer, q, positions, sliding_window=self.sliding_window, key_rope=inv_freq)
+        self.state = cast(S, state.write(layer, rotary(k, positions, inv_freq), v, positions))
         return self.state.attend(layer, q, positions, sliding_window=self.sliding_window)
 
 

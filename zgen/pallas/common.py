@@ -6,7 +6,7 @@ from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 Implementation = Literal["reference", "xla", "triton", "mosaic_gpu", "mosaic_tpu"]
 IMPLEMENTATIONS: tuple[Implementation, ...] = get_args(Implementation)
@@ -114,3 +114,36 @@ def visible(q_pos: Array, k_pos: Array, length: Array, *, causal: bool, window: 
     if window is not None:
         mask &= q_pos - k_pos < window
     return mask
+
+
+def query_positions(q_positions: Int[Array, "b t"] | None, batch: int, num_queries: int) -> Int[Array, "b t"]:
+    """Where each query sits; by default query ``i`` at position ``i`` (self-attention from slot 0)."""
+    if q_positions is None:
+        return jnp.broadcast_to(jnp.arange(num_queries, dtype=jnp.int32), (batch, num_queries))
+    return q_positions.astype(jnp.int32)
+
+
+def is_query(q_pos: Array, length: Array) -> Array:
+    """Real queries sit in ``[0, length)``; the rest are padding, and their outputs are zero."""
+    return (q_pos >= 0) & (q_pos < length)
+
+
+def query_span(q_pos: Array, length: Array) -> tuple[Array, Array]:
+    """The smallest and largest position of the real queries among ``q_pos`` (broadcast against
+    ``length``); ``last`` is -1 (and ``first`` -1) when there is none."""
+    real = is_query(q_pos, length)
+    last = jnp.max(jnp.where(real, q_pos, -1))
+    return jnp.min(jnp.where(real, q_pos, last)), last
+
+
+def key_block_range(
+    first: Array, last: Array, length: Array, *, block_k: int, num_k_blocks: int, causal: bool, window: int | None
+) -> tuple[Array, Array]:
+    """Key blocks ``[lo, hi)`` that hold a key visible to some query at a position in ``[first, last]``
+    (see ``query_span``; empty when ``last < 0``): a block loop skips everything outside it."""
+    end = jnp.minimum(length, last + 1) if causal else length
+    end = jnp.where(last >= 0, end, 0)
+    hi = jnp.minimum((end + block_k - 1) // block_k, num_k_blocks)
+    if window is None:
+        return jnp.zeros_like(hi), hi
+    return jnp.minimum(jnp.maximum(first - window + 1, 0) // block_k, hi), hi

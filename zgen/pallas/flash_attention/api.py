@@ -1,4 +1,4 @@
-"""``flash_attention``: causal, grouped-query prefill attention over a right-padded ragged batch."""
+"""``flash_attention``: causal, grouped-query attention over a right-padded ragged batch, queries anywhere in it."""
 
 from __future__ import annotations
 
@@ -33,13 +33,16 @@ def _backend(implementation: Implementation) -> Callable[..., Any]:
     )
 
 
-def default_implementation(q: Array, k: Array, *, causal: bool, window: int | None, cap: float | None) -> Implementation:
+def default_implementation(
+    q: Array, k: Array, *, causal: bool, window: int | None, cap: float | None, q_positions: Array | None = None
+) -> Implementation:
     """GPU: jax's Mosaic GPU kernel where it covers the call, else our Triton kernel; elsewhere XLA."""
     if platform() != "gpu":
         return "xla"
     from zgen.pallas.flash_attention import mosaic_gpu
 
-    return "mosaic_gpu" if mosaic_gpu.supports(q, k, causal=causal, sliding_window=window, soft_cap=cap) else "triton"
+    covered = mosaic_gpu.supports(q, k, causal=causal, sliding_window=window, soft_cap=cap, q_positions=q_positions)
+    return "mosaic_gpu" if covered else "triton"
 
 
 def flash_attention(
@@ -49,24 +52,31 @@ def flash_attention(
     *,
     causal: bool = True,
     lengths: Int[Array, " b"] | None = None,
+    q_positions: Int[Array, "b t"] | None = None,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     scale: float | None = None,
     implementation: str | None = None,
 ) -> Float[Array, "b t h d"]:
-    """Self-attention for prefill; query ``i`` and key ``j`` sit at positions ``i`` and ``j``.
+    """Attention of queries at positions ``p`` over keys at positions ``j`` (key slot ``j`` of ``k``/``v``).
+
+    By default query ``i`` sits at position ``i`` (prefill self-attention). With ``q_positions`` the
+    queries may sit anywhere in the key buffer, e.g. a prefill chunk after a cached prefix or one decode
+    step (``T == 1``) of a KV cache: the Triton backend then runs a split-K decode kernel when
+    ``T * H / KVH`` is small.
 
     Args:
       q: ``[B, T, H, D]``; query head ``h`` reads kv head ``h // (H // KVH)``.
       k, v: ``[B, S, KVH, D]``.
-      causal: key ``j`` is visible to query ``i`` only if ``j <= i``.
-      lengths: ``[B]`` valid tokens per row (right padding); keys at or past it are invisible and the
-        outputs of queries at or past it are zero. Default: all of ``S``.
-      sliding_window: keep only keys with ``i - j < sliding_window``.
+      causal: key ``j`` is visible to the query at position ``p`` only if ``j <= p``.
+      lengths: ``[B]`` valid keys per row (right padding); keys at or past it are invisible. Default: ``S``.
+      q_positions: ``[B, T]`` position of each query (default ``arange(T)`` in every row). Queries at a
+        negative position or at or past the row's length are padding: their outputs are zero.
+      sliding_window: keep only keys with ``p - j < sliding_window``.
       soft_cap: optional ``cap * tanh(logits / cap)`` after scaling.
       scale: logit scale, default ``D ** -0.5``.
       implementation: None (best for the platform), "reference", "xla", "triton" or "mosaic_gpu"
-        (jax's bundled Hopper kernel; causal float16 without window or cap).
+        (jax's bundled Hopper kernel; causal float16 without window, cap or ``q_positions``).
     """
     b, t, h, d = q.shape
     s, kvh = k.shape[1], k.shape[2]
@@ -74,8 +84,10 @@ def flash_attention(
         raise ValueError(f"k {k.shape} and v {v.shape} must be [B, S, KVH, D] matching q {q.shape}")
     if h % kvh:
         raise ValueError(f"{h} query heads are not a multiple of {kvh} kv heads")
+    if q_positions is not None and q_positions.shape != (b, t):
+        raise ValueError(f"q_positions {q_positions.shape} must be [B, T] = {(b, t)}")
     impl = (
-        default_implementation(q, k, causal=causal, window=sliding_window, cap=soft_cap)
+        default_implementation(q, k, causal=causal, window=sliding_window, cap=soft_cap, q_positions=q_positions)
         if implementation is None
         else check_implementation(implementation)
     )
@@ -85,6 +97,7 @@ def flash_attention(
         k,
         v,
         lengths,
+        q_positions=q_positions,
         causal=causal,
         sliding_window=sliding_window,
         soft_cap=soft_cap,

@@ -18,15 +18,26 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from zgen.errors import ConfigError
+from zgen.pallas.common import is_query
 
 # Queries go in tiles of 2 x block_q (two consumer warpgroups); keys in tiles of block_kv.
 BLOCK_Q, BLOCK_KV, STEPS = 64, 128, 2
 PAD_MULTIPLE = 128  # lcm(2 * BLOCK_Q, BLOCK_KV)
 
 
-def supports(q: Array, k: Array, *, causal: bool, sliding_window: int | None, soft_cap: float | None) -> bool:
+def supports(
+    q: Array,
+    k: Array,
+    *,
+    causal: bool,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    q_positions: Array | None = None,
+) -> bool:
+    """Only self-attention from slot 0: queries at other positions (``q_positions``) go to Triton."""
     return (
         causal
+        and q_positions is None
         and sliding_window is None
         and soft_cap is None
         and q.shape[1] == k.shape[1]
@@ -42,6 +53,7 @@ def flash_attention(
     v: Float[Array, "b s kvh d"],
     lengths: Int[Array, " b"],
     *,
+    q_positions: None = None,
     causal: bool,
     sliding_window: int | None,
     soft_cap: float | None,
@@ -50,9 +62,10 @@ def flash_attention(
     block_kv: int = BLOCK_KV,
     max_concurrent_steps: int = STEPS,
 ) -> Float[Array, "b t h d"]:
-    if not supports(q, k, causal=causal, sliding_window=sliding_window, soft_cap=soft_cap):
+    if not supports(q, k, causal=causal, sliding_window=sliding_window, soft_cap=soft_cap, q_positions=q_positions):
         raise ConfigError(
-            "implementation='mosaic_gpu' prefill covers causal float16 self-attention without window or soft cap; "
+            "implementation='mosaic_gpu' prefill covers causal float16 self-attention without window, soft cap "
+            "or q_positions; "
             "pass implementation=None to let zgen choose"
         )
     from jax.experimental.pallas.ops.gpu import attention_mgpu
@@ -66,5 +79,5 @@ def flash_attention(
     scaled = (q.astype(jnp.float32) * scale).astype(q.dtype)
     out: Array = attention_mgpu.attention(jnp.pad(scaled, pad), jnp.pad(k, pad), jnp.pad(v, pad), config)  # type: ignore[assignment]
     out = out[:, :t]
-    valid = jnp.arange(t)[None, :] < lengths[:, None]
-    return jnp.where(valid[:, :, None, None], out, 0).astype(q.dtype)
+    real = is_query(jnp.arange(t)[None, :], lengths[:, None])
+    return jnp.where(real[:, :, None, None], out, 0).astype(q.dtype)

@@ -8,10 +8,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from zgen.errors import ConfigError
+from zgen.errors import ConfigError, InputError
 from zgen.pallas.common import Implementation, check_implementation, interpret_pallas, platform, resolve_scale
 from zgen.pallas.paged_attention.common import visible_pages
-from zgen.pallas.paged_attention.layouts import KVPages, head_dim_of, leading_shape
+from zgen.pallas.paged_attention.layouts import KeyCalibration, KVPages, head_dim_of, leading_shape
 
 
 def _layout(pages: KVPages) -> type:
@@ -32,7 +32,14 @@ def _check(q: Array, k_pages: KVPages, v_pages: KVPages, block_tables: Array, le
         raise ValueError("block_tables [B, pages_per_seq] and lengths [B] must match the query batch")
 
 
-def _backend(implementation: Implementation, k_pages: KVPages, page_mask_given: bool, window: int | None) -> Callable[..., Any]:
+def _backend(
+    implementation: Implementation, k_pages: KVPages, page_mask_given: bool, window: int | None, decodes_keys: bool
+) -> Callable[..., Any]:
+    if decodes_keys and implementation in ("mosaic_gpu", "mosaic_tpu"):
+        raise ConfigError(
+            f"implementation={implementation!r} cannot decode stored keys (key_rope, key_calibration); "
+            "use reference, xla or triton, or pass implementation=None to let zgen choose"
+        )
     if implementation == "reference":
         from zgen.pallas.paged_attention import reference
 
@@ -64,13 +71,15 @@ def _backend(implementation: Implementation, k_pages: KVPages, page_mask_given: 
     )
 
 
-def default_implementation(k_pages: KVPages, page_mask_given: bool, window: int | None) -> Implementation:
+def default_implementation(
+    k_pages: KVPages, page_mask_given: bool, window: int | None, decodes_keys: bool = False
+) -> Implementation:
     """Best implementation for the current platform that supports these pages and options."""
     where = platform()
     if where == "gpu":
         # The Mosaic GPU kernel (bf16 pages only) stays opt-in until GPU runs have checked and timed it.
         return "triton"
-    if where == "tpu":
+    if where == "tpu" and not decodes_keys:
         from zgen.pallas.paged_attention import mosaic_tpu
 
         if mosaic_tpu.supports(k_pages, page_mask_given=page_mask_given, sliding_window=window):
@@ -89,6 +98,8 @@ def paged_decode_attention(
     scale: float | None = None,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    key_rope: Float[Array, " half"] | None = None,
+    key_calibration: KeyCalibration | None = None,
     implementation: str | None = None,
 ) -> Float[Array, "b h d"]:
     """Attention of one new token per sequence over its paged KV cache (grouped-query).
@@ -103,6 +114,12 @@ def paged_decode_attention(
       scale: logit scale, default ``D ** -0.5``.
       soft_cap: optional ``cap * tanh(logits / cap)`` after scaling.
       sliding_window: keep only keys within this many positions of the query (its own included).
+      key_rope: RoPE inverse frequencies ``[D/2]`` when the pages hold keys *before* RoPE: each key
+        is dequantized (and decoded, see ``key_calibration``), then rotated (rotate-half) to its
+        position (page index * page_size + offset). None: the stored keys are used as they are.
+      key_calibration: the coding the keys were stored with (:class:`KeyCalibration`, ``[KVH, D]``
+        statistics): each dequantized key is decoded with it (inverse Hadamard rotation, unscaled,
+        re-centred) before ``key_rope``.
       implementation: None (best for the platform), "reference", "xla", "triton", "mosaic_gpu"
         (Hopper; bf16/f16 pages, page_size a multiple of 64) or "mosaic_tpu".
 
@@ -110,8 +127,15 @@ def paged_decode_attention(
     """
     _check(q, k_pages, v_pages, block_tables, lengths)
     kvh, _, page_size = leading_shape(k_pages)
+    if key_rope is not None and key_rope.shape != (q.shape[-1] // 2,):
+        raise InputError(f"key_rope must hold head_dim/2 = {q.shape[-1] // 2} inverse frequencies, got shape {key_rope.shape}")
+    if key_calibration is not None and any(
+        stat.shape != (kvh, q.shape[-1]) for stat in jax.tree_util.tree_leaves(key_calibration)
+    ):
+        raise InputError(f"key_calibration statistics must be [kv_heads, head_dim] = [{kvh}, {q.shape[-1]}]")
+    decodes_keys = key_rope is not None or key_calibration is not None
     impl = (
-        default_implementation(k_pages, page_mask is not None, sliding_window)
+        default_implementation(k_pages, page_mask is not None, sliding_window, decodes_keys)
         if implementation is None
         else check_implementation(implementation)
     )
@@ -119,7 +143,13 @@ def paged_decode_attention(
     pages = visible_pages(block_tables, lengths, page_mask, page_size, sliding_window)
     # Invisible table entries may be stale or -1: point them at page 0 so no backend reads out of bounds.
     tables = jnp.where(pages, block_tables, 0).astype(jnp.int32)
-    fn = _backend(impl, k_pages, page_mask is not None, sliding_window)
+    fn = _backend(impl, k_pages, page_mask is not None, sliding_window, decodes_keys)
+    # Only backends that can decode keys get these arguments, so the others keep their signatures.
+    key_coding: dict[str, Any] = {}
+    if key_rope is not None:
+        key_coding["key_rope"] = key_rope.astype(jnp.float32)
+    if key_calibration is not None:
+        key_coding["key_calibration"] = key_calibration
     return fn(
         q,
         k_pages,
@@ -130,6 +160,7 @@ def paged_decode_attention(
         scale=resolve_scale(q.shape[-1], scale),
         soft_cap=soft_cap,
         sliding_window=sliding_window,
+        **key_coding,
     )
 
 

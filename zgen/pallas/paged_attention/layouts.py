@@ -1,4 +1,4 @@
-"""Quantized KV page layouts, their quantizers and (reference) dequantizers.
+"""Quantized KV page layouts, their quantizers and (reference) dequantizers, and the key coding.
 
 Every layout keeps the page-table shape of the full-precision cache, ``[kv_heads, num_pages, page_size,
 ...]``, so the same ``block_tables`` index every leaf and a gather of pages is a ``tree_map``. All
@@ -10,8 +10,8 @@ layout      leaves (per kv head, page, token)                      bits per valu
 ==========  =====================================================  ==================  ==============
 bf16        ``[D]`` bfloat16                                       16                  1x
 ``Fp8``     ``values [D]`` float8_e4m3fn, ``scale []`` f32         8 + 32/D            ~0.52x
-``Q4``      ``packed [D/2]`` u8, ``scale, zero [D/G]`` bf16        4 + 32/G            0.28x (G=32)
-``Q3``      ``planes [3, D/8]`` u8, ``codebook [8]`` bf16          3 + 128/D           0.25x (D=128)
+``Q4``      ``packed [D/2]`` u8, ``scale, zero [D/G]`` bf16        4 + 32/G            0.31x (G=32)
+``Q3``      ``planes [3, D/8]`` u8, ``scale [D/G]`` bf16           3 + 16/G            0.25x (G=16)
 ==========  =====================================================  ==================  ==============
 
 Why these granularities:
@@ -19,15 +19,28 @@ Why these granularities:
 * FP8: one scale per token — E4M3's exponent already covers the spread inside a head vector; the
   scale only maps the token's absolute maximum onto 448, and it folds into the logits (K) and the
   probabilities (V) instead of touching every element.
-* Q4: asymmetric (scale and min) groups of ``G`` consecutive dims (default 32, like GGUF Q4_1): keys
-  have outlier channels, and a group per head vector would spend most codes on them. Nibbles are
-  packed *split-half*: byte ``j`` holds dim ``j`` (low nibble) and dim ``j + D/2`` (high nibble), so a
-  kernel unpacks two contiguous half-tiles with a shift and a mask and never interleaves lanes.
-* Q3: an 8-entry codebook per token (Lloyd-fitted, non-uniform), stored as 3 bit-planes. Plane ``b``
-  byte ``j`` bit ``i`` is bit ``b`` of the code of dim ``i * D/8 + j``: unpacking bit ``i`` of every
-  byte yields the contiguous dim block ``[i*D/8, (i+1)*D/8)``, again without lane shuffles. A codebook
-  shared by a whole page would cost ~0 bits but needs the whole page at write time; per token it costs
-  ``128/D`` bits per value (1 bit at D=128), still below Q4.
+* Q4: asymmetric (scale and min) groups of ``G`` consecutive dims (default 32, like GGUF Q4_1). Nibbles
+  are packed *split-half*: byte ``j`` holds dim ``j`` (low nibble) and dim ``j + D/2`` (high nibble), so
+  a kernel unpacks two contiguous half-tiles with a shift and a mask and never interleaves lanes.
+* Q3: 8 non-uniform levels :data:`Q3_LEVELS`, scaled per group of ``G`` dims (the group's codebook is
+  ``Q3_LEVELS * scale``, the scale fitted by least squares to the group's values), stored as 3
+  bit-planes: plane ``b`` byte ``j`` bit ``i`` is bit ``b`` of the code of dim ``i * D/8 + j``, so
+  unpacking bit ``i`` of every byte yields the contiguous dim block ``[i*D/8, (i+1)*D/8)`` without lane
+  shuffles. The levels are the Lloyd–Max quantizer of a unit Gaussian: after the coding below (a
+  Hadamard rotation) each group is nearly Gaussian, and a sensitivity-weighted k-means fit over coded
+  SmolLM2 keys and values (``benchmarks/kv_quality.py --fit-levels``) lands within 0.05 of these levels
+  pooled over layers (within 0.09 per layer for keys, 0.23 for values), so one shared set serves every
+  group and costs nothing per token. A free per-token codebook (8 bf16 entries) measured only slightly
+  better and costs 2 bits per value at D=64, as much as Q4's metadata.
+
+The integer formats are meant to be written through a coding (see :class:`KeyCalibration` and
+:func:`hadamard`, applied by :class:`zgen.cache.paged.PagedKVState`): values are rotated by an
+orthonormal Hadamard matrix (it spreads outlier channels over the whole group), keys are taken
+*before* RoPE, centred on per-channel calibration means (the first position, the attention sink, on
+its own mean), scaled per channel by a sensitivity proxy and rotated. The decode kernels undo the key
+coding on each dequantized tile and then apply RoPE (``key_calibration``, ``key_rope`` of
+:func:`~zgen.pallas.paged_attention.paged_decode_attention`); the value rotation is undone on the
+attention output, outside the kernels.
 """
 
 from __future__ import annotations
@@ -37,10 +50,13 @@ from typing import Literal, TypeAlias
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Shaped, UInt8
+from jaxtyping import Array, Bool, Float, Shaped, UInt8
 
-Q3_LEVELS = 8
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+# Normalized Q3 levels: the Lloyd–Max levels of a unit Gaussian (see the module docstring).
+Q3_LEVELS = (-2.152, -1.344, -0.756, -0.245, 0.245, 0.756, 1.344, 2.152)
+# Least-squares refits of each Q3 group's scale after assigning its values to the nearest levels.
+Q3_SCALE_REFITS = 3
 
 
 @jax.tree_util.register_dataclass
@@ -91,17 +107,23 @@ class Q4Pages:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Q3Pages:
-    """3-bit codes into an 8-entry codebook per (kv head, page, token), stored as 3 bit-planes.
+    """3-bit codes into :data:`Q3_LEVELS`, scaled per group of ``G`` dims, stored as 3 bit-planes.
 
-    ``x[i * D/8 + j] ~= codebook[code]`` with ``code = sum_b ((planes[b, j] >> i) & 1) << b``.
+    ``x[d] ~= Q3_LEVELS[code[d]] * scale[d // G]`` with, for ``d = i * D/8 + j``,
+    ``code[d] = sum_b ((planes[b, j] >> i) & 1) << b``. ``G`` is a multiple of ``D/8`` so a bit-plane
+    block never straddles two groups.
     """
 
     planes: UInt8[Array, "kvh pages page 3 eighth_d"]
-    codebook: Float[Array, "kvh pages page 8"]
+    scale: Float[Array, "kvh pages page groups"]
 
     @property
     def head_dim(self) -> int:
         return 8 * self.planes.shape[-1]
+
+    @property
+    def group_size(self) -> int:
+        return self.head_dim // self.scale.shape[-1]
 
     def codes(self) -> UInt8[Array, "*lead d"]:
         shifts = jnp.arange(8, dtype=jnp.uint8)[:, None]
@@ -111,7 +133,9 @@ class Q3Pages:
         return code.reshape(*code.shape[:-2], -1)
 
     def dequantize(self, dtype: jnp.dtype) -> Float[Array, "*lead d"]:
-        return jnp.take_along_axis(self.codebook, self.codes().astype(jnp.int32), axis=-1).astype(dtype)
+        levels = jnp.asarray(Q3_LEVELS, jnp.float32)[self.codes().astype(jnp.int32)]
+        scale = jnp.repeat(self.scale.astype(jnp.float32), self.group_size, axis=-1)
+        return (levels * scale).astype(dtype)
 
 
 QuantizedPages: TypeAlias = Fp8Pages | Q4Pages | Q3Pages
@@ -142,33 +166,35 @@ def quantize_q4(x: Float[Array, "*lead d"], group_size: int = 32, scale_dtype: j
     return Q4Pages(packed=packed, scale=scale, zero=zero)
 
 
-def quantize_q3(x: Float[Array, "*lead d"], iterations: int = 8, codebook_dtype: jnp.dtype = jnp.bfloat16) -> Q3Pages:
-    """Per-token 8-level codebook fitted by a few Lloyd (1-D k-means) steps from a uniform start."""
+def quantize_q3(x: Float[Array, "*lead d"], group_size: int = 16, scale_dtype: jnp.dtype = jnp.bfloat16) -> Q3Pages:
+    """Nearest of :data:`Q3_LEVELS` times a per-group scale, the scale refitted by least squares.
+
+    The scale starts at the group's RMS (the levels are those of a unit-variance Gaussian) and is
+    refitted ``Q3_SCALE_REFITS`` times to the levels the values fall on; codes are then chosen against
+    the *stored* (rounded) scale.
+    """
     d = x.shape[-1]
-    if d % 8:
-        raise ValueError(f"Q3 needs head_dim divisible by 8, got {d}")
-    x = x.astype(jnp.float32)
-    lo, hi = jnp.min(x, axis=-1, keepdims=True), jnp.max(x, axis=-1, keepdims=True)
-    codebook = lo + (hi - lo) * (jnp.arange(Q3_LEVELS, dtype=jnp.float32) + 0.5) / Q3_LEVELS
+    if d % 8 or group_size % (d // 8) or d % group_size:
+        raise ValueError(f"Q3 needs head_dim % 8 == 0 and group_size ({group_size}) a multiple of head_dim/8 dividing head_dim ({d})")
+    levels = jnp.asarray(Q3_LEVELS, jnp.float32)
+    g = x.astype(jnp.float32).reshape(*x.shape[:-1], d // group_size, group_size)
 
-    def assign(cb: Array) -> Array:
-        return jnp.argmin(jnp.abs(x[..., :, None] - cb[..., None, :]), axis=-1)
+    def nearest(scale: Array) -> Array:
+        safe = jnp.where(scale > 0, scale, 1.0)[..., None]
+        return jnp.argmin(jnp.abs(g[..., None] / safe[..., None] - levels), axis=-1)
 
-    def lloyd(cb: Array, _: None) -> tuple[Array, None]:
-        onehot = jax.nn.one_hot(assign(cb), Q3_LEVELS, dtype=jnp.float32)
-        count = jnp.sum(onehot, axis=-2)
-        mean = jnp.einsum("...dk,...d->...k", onehot, x) / jnp.maximum(count, 1.0)
-        return jnp.where(count > 0, mean, cb), None
-
-    codebook, _ = jax.lax.scan(lloyd, codebook, None, length=iterations)
-    codebook = codebook.astype(codebook_dtype)
-    codes = assign(codebook.astype(jnp.float32)).astype(jnp.uint8)
+    scale = jnp.sqrt(jnp.mean(g * g, axis=-1))
+    for _ in range(Q3_SCALE_REFITS):
+        assigned = levels[nearest(scale)]
+        scale = jnp.sum(g * assigned, axis=-1) / jnp.sum(assigned * assigned, axis=-1)
+    scale = scale.astype(scale_dtype)
+    codes = nearest(scale.astype(jnp.float32)).astype(jnp.uint8).reshape(x.shape)
     blocks = codes.reshape(*codes.shape[:-1], 8, d // 8)  # block i = dims [i*d/8, (i+1)*d/8)
     weights = (jnp.uint8(1) << jnp.arange(8, dtype=jnp.uint8))[:, None]
     planes = jnp.stack(
         [jnp.sum(((blocks >> b) & 1) * weights, axis=-2, dtype=jnp.uint8) for b in range(3)], axis=-2
     )
-    return Q3Pages(planes=planes, codebook=codebook)
+    return Q3Pages(planes=planes, scale=scale)
 
 
 def quantize(x: Float[Array, "*lead d"], fmt: QuantFormat) -> KVPages:
@@ -206,3 +232,71 @@ def bytes_per_token(pages: KVPages) -> int:
     kvh, num_pages, page_size = leading_shape(pages)
     total = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(pages))
     return total // (kvh * num_pages * page_size)
+
+
+def hadamard(x: Float[Array, "*lead d"]) -> Float[Array, "*lead d"]:
+    """Orthonormal Walsh–Hadamard transform of the last axis, in f32 (its own inverse).
+
+    Blocks of the largest power of two dividing ``D`` (all of it for D = 64 or 128), as a fast
+    transform: log2(block) butterfly stages instead of a ``D x D`` matmul.
+    """
+    d = x.shape[-1]
+    block = d & -d
+    y = x.astype(jnp.float32).reshape(*x.shape[:-1], d // block, block)
+    half = 1
+    while half < block:
+        pairs = y.reshape(*y.shape[:-1], block // (2 * half), 2, half)
+        low, high = pairs[..., 0, :], pairs[..., 1, :]
+        y = jnp.stack([low + high, low - high], axis=-2).reshape(y.shape)
+        half *= 2
+    return y.reshape(x.shape) * (block**-0.5)
+
+
+def hadamard_matrix(d: int) -> Float[Array, "d d"]:
+    """The (symmetric) matrix of :func:`hadamard`, for kernels that apply it as a dot."""
+    return hadamard(jnp.eye(d, dtype=jnp.float32))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KeyCalibration:
+    """Per-kv-head statistics an integer format codes one layer's (pre-RoPE) keys with.
+
+    ``stored = hadamard((k - shift) * scale)`` with ``shift = sink`` for the key at position 0 and
+    ``center`` elsewhere; decoding inverts it. Centring removes the large per-channel offsets keys
+    carry before RoPE (a few channels sit at 5x the vector's RMS), which would otherwise set every
+    group's range; the attention sink (position 0) has a key of its own, nearly the same in every
+    sequence, so it gets its own centre. ``scale`` weights channels by sensitivity (see
+    :func:`zgen.cache.paged.calibrate_keys`); the rotation then spreads what is left evenly over the
+    quantization groups. ``identity`` codes keys with the rotation alone.
+    """
+
+    center: Float[Array, "kvh d"]
+    sink: Float[Array, "kvh d"]
+    scale: Float[Array, "kvh d"]
+
+    @classmethod
+    def identity(cls, kv_heads: int, head_dim: int) -> KeyCalibration:
+        zeros = jnp.zeros((kv_heads, head_dim), jnp.float32)
+        return cls(center=zeros, sink=zeros, scale=jnp.ones((kv_heads, head_dim), jnp.float32))
+
+    def _per_head(self, stat: Array, ndim: int, head_axis: int) -> Array:
+        """``stat [KVH, D]`` shaped to broadcast against an array of ``ndim`` dims (head axis ``head_axis``)."""
+        shape = [1] * ndim
+        shape[head_axis], shape[-1] = stat.shape
+        return stat.astype(jnp.float32).reshape(shape)
+
+    def _shift(self, first: Bool[Array, "..."], ndim: int, head_axis: int) -> Array:
+        sink, center = self._per_head(self.sink, ndim, head_axis), self._per_head(self.center, ndim, head_axis)
+        return jnp.where(first[..., None], sink, center)
+
+    def encode(self, k: Float[Array, "*lead d"], first: Bool[Array, "..."], head_axis: int) -> Float[Array, "*lead d"]:
+        """Code keys ``k`` (kv heads on ``head_axis``); ``first`` marks keys at position 0 (broadcasts
+        against ``k``'s leading dims)."""
+        centred = k.astype(jnp.float32) - self._shift(first, k.ndim, head_axis)
+        return hadamard(centred * self._per_head(self.scale, k.ndim, head_axis))
+
+    def decode(self, coded: Float[Array, "*lead d"], first: Bool[Array, "..."], head_axis: int) -> Float[Array, "*lead d"]:
+        """Invert :meth:`encode` (on dequantized values)."""
+        unscaled = hadamard(coded) / self._per_head(self.scale, coded.ndim, head_axis)
+        return unscaled + self._shift(first, coded.ndim, head_axis)

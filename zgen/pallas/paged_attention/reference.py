@@ -1,4 +1,4 @@
-"""Paged decode attention in plain jax.numpy: dequantize every page, gather, mask, softmax."""
+"""Paged decode attention in plain jax.numpy: dequantize every page, gather, (decode and rotate keys,) mask, softmax."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from zgen.pallas.common import masked_softmax_attention, visible
-from zgen.pallas.paged_attention.layouts import KVPages, dequantize, leading_shape
+from zgen.pallas.paged_attention.common import apply_rope
+from zgen.pallas.paged_attention.layouts import KeyCalibration, KVPages, dequantize, leading_shape
 
 
 def _dense(pages: KVPages, block_tables: Array) -> Array:
@@ -28,11 +29,17 @@ def paged_decode_attention(
     scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
+    key_rope: Float[Array, " half"] | None = None,
+    key_calibration: KeyCalibration | None = None,
 ) -> Float[Array, "b h d"]:
     b, h, d = q.shape
     kvh, _, page_size = leading_shape(k_pages)
     k, v = _dense(k_pages, block_tables), _dense(v_pages, block_tables)
     pos = jnp.arange(k.shape[2])
+    if key_calibration is not None:
+        k = key_calibration.decode(k, pos == 0, head_axis=1)
+    if key_rope is not None:
+        k = apply_rope(k, pos, key_rope)
     mask = visible(lengths[:, None] - 1, pos[None, :], lengths[:, None], causal=True, window=sliding_window)
     mask &= jnp.repeat(page_mask, page_size, axis=1)
     qg = q.reshape(b, kvh, h // kvh, d)

@@ -6,6 +6,12 @@ per loop step, dequantizing the page in registers; the splits are merged by log-
 The pages are compacted first (``compact_pages``) so the loop has no branch and Triton can pipeline
 its loads. Quantized pages are read as "pieces": contiguous dim ranges that unpack without lane
 shuffles (see ``layouts``), each with its own small dot.
+
+Coded keys (``key_calibration``) and keys stored before RoPE (``key_rope``) take another path: the
+page's keys are dequantized to f32 tiles, decoded (the inverse Hadamard rotation as dots against the
+rotation matrix, straight into the two halves of the head vector, then unscaled and re-centred; the
+key at position 0 on its own centre) and rotated to their positions (cos/sin of ``position *
+inv_freq`` per tile), before the query dot.
 """
 
 from __future__ import annotations
@@ -21,8 +27,17 @@ from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Bool, Float, Int
 
 from zgen.pallas.common import RUNNING_MAX_INIT, finish_softmax, merge_partials, soft_cap as apply_soft_cap, softmax_rescale, visible
-from zgen.pallas.paged_attention.common import group_queries, split_pages
-from zgen.pallas.paged_attention.layouts import Fp8Pages, KVPages, Q3Pages, Q4Pages, leading_shape
+from zgen.pallas.paged_attention.common import group_queries, rope_cos_sin, rotate_halves, split_pages
+from zgen.pallas.paged_attention.layouts import (
+    Q3_LEVELS,
+    Fp8Pages,
+    KeyCalibration,
+    KVPages,
+    Q3Pages,
+    Q4Pages,
+    hadamard_matrix,
+    leading_shape,
+)
 from zgen.pallas.triton_utils import MIN_DOT, dot_nn, dot_nt, next_pow2
 
 @dataclasses.dataclass(frozen=True)
@@ -33,13 +48,17 @@ class PageReader:
     prepared)`` returns the unscaled ``q . k`` of the page's tokens, ``[rows, page_size]`` f32;
     ``values(refs, page, p)`` returns ``p @ v`` for the probabilities ``p`` ``[rows, page_size]`` f32, one
     ``[rows, width]`` f32 tile per entry of ``pieces`` (``(start, width)`` dim ranges that unpack
-    without lane shuffles, see ``layouts``).
+    without lane shuffles, see ``layouts``); ``tiles(refs, page)`` returns the page's dequantized
+    vectors, one ``[page_size, width]`` f32 tile per piece (for keys that must be decoded first).
+    Pieces are symmetric: piece ``j`` of the first half pairs with piece ``j + len/2`` of the second,
+    as RoPE pairs dim ``d`` with ``d + D/2``.
     """
 
     pieces: tuple[tuple[int, int], ...]
     num_refs: int
     logits: Callable[[Sequence[jax.Ref], Array, Sequence[Array], Sequence[Array]], Array]
     values: Callable[[Sequence[jax.Ref], Array, Array], list[Array]]
+    tiles: Callable[[Sequence[jax.Ref], Array], list[Array]]
     prepare: Callable[[Sequence[Array]], list[Array]] = lambda q_pieces: []
 
 
@@ -73,29 +92,49 @@ def _scaled(p: Array, col: Array, dtype: jnp.dtype) -> Array:
     return (p * col[None, :]).astype(dtype)
 
 
-def _native_reader(head_dim: int, dtype: jnp.dtype) -> PageReader:
+def _halves(head_dim: int) -> tuple[tuple[int, int], ...]:
+    return ((0, head_dim // 2), (head_dim // 2, head_dim // 2))
+
+
+def _native_reader(head_dim: int, dtype: jnp.dtype, split: bool) -> PageReader:
+    """``split``: read the page as its two halves (what decoding keys needs), else as one tile."""
+    pieces = _halves(head_dim) if split else ((0, head_dim),)
+
     def logits(refs: Sequence[jax.Ref], p: Array, q: Sequence[Array], _: Sequence[Array]) -> Array:
-        return dot_nt(q[0], refs[0][p].astype(dtype))
+        return functools.reduce(jnp.add, [dot_nt(qi, ki.astype(dtype)) for qi, ki in zip(q, tiles(refs, p), strict=True)])
 
     def values(refs: Sequence[jax.Ref], p: Array, probs: Array) -> list[Array]:
-        return [dot_nn(probs.astype(dtype), refs[0][p].astype(dtype))]
+        return [dot_nn(probs.astype(dtype), vi.astype(dtype)) for vi in tiles(refs, p)]
 
-    return PageReader(((0, head_dim),), 1, logits, values)
+    def tiles(refs: Sequence[jax.Ref], p: Array) -> list[Array]:
+        return [refs[0][p, :, pl.ds(start, width)].astype(jnp.float32) for start, width in pieces]
+
+    return PageReader(pieces, 1, logits, values, tiles)
 
 
-def _fp8_reader(head_dim: int, dtype: jnp.dtype) -> PageReader:
+def _fp8_reader(head_dim: int, dtype: jnp.dtype, split: bool) -> PageReader:
     """E4M3 tiles go to the dot as they are (exact in bf16); the per-token scale multiplies the logits
     (K) or the probabilities (V), ``page_size`` values per row instead of ``page_size * D``."""
+    pieces = _halves(head_dim) if split else ((0, head_dim),)
+
+    def raw(vals: jax.Ref, p: Array) -> list[Array]:
+        return [vals[p, :, pl.ds(start, width)] for start, width in pieces]
 
     def logits(refs: Sequence[jax.Ref], p: Array, q: Sequence[Array], _: Sequence[Array]) -> Array:
         vals, scale = refs
-        return dot_nt(q[0], vals[p].astype(dtype)) * scale[p][None, :]
+        dots = [dot_nt(qi, ki.astype(dtype)) for qi, ki in zip(q, raw(vals, p), strict=True)]
+        return functools.reduce(jnp.add, dots) * scale[p][None, :]
 
     def values(refs: Sequence[jax.Ref], p: Array, probs: Array) -> list[Array]:
         vals, scale = refs
-        return [dot_nn(_scaled(probs, scale[p], dtype), vals[p].astype(dtype))]
+        scaled = _scaled(probs, scale[p], dtype)
+        return [dot_nn(scaled, vi.astype(dtype)) for vi in raw(vals, p)]
 
-    return PageReader(((0, head_dim),), 2, logits, values)
+    def tiles(refs: Sequence[jax.Ref], p: Array) -> list[Array]:
+        vals, scale = refs
+        return [vi.astype(jnp.float32) * scale[p][:, None] for vi in raw(vals, p)]
+
+    return PageReader(pieces, 2, logits, values, tiles)
 
 
 def _q4_reader(head_dim: int, group: int, dtype: jnp.dtype) -> PageReader:
@@ -141,46 +180,70 @@ def _q4_reader(head_dim: int, group: int, dtype: jnp.dtype) -> PageReader:
             for cg, sg, zg in zip(codes(packed, p), s_cols, z_cols, strict=True)
         ]
 
-    pieces = tuple((h * half + j * group, group) for h in range(2) for j in range(n))
-    return PageReader(pieces, 3, logits, values, prepare)
-
-
-def _q3_reader(head_dim: int, dtype: jnp.dtype) -> PageReader:
-    """Bit ``i`` of the plane bytes gives the dim block ``[i*D/8, (i+1)*D/8)``; each element picks its
-    codebook entry with a 7-select tree on its 3 bits, the 8 entries being per-token columns (from 4
-    u32 words, so their loads pipeline with the pages)."""
-    width = head_dim // 8
-
     def tiles(refs: Sequence[jax.Ref], p: Array) -> list[Array]:
-        planes, codebook = refs
+        packed, scale, zero = refs
+        s_cols, z_cols = _columns(scale, p, groups), _columns(zero, p, groups)
+        return [
+            cg.astype(jnp.float32) * sg[:, None] + zg[:, None]
+            for cg, sg, zg in zip(codes(packed, p), s_cols, z_cols, strict=True)
+        ]
+
+    pieces = tuple((h * half + j * group, group) for h in range(2) for j in range(n))
+    return PageReader(pieces, 3, logits, values, tiles, prepare)
+
+
+def _q3_reader(head_dim: int, group: int, dtype: jnp.dtype) -> PageReader:
+    """Bit ``i`` of the plane bytes gives the dim block ``[i*D/8, (i+1)*D/8)``; each element picks its
+    level with a 7-select tree on its 3 bits (the levels are constants). The group's scale acts on
+    rows, as Q4's does: it multiplies the logits (K) or the probabilities (V)."""
+    width = head_dim // 8
+    groups = head_dim // group
+
+    def levels(refs: Sequence[jax.Ref], p: Array) -> list[Array]:
+        """Unscaled level tiles, one per dim block."""
+        planes = refs[0]
         bits = [planes[p, :, b, :].astype(jnp.int32) for b in range(3)]
-        cb = [c[:, None] for c in _columns(codebook, p, 8)]
         out = []
         for i in range(8):
             b0, b1, b2 = ((plane & (1 << i)) != 0 for plane in bits)
-            pair = [jnp.where(b0, cb[2 * c + 1], cb[2 * c]) for c in range(4)]
+            pair = [jnp.where(b0, Q3_LEVELS[2 * c + 1], Q3_LEVELS[2 * c]) for c in range(4)]
             quad = [jnp.where(b1, pair[2 * c + 1], pair[2 * c]) for c in range(2)]
-            out.append(jnp.where(b2, quad[1], quad[0]).astype(dtype))
+            out.append(jnp.where(b2, quad[1], quad[0]))
         return out
 
+    def block_scales(refs: Sequence[jax.Ref], p: Array) -> list[Array]:
+        """The scale column ``[page_size]`` of each dim block's group."""
+        cols = _columns(refs[1], p, groups)
+        return [cols[i * width // group] for i in range(8)]
+
     def logits(refs: Sequence[jax.Ref], p: Array, q: Sequence[Array], _: Sequence[Array]) -> Array:
-        return functools.reduce(jnp.add, [dot_nt(qi, ki) for qi, ki in zip(q, tiles(refs, p), strict=True)])
+        terms = [
+            dot_nt(qi, li.astype(dtype)) * si[None, :]
+            for qi, li, si in zip(q, levels(refs, p), block_scales(refs, p), strict=True)
+        ]
+        return functools.reduce(jnp.add, terms)
 
     def values(refs: Sequence[jax.Ref], p: Array, probs: Array) -> list[Array]:
-        pd = probs.astype(dtype)
-        return [dot_nn(pd, vi) for vi in tiles(refs, p)]
+        return [
+            dot_nn(_scaled(probs, si, dtype), li.astype(dtype))
+            for li, si in zip(levels(refs, p), block_scales(refs, p), strict=True)
+        ]
 
-    return PageReader(tuple((i * width, width) for i in range(8)), 2, logits, values)
+    def tiles(refs: Sequence[jax.Ref], p: Array) -> list[Array]:
+        return [li * si[:, None] for li, si in zip(levels(refs, p), block_scales(refs, p), strict=True)]
+
+    return PageReader(tuple((i * width, width) for i in range(8)), 2, logits, values, tiles)
 
 
-def page_reader(pages: KVPages, head_dim: int, dtype: jnp.dtype) -> PageReader:
+def page_reader(pages: KVPages, head_dim: int, dtype: jnp.dtype, split: bool = False) -> PageReader:
+    """The reader of a layout; ``split`` reads whole-vector layouts as two halves (keys to decode)."""
     if isinstance(pages, Fp8Pages):
-        return _fp8_reader(head_dim, dtype)
+        return _fp8_reader(head_dim, dtype, split)
     if isinstance(pages, Q4Pages):
         return _q4_reader(head_dim, pages.group_size, dtype)
     if isinstance(pages, Q3Pages):
-        return _q3_reader(head_dim, dtype)
-    return _native_reader(head_dim, dtype)
+        return _q3_reader(head_dim, pages.group_size, dtype)
+    return _native_reader(head_dim, dtype, split)
 
 
 def kernel_leaves(pages: KVPages) -> list[Array]:
@@ -189,11 +252,90 @@ def kernel_leaves(pages: KVPages) -> list[Array]:
     return [first, *(widen_metadata(leaf) for leaf in meta)] if not isinstance(pages, jax.Array) else [first]
 
 
+@dataclasses.dataclass(frozen=True)
+class KeyDecoding:
+    """What the kernel must do to stored keys before the query dot (static).
+
+    ``rope``: they are stored before RoPE (an ``inv_freq [D/2]`` ref follows the page leaves);
+    ``calibrated``: they are coded with a :class:`KeyCalibration` (refs: this kv head's centre, sink
+    and reciprocal scale rows ``[D]``, then the rotation matrix ``[D, D]``).
+    """
+
+    rope: bool
+    calibrated: bool
+
+    @property
+    def num_refs(self) -> int:
+        return int(self.rope) + 4 * int(self.calibrated)
+
+
+def _matmul(a: Array, b: Array) -> Array:
+    """``a @ b`` in f32, a [m, k], b [k, n]; a k narrower than a tensor-core dot becomes a broadcast-and-reduce."""
+    if a.shape[1] < MIN_DOT:
+        return jnp.sum(a.astype(jnp.float32)[:, :, None] * b.astype(jnp.float32)[None, :, :], axis=1)
+    return dot_nn(a, b)
+
+
+def _calibration_decoder(
+    reader: PageReader, refs: Sequence[jax.Ref], head_dim: int, dtype: jnp.dtype
+) -> Callable[[list[Array], Array], list[Array]]:
+    """``decode(tiles, positions)``: a page's dequantized key tiles (the reader's pieces) to the two
+    decoded halves of the keys. The inverse rotation is one dot per piece and half against the
+    matching block of the rotation matrix; then the reciprocal scale and the centre (the sink's at
+    position 0). The constants load once per program."""
+    half = head_dim // 2
+    center_ref, sink_ref, inv_scale_ref, rotation_ref = refs
+    center, sink, inv_scale = (
+        [ref[pl.ds(h * half, half)][None, :] for h in range(2)] for ref in (center_ref, sink_ref, inv_scale_ref)
+    )
+    blocks = [
+        [rotation_ref[pl.ds(start, width), pl.ds(h * half, half)].astype(dtype) for h in range(2)]
+        for start, width in reader.pieces
+    ]
+
+    def decode(tiles: list[Array], pos: Array) -> list[Array]:
+        first = (pos == 0)[:, None]
+        rotated = [
+            functools.reduce(jnp.add, [_matmul(t.astype(dtype), blk[h]) for t, blk in zip(tiles, blocks, strict=True)])
+            for h in range(2)
+        ]
+        return [r * inv_scale[h] + jnp.where(first, sink[h], center[h]) for h, r in enumerate(rotated)]
+
+    return decode
+
+
+def _decoded_key_logits(
+    q_ref: jax.Ref, reader: PageReader, k_refs: Sequence[jax.Ref], coding_refs: Sequence[jax.Ref], decoding: KeyDecoding, dtype: jnp.dtype
+) -> Callable[[Array, Array], Array]:
+    """``logits(page, positions)`` for coded or pre-RoPE keys: dequantize the page to f32 tiles, decode
+    them (into the two halves of the head vector), rotate each pair of matching half-tiles to its
+    positions, then the query dots."""
+    d = q_ref.shape[1]
+    freq = coding_refs[0] if decoding.rope else None
+    decode = _calibration_decoder(reader, coding_refs[int(decoding.rope) :], d, dtype) if decoding.calibrated else None
+    pieces = _halves(d) if decoding.calibrated else reader.pieces
+    q_pieces = [q_ref[:, pl.ds(start, width)] for start, width in pieces]
+    freqs = [] if freq is None else [freq[pl.ds(start, width)] for start, width in pieces[: len(pieces) // 2]]
+
+    def logits(page: Array, pos: Array) -> Array:
+        tiles = reader.tiles(k_refs, page)
+        if decode is not None:
+            tiles = decode(tiles, pos)
+        if freqs:
+            n = len(tiles) // 2
+            pairs = [rotate_halves(tiles[j], tiles[j + n], *rope_cos_sin(pos, freqs[j])) for j in range(n)]
+            tiles = [low for low, _ in pairs] + [high for _, high in pairs]
+        return functools.reduce(jnp.add, [dot_nt(qi, ki.astype(dtype)) for qi, ki in zip(q_pieces, tiles, strict=True)])
+
+    return logits
+
+
 def _kernel(
     q_ref: jax.Ref,
     *refs: jax.Ref,
     k_reader: PageReader,
     v_reader: PageReader,
+    decoding: KeyDecoding | None,
     page_size: int,
     pages_per_split: int,
     scale: float,
@@ -202,19 +344,26 @@ def _kernel(
 ) -> None:
     k_refs, refs = refs[: k_reader.num_refs], refs[k_reader.num_refs :]
     v_refs, refs = refs[: v_reader.num_refs], refs[v_reader.num_refs :]
+    num_coding = 0 if decoding is None else decoding.num_refs
+    coding_refs, refs = refs[:num_coding], refs[num_coding:]
     tables_ref, logical_ref, count_ref, length_ref, o_ref, lse_ref = refs
     length = length_ref[0]
     first = pl.program_id(2) * pages_per_split
     steps = jnp.clip(count_ref[0] - first, 0, pages_per_split)
-    q_pieces = [q_ref[:, pl.ds(start, width)] for start, width in k_reader.pieces]
-    prepared = k_reader.prepare(q_pieces)
     rows = q_ref.shape[0]
+    key_logits: Callable[[Array, Array], Array]
+    if decoding is None:
+        q_pieces = [q_ref[:, pl.ds(start, width)] for start, width in k_reader.pieces]
+        prepared = k_reader.prepare(q_pieces)
+        key_logits = lambda page, pos: k_reader.logits(k_refs, page, q_pieces, prepared)  # noqa: E731
+    else:
+        key_logits = _decoded_key_logits(q_ref, k_reader, k_refs, coding_refs, decoding, q_ref.dtype)
 
     def step(i: Array, carry: tuple[Array, Array, list[Array]]) -> tuple[Array, Array, list[Array]]:
         m, l, acc = carry
         page = tables_ref[first + i]
-        s = k_reader.logits(k_refs, page, q_pieces, prepared)
         pos = logical_ref[first + i] * page_size + jnp.arange(page_size)
+        s = key_logits(page, pos)
         ok = visible(length - 1, pos, length, causal=True, window=window)
         s = jnp.where(ok[None, :], apply_soft_cap(s * scale, soft_cap), -jnp.inf)
         m, l, p, alpha = softmax_rescale(m, l, s)
@@ -231,6 +380,24 @@ def _kernel(
     for (start, width), a in zip(v_reader.pieces, acc, strict=True):
         o_ref[:, pl.ds(start, width)] = finish_softmax(a, m, l)[0]
     lse_ref[...] = finish_softmax(acc[0], m, l)[1]
+
+
+def _coding_inputs(
+    key_rope: Array | None, key_calibration: KeyCalibration | None, head_dim: int
+) -> tuple[list[Array], list[pl.BlockSpec]]:
+    """The arrays (and block specs) :class:`KeyDecoding` refs stand for, in its order."""
+    inputs: list[Array] = []
+    specs: list[pl.BlockSpec] = []
+    if key_rope is not None:
+        inputs.append(key_rope)
+        specs.append(pl.BlockSpec((head_dim // 2,), lambda b, h, s: (0,)))
+    if key_calibration is not None:
+        c = key_calibration
+        inputs += [c.center.astype(jnp.float32), c.sink.astype(jnp.float32), 1.0 / c.scale.astype(jnp.float32)]
+        specs += [pl.BlockSpec((None, head_dim), lambda b, h, s: (h, 0))] * 3
+        inputs.append(hadamard_matrix(head_dim))
+        specs.append(pl.BlockSpec((head_dim, head_dim), lambda b, h, s: (0, 0)))
+    return inputs, specs
 
 
 def _leaf_spec(leaf: Array) -> pl.BlockSpec:
@@ -250,6 +417,8 @@ def paged_decode_attention(
     scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
+    key_rope: Float[Array, " half"] | None = None,
+    key_calibration: KeyCalibration | None = None,
     interpret: bool = False,
     num_splits: int | None = None,
     num_warps: int = 4,
@@ -267,10 +436,16 @@ def paged_decode_attention(
 
     k_leaves = kernel_leaves(k_pages)
     v_leaves = kernel_leaves(v_pages)
+    decoding = None
+    if key_rope is not None or key_calibration is not None:
+        decoding = KeyDecoding(rope=key_rope is not None, calibrated=key_calibration is not None)
+    coding_inputs, coding_specs = _coding_inputs(key_rope, key_calibration, d)
     kernel = functools.partial(
         _kernel,
-        k_reader=page_reader(k_pages, d, q.dtype),
+        # RoPE without calibration rotates the reader's own pieces: whole-vector layouts read as halves.
+        k_reader=page_reader(k_pages, d, q.dtype, split=decoding is not None and not decoding.calibrated),
         v_reader=page_reader(v_pages, d, q.dtype),
+        decoding=decoding,
         page_size=page_size,
         pages_per_split=per_split,
         scale=scale,
@@ -286,6 +461,7 @@ def paged_decode_attention(
             pl.BlockSpec((None, None, rows, d), lambda b, h, s: (b, h, 0, 0)),
             *map(_leaf_spec, k_leaves),
             *map(_leaf_spec, v_leaves),
+            *coding_specs,
             per_seq,
             per_seq,
             per_row,
@@ -302,5 +478,5 @@ def paged_decode_attention(
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="zgen_paged_decode",
-    )(qg, *k_leaves, *v_leaves, tables, logical, count[:, None], lengths[:, None])
+    )(qg, *k_leaves, *v_leaves, *coding_inputs, tables, logical, count[:, None], lengths[:, None])
     return merge_partials(out, lse)[:, :, :g].reshape(b, h, d).astype(q.dtype)

@@ -1,8 +1,9 @@
 """Paged decode attention in XLA: a loop over chunks of pages with an online softmax.
 
-Each step gathers one chunk of pages per sequence in the stored layout and dequantizes only that
-chunk, so a quantized cache never has a full-precision copy larger than one chunk. The loop runs
-only over chunks that some sequence can see (up to the longest length, from the earliest window).
+Each step gathers one chunk of pages per sequence in the stored layout and dequantizes (and, for
+coded keys, decodes and rotates) only that chunk, so a quantized cache never has a full-precision
+copy larger than one chunk. The loop runs only over chunks that some sequence can see (up to the
+longest length, from the earliest window).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from zgen.pallas.common import RUNNING_MAX_INIT, finish_softmax, soft_cap as apply_soft_cap, softmax_rescale, visible
-from zgen.pallas.paged_attention.layouts import KVPages, dequantize, leading_shape, take_pages
+from zgen.pallas.paged_attention.common import apply_rope
+from zgen.pallas.paged_attention.layouts import KeyCalibration, KVPages, dequantize, leading_shape, take_pages
 
 DEFAULT_CHUNK_TOKENS = 512
 
@@ -28,6 +30,8 @@ def paged_decode_attention(
     scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
+    key_rope: Float[Array, " half"] | None = None,
+    key_calibration: KeyCalibration | None = None,
     pages_per_chunk: int | None = None,
 ) -> Float[Array, "b h d"]:
     b, h, d = q.shape
@@ -46,10 +50,18 @@ def paged_decode_attention(
     def body(c: Array, carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
         m, l, acc = carry
         idx = jax.lax.dynamic_slice_in_dim(tables, c * chunk, chunk, axis=1)
-        k = dequantize(take_pages(k_pages, idx), compute_dtype).reshape(kvh, b, chunk_tokens, d)
+        pos = c * chunk_tokens + jnp.arange(chunk_tokens)
+        if key_rope is None and key_calibration is None:
+            k = dequantize(take_pages(k_pages, idx), compute_dtype).reshape(kvh, b, chunk_tokens, d)
+        else:  # decode in f32, then round once to the compute dtype
+            k = dequantize(take_pages(k_pages, idx), jnp.float32).reshape(kvh, b, chunk_tokens, d)
+            if key_calibration is not None:
+                k = key_calibration.decode(k, pos == 0, head_axis=0)
+            if key_rope is not None:
+                k = apply_rope(k, pos, key_rope)
+            k = k.astype(compute_dtype)
         v = dequantize(take_pages(v_pages, idx), compute_dtype).reshape(kvh, b, chunk_tokens, d)
         s = jnp.einsum("bkgd,kbtd->bkgt", qg, k, preferred_element_type=jnp.float32) * scale
-        pos = c * chunk_tokens + jnp.arange(chunk_tokens)
         ok = visible(lengths[:, None] - 1, pos[None, :], lengths[:, None], causal=True, window=sliding_window)
         ok &= jnp.repeat(jax.lax.dynamic_slice_in_dim(valid_pages, c * chunk, chunk, axis=1), page_size, axis=1)
         s = jnp.where(ok[:, None, None, :], apply_soft_cap(s, soft_cap), -jnp.inf)
