@@ -1,12 +1,20 @@
-"""Batch-1 decode speed on a GPU: zgen vs HF transformers (static cache + torch.compile), bfloat16.
+"""Decode speed on a GPU: zgen vs HF transformers (static cache + torch.compile), bfloat16.
 
 Random weights of two shapes — SmolLM2-135M and Llama-3-8B — so no checkpoint has to be present.
 Both frameworks are timed the same way: wall time of generate(N new tokens) minus generate(1), over
-N − 1 tokens, median of several runs after warm-up, EOS never stops early. Each framework runs in its
-own process (JAX and torch would otherwise fight over GPU memory); run with no arguments to do both.
+N − 1 tokens, median of several runs after warm-up, EOS never stops early. Each framework (and each
+zgen attention path) runs in its own process (JAX and torch would otherwise fight over GPU memory);
+run with no arguments to do both.
+
+zgen's default dense cache attends through the Pallas kernels on the GPU (``--attention auto`` =
+``triton``: the flash prefill kernel and the split-K decode kernel, over the valid slots only);
+``einsum`` is the old XLA path over the whole cache buffer. Naming several paths times them side by
+side in one run and prints the ratio; a long ``--prompt-tokens`` makes attention matter (the buffer
+is the next power of two above prompt + new tokens).
 
     python benchmarks/gpu_decode.py                 # both shapes, both frameworks, JSON at the end
     python benchmarks/gpu_decode.py --only zgen --shape smollm2
+    python benchmarks/gpu_decode.py --no-hf --attention einsum triton --prompt-tokens 4000 --batch 8
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 SHAPES: dict[str, dict[str, Any]] = {
     "smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -29,7 +37,11 @@ SHAPES: dict[str, dict[str, Any]] = {
                       num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,
                       max_position_embeddings=8192, tie_word_embeddings=False),
 }
-PROMPT = list(range(100, 116))
+ATTENTION_PATHS = ("auto", "einsum", "xla", "triton")  # zgen.cache.tensor.DenseAttention
+
+
+def prompt_ids(tokens: int) -> list[int]:
+    return [100 + i % 1000 for i in range(tokens)]
 
 
 def per_token_s(generate: Callable[[int], None], new_tokens: int, runs: int) -> float:
@@ -45,40 +57,34 @@ def per_token_s(generate: Callable[[int], None], new_tokens: int, runs: int) -> 
     return (full - one) / (new_tokens - 1)
 
 
-def bench_zgen(shape: str, new_tokens: int, runs: int) -> dict[str, Any]:
+def bench_zgen(shape: str, new_tokens: int, runs: int, attention: str, prompt_tokens: int, batch: int) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
-    import tokenizers
-    from tokenizers.models import WordLevel
 
     from zgen import Generator, ModelConfig, SamplingConfig
-    from zgen.graph.decoder import build_decoder
-    from zgen.model import LoadTimings, Model
-    from zgen.tokenizer import Tokenizer
+    from zgen.cache.tensor import DenseAttention, DenseBackend
+    from zgen.generator import Request
+    from zgen.model import random_model
 
-    raw = SHAPES[shape]
-    config = ModelConfig.from_hf({**raw, "model_type": "llama", "rms_norm_eps": 1e-5})
-    graph = build_decoder(config)
-    key = jax.random.key(0)
-    params = {}
-    for i, (name, dims) in enumerate(sorted(graph.param_shapes().items())):
-        scale = 1.0 if len(dims) == 1 else dims[-1] ** -0.5
-        params[name] = (scale * jax.random.normal(jax.random.fold_in(key, i), dims, jnp.float32)).astype(jnp.bfloat16)
-    backend = tokenizers.Tokenizer(WordLevel({f"t{i}": i for i in range(config.vocab_size)}, unk_token="t0"))
-    tokenizer = Tokenizer(backend=backend, bos_id=None, eos_ids=())
-    model = Model(config, tokenizer, graph, params, jnp.dtype(jnp.bfloat16), source=None,
-                  load_timings=LoadTimings("random", 0.0, 0.0))
-    gen = Generator(model)
+    config = ModelConfig.from_hf({**SHAPES[shape], "model_type": "llama", "rms_norm_eps": 1e-5})
+    model = random_model(config, dtype="bfloat16")
+    backend = DenseBackend(config.num_layers, config.num_kv_heads, config.head_dim, jnp.dtype(jnp.bfloat16),
+                           cast(DenseAttention, attention))
+    gen = Generator(model, kv_backend=backend, max_batch_size=batch)
+    prompt = prompt_ids(prompt_tokens)
 
-    def generate(n: int) -> None:
-        gen.generate(PROMPT, SamplingConfig(temperature=0.0, max_new_tokens=n, ignore_eos=True))
+    def generate(n: int) -> Any:
+        request = Request(prompt, SamplingConfig(temperature=0.0, max_new_tokens=n, ignore_eos=True))
+        return gen.batch_generate([request] * batch)[0]
 
     seconds = per_token_s(generate, new_tokens, runs)
-    return {"framework": "zgen", "shape": shape, "device": jax.devices()[0].device_kind,
-            "ms_per_token": seconds * 1e3, "tok_s": 1 / seconds}
+    prefill_s = statistics.median(generate(1).timings.prefill_s for _ in range(runs))
+    return {"framework": "zgen", "attention": attention, "shape": shape, "device": jax.devices()[0].device_kind,
+            "batch": batch, "prompt_tokens": prompt_tokens, "ms_per_token": seconds * 1e3, "tok_s": batch / seconds,
+            "prefill_ms": prefill_s * 1e3, "token_ids": generate(new_tokens).token_ids[:64]}
 
 
-def bench_hf(shape: str, new_tokens: int, runs: int) -> dict[str, Any]:
+def bench_hf(shape: str, new_tokens: int, runs: int, prompt_tokens: int, batch: int) -> dict[str, Any]:
     import torch
     import transformers
 
@@ -89,7 +95,7 @@ def bench_hf(shape: str, new_tokens: int, runs: int) -> dict[str, Any]:
     # A static cache makes generate() compile the decoding forward itself (torch.compile,
     # "reduce-overhead" = CUDA graphs, fullgraph), transformers' documented fast path.
     model.generation_config.cache_implementation = "static"
-    ids = torch.tensor([PROMPT], device="cuda")
+    ids = torch.tensor([prompt_ids(prompt_tokens)] * batch, device="cuda")
 
     def generate(n: int) -> None:
         with torch.no_grad():
@@ -100,7 +106,7 @@ def bench_hf(shape: str, new_tokens: int, runs: int) -> dict[str, Any]:
     seconds = per_token_s(generate, new_tokens, runs)
     compiled = getattr(model, "_compiled_call", None) is not None
     return {"framework": "hf-static-compile", "shape": shape, "device": torch.cuda.get_device_name(), "compiled": compiled,
-            "ms_per_token": seconds * 1e3, "tok_s": 1 / seconds}
+            "batch": batch, "prompt_tokens": prompt_tokens, "ms_per_token": seconds * 1e3, "tok_s": batch / seconds}
 
 
 def main() -> None:
@@ -109,30 +115,52 @@ def main() -> None:
     parser.add_argument("--shape", choices=list(SHAPES))
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--attention", nargs="+", choices=ATTENTION_PATHS, default=["auto"],
+                        help="zgen dense-cache attention paths to time (einsum: the old XLA path; triton: the kernels)")
+    parser.add_argument("--prompt-tokens", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=1, help="rows decoded together (copies of the prompt)")
+    parser.add_argument("--no-hf", action="store_true", help="time zgen only")
     args = parser.parse_args()
     if args.only:
-        bench = bench_zgen if args.only == "zgen" else bench_hf
-        print("RESULT " + json.dumps(bench(args.shape, args.new_tokens, args.runs)), flush=True)
+        if args.only == "zgen":
+            result = bench_zgen(args.shape, args.new_tokens, args.runs, args.attention[0], args.prompt_tokens, args.batch)
+        else:
+            result = bench_hf(args.shape, args.new_tokens, args.runs, args.prompt_tokens, args.batch)
+        print("RESULT " + json.dumps(result), flush=True)
         return
     results = []
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    runs = [("zgen", path) for path in args.attention] + ([] if args.no_hf else [("hf", "")])
     for shape in [args.shape] if args.shape else list(SHAPES):
-        for framework in ("zgen", "hf"):
+        for framework, attention in runs:
             cmd = [sys.executable, __file__, "--only", framework, "--shape", shape,
-                   "--new-tokens", str(args.new_tokens), "--runs", str(args.runs)]
+                   "--new-tokens", str(args.new_tokens), "--runs", str(args.runs),
+                   "--prompt-tokens", str(args.prompt_tokens), "--batch", str(args.batch)]
+            cmd += ["--attention", attention] if attention else []
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
             if proc.returncode or not lines:
                 print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
-                results.append({"framework": framework, "shape": shape, "error": proc.returncode})
+                results.append({"framework": framework, "attention": attention, "shape": shape, "error": proc.returncode})
                 continue
             results.append(json.loads(lines[-1][len("RESULT "):]))
-            print(results[-1], flush=True)
+            print({k: v for k, v in results[-1].items() if k != "token_ids"}, flush=True)
     for shape in {r["shape"] for r in results}:
-        pair = {r["framework"]: r for r in results if r["shape"] == shape and "tok_s" in r}
-        if len(pair) == 2:
-            print(f"{shape}: zgen {pair['zgen']['tok_s']:.1f} tok/s vs HF {pair['hf-static-compile']['tok_s']:.1f} "
-                  f"tok/s = {pair['zgen']['tok_s'] / pair['hf-static-compile']['tok_s']:.2f}x")
+        timed = [r for r in results if r["shape"] == shape and "tok_s" in r]
+        hf = next((r for r in timed if r["framework"] == "hf-static-compile"), None)
+        zgen = [r for r in timed if r["framework"] == "zgen"]
+        for r in zgen:
+            line = f"{shape} zgen[{r['attention']}]: {r['tok_s']:.1f} tok/s, {r['ms_per_token']:.3f} ms/step, prefill {r['prefill_ms']:.1f} ms"
+            if hf:
+                line += f"; HF {hf['tok_s']:.1f} tok/s = {r['tok_s'] / hf['tok_s']:.2f}x"
+            print(line)
+        old = next((r for r in zgen if r["attention"] == "einsum"), None)
+        for new in (r for r in zgen if old and r is not old):
+            assert old is not None
+            agree = next((i for i, (a, b) in enumerate(zip(old["token_ids"], new["token_ids"])) if a != b),
+                         min(len(old["token_ids"]), len(new["token_ids"])))
+            print(f"{shape} {new['attention']} vs einsum: decode speedup {old['ms_per_token'] / new['ms_per_token']:.2f}x, "
+                  f"prefill speedup {old['prefill_ms'] / new['prefill_ms']:.2f}x; greedy tokens agree for the first {agree}")
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, "gpu_decode.json"), "w") as handle:

@@ -49,3 +49,7 @@ class CacheError(ZgenError):
 
 class PoolExhaustedError(CacheError):
     """The KV block pool has no free blocks for the request; nothing was allocated."""
+
+
+class SnapshotError(ZgenError):
+    """A saved context that cannot be opened: missing, damaged, or from another model or page format."""

@@ -8,6 +8,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import gguf
 import jax
@@ -26,6 +27,9 @@ from zgen.loading.gguf_file import config_from_gguf, open_gguf, params_from_gguf
 from zgen.loading.params import HostParams
 from zgen.loading.safetensors_dir import config_from_dir, params_from_dir
 from zgen.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from zgen.engine import Context, Engine
 
 DTYPES: dict[str, jnp.dtype] = {
     "float32": jnp.dtype(jnp.float32),
@@ -53,10 +57,24 @@ class Model:
     source: Path | None  # None for weights built in memory (benchmarks, tests)
     load_timings: LoadTimings
     plan: ExecutionPlan = field(init=False)
+    _engine: Engine | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         pad = self.config.eos_token_ids[0] if self.config.eos_token_ids else 0
         self.plan = ExecutionPlan(self.graph, self.config.sliding_window, pad_id=pad)
+
+    @property
+    def engine(self) -> Engine:
+        """This model's default :class:`~zgen.engine.Engine` (made on first use, default settings)."""
+        if self._engine is None:
+            from zgen.engine import Engine
+
+            self._engine = Engine(self)
+        return self._engine
+
+    def create_context(self, *, seed: int | None = None) -> Context:
+        """An empty context on the default engine (Pie's ``model.create_context()``)."""
+        return self.engine.create_context(seed=seed)
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """Next-token logits [len(token_ids), vocab] after every prefix, in float32, from one prefill."""
@@ -131,6 +149,29 @@ def load_model(
     jax.block_until_ready(params)
     timings = LoadTimings(source, read_s, time.perf_counter() - start)
     return Model(config, tokenizer, graph, params, jdtype, path, timings)
+
+
+def random_model(config: ModelConfig, *, dtype: str = "bfloat16", seed: int = 0) -> Model:
+    """A model of ``config``'s shape with random weights and a word-level placeholder tokenizer
+    (``"t0" .. "t{vocab-1}"``): for speed runs where no checkpoint is present, like HF's ``from_config``.
+
+    Matrices are drawn with standard deviation ``fan_in ** -0.5``, vectors (norm weights) are 1-ish,
+    so activations stay in range and decode paths do realistic work.
+    """
+    import tokenizers
+    from tokenizers.models import WordLevel
+
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype {dtype!r} is not supported; choose one of {sorted(DTYPES)}")
+    graph = build_decoder(config)
+    key = jax.random.key(seed)
+    params: dict[str, jax.Array] = {}
+    for i, (name, dims) in enumerate(sorted(graph.param_shapes().items())):
+        scale = 1.0 if len(dims) == 1 else dims[-1] ** -0.5
+        params[name] = (scale * jax.random.normal(jax.random.fold_in(key, i), dims, jnp.float32)).astype(DTYPES[dtype])
+    vocab = tokenizers.Tokenizer(WordLevel({f"t{i}": i for i in range(config.vocab_size)}, unk_token="t0"))
+    tokenizer = Tokenizer(backend=vocab, bos_id=None, eos_ids=tuple(config.eos_token_ids))
+    return Model(config, tokenizer, graph, params, DTYPES[dtype], source=None, load_timings=LoadTimings("random", 0.0, 0.0))
 
 
 def check_params(graph: Graph, params: HostParams, source: str) -> None:

@@ -1,0 +1,74 @@
+"""Each context example (examples/contexts/) runs on SmolLM2 and shows what it claims."""
+
+from __future__ import annotations
+
+import runpy
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from zgen.model import Model
+
+EXAMPLES = Path(__file__).parents[2] / "examples" / "contexts"
+
+
+@pytest.fixture(autouse=True)
+def store_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ZGEN_STORE_DIR", str(tmp_path / "store"))
+
+
+def run(name: str, model: Model, **kw: Any) -> Any:
+    return runpy.run_path(str(EXAMPLES / f"{name}.py"))["main"](model, **kw)
+
+
+def test_prefix_caching(smollm2: Model) -> None:
+    result = run("prefix_caching", smollm2)
+    assert result.system_tokens > 80
+    assert all(0 < fed < 30 for fed in result.fed_per_question)  # only the question, never the system prompt
+    assert all(answer.strip() for answer in result.answers)
+
+
+def test_parallel_forks(smollm2: Model) -> None:
+    result = run("parallel_forks", smollm2)
+    assert len(set(result.texts)) == 3
+    assert result.forward_passes <= 30  # three 24-token endings, decoded together
+
+
+def test_best_of_n(smollm2: Model) -> None:
+    result = runpy.run_path(str(EXAMPLES / "best_of_n.py"))
+    out = result["main"](smollm2)
+    assert len(out.candidates) == 4 and len({tuple(c.token_ids) for c in out.candidates}) > 1
+    assert out.best is max(out.candidates, key=result["mean_logprob"])
+
+
+def test_tree_of_thought(smollm2: Model) -> None:
+    free = smollm2.engine.pool.num_free
+    frontier = run("tree_of_thought", smollm2)
+    assert len(frontier) == 2 and all(len(node.path) == 2 and all(node.path) for node in frontier)
+    assert frontier[0].score >= frontier[1].score
+    for node in frontier:
+        node.ctx.release()
+    assert smollm2.engine.pool.num_free == free  # pruned and finished branches gave every page back
+
+
+def test_beam_search(smollm2: Model) -> None:
+    beams = run("beam_search", smollm2)  # also checks width 1 == greedy
+    assert len(beams) == 3 and all(len(b.tokens) == 8 for b in beams)
+    assert [b.logprob for b in beams] == sorted((b.logprob for b in beams), reverse=True)
+
+
+def test_attention_sink(smollm2: Model) -> None:
+    result = run("attention_sink", smollm2)
+    assert result.tokens >= 192 and result.max_pages <= result.bound_pages
+
+
+def test_output_validation(smollm2: Model) -> None:
+    result = run("output_validation", smollm2)
+    assert result.answer == max(result.probabilities, key=result.probabilities.get) == "Paris"
+    assert 0 < sum(result.probabilities.values()) <= 1
+
+
+def test_speculative_ngram(smollm2: Model) -> None:
+    result = run("speculative_ngram", smollm2)  # also checks identical output
+    assert result.drafted_passes < result.plain_passes
