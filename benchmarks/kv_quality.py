@@ -143,6 +143,35 @@ def fit_q3_levels(model: Model, calibration: tuple[KeyCalibration, ...], rounds:
     return fits
 
 
+def plot(rows: list[dict[str, Any]], text_tokens: int, path: Path) -> None:
+    """PPL increase against bytes per token, one point per kind (kinds on the same point share a label)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points: dict[tuple[float, float], list[str]] = {}
+    for row in rows:
+        points.setdefault((row["bytes_per_token_per_layer"], round(row["increase_pct"], 1)), []).append(row["kind"])
+    fig, ax = plt.subplots(figsize=(7.0, 4.4))
+    for (size, increase), names in points.items():
+        ax.scatter(size, increase)
+        ax.annotate(" / ".join(names), (size, increase), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    for goal, label in ((1.0, "fp8 goal"), (2.0, "q4 goal"), (5.0, "q3 goal")):
+        ax.axhline(goal, color="grey", linestyle=":", linewidth=0.8)
+        ax.annotate(label, (1.0, goal), xycoords=("axes fraction", "data"), ha="right", va="bottom", fontsize=7, color="grey")
+    ax.set_xscale("log")
+    ax.set_yscale("symlog", linthresh=0.1)
+    ax.set_ylim(-0.02, 3000)
+    ax.set_xlabel("bytes per token per layer (K + V)")
+    ax.set_ylabel("perplexity increase over fp32 (%)")
+    ax.set_title(f"SmolLM2-135M, {text_tokens}-token English text")
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--window", type=int, default=512)
@@ -200,24 +229,7 @@ def main() -> None:
             f"| {row['decode_tokens_per_s']:.1f} |"
         )
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    for row in rows:
-        ax.scatter(row["bytes_per_token_per_layer"], row["increase_pct"])
-        ax.annotate(row["kind"], (row["bytes_per_token_per_layer"], row["increase_pct"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
-    ax.set_xscale("log")
-    ax.set_yscale("symlog", linthresh=1.0)
-    ax.set_xlabel("bytes per token per layer (K + V)")
-    ax.set_ylabel("perplexity increase over fp32 (%)")
-    ax.set_title(f"SmolLM2-135M, {len(ids)}-token English text")
-    ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    args.plot.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(args.plot, dpi=120)
+    plot(rows, len(ids), args.plot)
 
 
 if __name__ == "__main__":

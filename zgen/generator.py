@@ -174,7 +174,7 @@ class Generator:
             raise ConfigError("pass either cache options or a kv_backend, not both")
         self.cache_options = resolve(options)
         self._owns_backend = kv_backend is None
-        self.kv_backend: CacheBackend[Any] = kv_backend or make_backend(self.cache_options, model.config, model.dtype)
+        self.kv_backend: CacheBackend[Any] = kv_backend or make_backend(self.cache_options, model)
 
     def __enter__(self) -> Self:
         return self

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import time
@@ -30,6 +31,7 @@ from zgen.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from zgen.engine import Context, Engine
+    from zgen.pallas.paged_attention.layouts import KeyCalibration
 
 DTYPES: dict[str, jnp.dtype] = {
     "float32": jnp.dtype(jnp.float32),
@@ -71,6 +73,13 @@ class Model:
 
             self._engine = Engine(self)
         return self._engine
+
+    @functools.cached_property
+    def key_calibration(self) -> tuple[KeyCalibration, ...]:
+        """Per-layer key statistics the q4/q3 KV formats code keys with (one calibration pass, cached)."""
+        from zgen.cache.paged import calibrate_keys
+
+        return calibrate_keys(self)
 
     def create_context(self, *, seed: int | None = None) -> Context:
         """An empty context on the default engine (Pie's ``model.create_context()``)."""

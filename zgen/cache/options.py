@@ -14,18 +14,20 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax.numpy as jnp
 
 from zgen.cache.base import CacheBackend
 from zgen.cache.block_pool import BlockPool
 from zgen.cache.compressed import CompressedBackend
-from zgen.cache.paged import KV_DTYPES, PagedBackend, PagedConfig, PagedKVState
+from zgen.cache.paged import CODED_KV_DTYPES, KV_DTYPES, PagedBackend, PagedConfig, PagedKVState
 from zgen.cache.tensor import DenseBackend
 from zgen.cache.tiered import TieredConfig, TieredPagedBackend
-from zgen.config import ModelConfig
 from zgen.errors import ConfigError
+
+if TYPE_CHECKING:
+    from zgen.model import Model
 
 CACHE_KINDS = ("tensor", "flat", "paged", "compressed", "tiered")
 _PAGED_KINDS = ("paged", "tiered")
@@ -131,18 +133,23 @@ class ContiguousQuantizedBackend:
     def allocate(self, batch: int, capacity: int) -> PagedKVState:
         c = self.config
         return PagedKVState.contiguous(
-            c.num_layers, batch, capacity, c.kv_heads, c.head_dim, kv_dtype=c.kv_dtype, page_size=c.page_size, dtype=c.dtype
+            c.num_layers, batch, capacity, c.kv_heads, c.head_dim, kv_dtype=c.kv_dtype, page_size=c.page_size,
+            dtype=c.dtype, key_calibration=c.key_calibration,
         )
 
     def release(self, state: PagedKVState) -> None:
         del state
 
 
-def make_backend(options: CacheOptions, config: ModelConfig, dtype: jnp.dtype) -> CacheBackend[Any]:
-    c = config
+def make_backend(options: CacheOptions, model: Model) -> CacheBackend[Any]:
+    c, dtype = model.config, model.dtype
     model_kv = {jnp.dtype(v): k for k, v in _FLOAT_KV.items()}.get(jnp.dtype(dtype), "fp32")
     storage = options.kv_dtype or model_kv
-    paged = PagedConfig(c.num_layers, c.num_kv_heads, c.head_dim, options.page_size, storage, jnp.dtype(dtype).name)
+    # Coded formats (q4, q3) code keys with the model's key statistics (computed once per model).
+    calibration = model.key_calibration if storage in CODED_KV_DTYPES else None
+    paged = PagedConfig(
+        c.num_layers, c.num_kv_heads, c.head_dim, options.page_size, storage, jnp.dtype(dtype).name, calibration
+    )
     if options.kind in _PAGED_KINDS:
         pool = BlockPool.from_memory_budget(
             options.max_memory_mb or DEFAULT_PAGED_MEMORY_MB,

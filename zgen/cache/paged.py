@@ -26,21 +26,21 @@ The integer formats (``CODED_KV_DTYPES``: q4, q3) code what they store, KVQuant-
 
 * keys are stored **before** RoPE (the Attention node hands the cache un-rotated keys; see
   ``_CacheContext`` in ``zgen/graph/plan.py``), centred on per-channel calibration means (the key at
-  position 0, the attention sink, on its own mean: it is nearly the same vector in every sequence),
-  scaled per channel by a Fisher-information proxy and rotated by an orthonormal Hadamard matrix
-  (:class:`~zgen.pallas.paged_attention.layouts.KeyCalibration`, fitted by :func:`calibrate_keys`
-  and passed in through ``PagedConfig.key_calibration``). Every read decodes them and then applies
-  RoPE at the key's position: in the decode kernels (``key_calibration``, ``key_rope``) and in the
-  T > 1 path here. Pre-RoPE, a key's large channels sit in the same place token after token, so
-  fixed per-channel statistics fit them;
+  position 0, the attention sink, on its own mean: past the first layers it is nearly the same vector
+  in every sequence), scaled per channel by a Fisher-information proxy and rotated by an orthonormal
+  Hadamard matrix (:class:`~zgen.pallas.paged_attention.layouts.KeyCalibration`, fitted by
+  :func:`calibrate_keys` and passed in through ``PagedConfig.key_calibration``). Every read decodes
+  them and then applies RoPE at the key's position: in the decode kernels (``key_calibration``,
+  ``key_rope``) and in the T > 1 path here. Pre-RoPE, a key's large channels sit in the same place
+  token after token, so fixed per-channel statistics fit them;
 * values are Hadamard-rotated; attention runs in the rotated basis and the output is rotated back.
 
 The other formats store keys after RoPE, exactly as the dense cache does (f32 greedy decoding must
 equal HF transformers). Measured on SmolLM2-135M (``benchmarks/kv_quality.py``, f32, perplexity of a
 2,373-token English text in 512-token windows read through the cache in chunks of 64; bytes per token
 per layer, K + V over 3 kv heads x 64 dims): fp32 1536 B, PPL 32.584; fp16/bf16 768 B, +0.00 %; fp8
-408 B, +0.31 %; q4 240 B, {Q4}; q3 192 B, {Q3}. Without a calibration (rotation only): q4 {Q4N},
-q3 {Q3N}. Decode speeds and the method are in ``docs/kv_quantization.md``.
+408 B, +0.31 %; q4 240 B, +1.08 %; q3 192 B, +3.64 %. Without a calibration (rotation only): q4
++2.30 %, q3 +20.4 %. Decode speeds and the method are in ``docs/kv_quantization.md``.
 
 For the dense ("tensor") layout with a quantized storage dtype, use :meth:`PagedKVState.contiguous`:
 a paged state whose block table is the identity (row ``b`` owns pages ``[b * pps, (b + 1) * pps)``),
@@ -158,7 +158,7 @@ def quantize_tokens(x: Float[Array, "*lead D"], kv_dtype: str) -> KVPages:
 def bytes_per_token_per_layer(kv_dtype: str, kv_heads: int, head_dim: int, page_size: int = 16) -> int:
     """Bytes one token takes in one layer, K and V over all kv heads, measured on the real page arrays.
 
-    Computed from the shapes and dtypes of :func:`empty_pages` (scales and codebooks included), so it is
+    Computed from the shapes and dtypes of :func:`empty_pages` (scales included), so it is
     what the pool really spends: e.g. at 3 kv heads x 64 dims, fp32 1536, bf16 768, fp8 408, q4 240,
     q3 192 (0.25x of bf16 at head_dim 64 and 128).
     """

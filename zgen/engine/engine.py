@@ -37,7 +37,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int, UInt32
 
 from zgen.cache.block_pool import BlockPool, blocks_for
-from zgen.cache.paged import KV_DTYPES, PagedConfig, PagedKVCache, PagedKVState, PageStore
+from zgen.cache.paged import CODED_KV_DTYPES, KV_DTYPES, PagedConfig, PagedKVCache, PageStore
 from zgen.engine.sampler import Sampler
 from zgen.engine.state import ContextKVState
 from zgen.errors import ConfigError, InputError, PoolExhaustedError, PromptTooLongError, ZgenError
@@ -172,7 +172,10 @@ class Engine:
         self.config = config or EngineConfig()
         c, mc = self.config, model.config
         kv_dtype = c.kv_dtype or _KV_DTYPE_OF_MODEL.get(jnp.dtype(model.dtype).name, "fp32")
-        paged = PagedConfig(mc.num_layers, mc.num_kv_heads, mc.head_dim, c.page_size, kv_dtype, jnp.dtype(model.dtype).name)
+        calibration = model.key_calibration if kv_dtype in CODED_KV_DTYPES else None  # q4/q3 key coding
+        paged = PagedConfig(
+            mc.num_layers, mc.num_kv_heads, mc.head_dim, c.page_size, kv_dtype, jnp.dtype(model.dtype).name, calibration
+        )
         pool = BlockPool.from_memory_budget(
             c.max_memory_mb, num_layers=mc.num_layers, kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
             page_size=c.page_size, kv_dtype=kv_dtype,
@@ -373,9 +376,7 @@ class Engine:
                     pos = np.arange(row.start, row.start + n)
                     query[i, :n] = np.arange(pages * ps)[None, :] <= pos[:, None]
             query_mask = jnp.asarray(query)
-        c = self.store.config
-        paged = PagedKVState(self.store.k, self.store.v, jnp.asarray(tables), c.kv_dtype, c.dtype)
-        return ContextKVState(paged, page_mask, token_mask, query_mask)
+        return ContextKVState(self.store.state(tables), page_mask, token_mask, query_mask)
 
     def _sampling(self, rows: list[_Row], width: int) -> tuple[SamplingParams, SamplingFlags, UInt32[Array, "B 2"]]:
         configs = [r.job.sampler.config for r in rows] + [_GREEDY] * (width - len(rows))

@@ -65,7 +65,7 @@ class PageReader:
 def _columns(ref: jax.Ref, p: Array, n: int) -> list[Array]:
     """The ``n`` per-token f32 columns ``[page_size]`` of a small metadata leaf of page ``p``.
 
-    2-byte metadata (bf16 scales, codebooks) arrives bitcast to pairs in u32 (``widen_metadata``): a
+    2-byte metadata (bf16 scales and mins) arrives bitcast to pairs in u32 (``widen_metadata``): a
     column of 2-byte values is a strided 2-byte load that Triton neither vectorizes nor pipelines, so
     every loop step waited for it (144 such loads per thread per page for Q4 on the H200 PTX). A u32
     column is a 4-byte load that goes through cp.async with the pages; a bf16 half becomes f32 with a
