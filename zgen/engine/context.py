@@ -75,7 +75,6 @@ class Context:
         self._ids: list[int] = []
         self._masked = np.zeros(0, bool)
         self._messages: list[dict[str, str]] = []
-        self._text = ""  # the context as text, to render chat turns as suffixes of it
         self._awaiting_reply = False  # a chat turn was filled; generate adds the assistant header
         self._release = weakref.finalize(self, self.cache.release)
 
@@ -121,8 +120,8 @@ class Context:
 
     @property
     def text(self) -> str:
-        """The context as text (what the fills and generations added)."""
-        return self._text
+        """The context as text (its tokens decoded)."""
+        return self.engine.model.tokenizer.decode(self._ids)
 
     @property
     def messages(self) -> list[dict[str, str]]:
@@ -139,7 +138,6 @@ class Context:
     def append_sampled(self, token: int) -> None:
         """Append a token the engine sampled for this context (as pending)."""
         self._append([token])
-        self._text += self.engine.model.tokenizer.decode([token])
 
     def release(self) -> None:
         """Give the pages back to the pool now (also happens when the context is garbage collected)."""
@@ -156,11 +154,11 @@ class Context:
     def fill(self, text: str) -> None:
         """Append ``text`` (tokenized; the tokenizer's BOS is added when the context is empty)."""
         ids = self.engine.model.tokenizer.encode(text, add_special_tokens=not self._ids)
-        self._fill_checked(ids, text)
+        self._fill_checked(ids)
 
     def fill_tokens(self, ids: Iterable[int]) -> None:
         ids = [int(i) for i in ids]
-        self._fill_checked(ids, self.engine.model.tokenizer.decode(self.checked_ids(ids)))
+        self._fill_checked(ids)
 
     def fill_system(self, text: str) -> None:
         self._fill_turn("system", text)
@@ -176,12 +174,13 @@ class Context:
         tokenizer = self.engine.model.tokenizer
         messages = [*self._messages, {"role": role, "content": text}]
         full = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
-        if full.startswith(self._text):
-            suffix = full[len(self._text) :]
+        text_so_far = self.text
+        if full.startswith(text_so_far):
+            suffix = full[len(text_so_far) :]
         else:  # the context holds text the template would render differently: add the turn's own part
             before = tokenizer.apply_chat_template(self._messages, add_generation_prompt=False) if self._messages else ""
             suffix = full[len(before) :]
-        self._fill_checked(tokenizer.encode(suffix, add_special_tokens=False), suffix)
+        self._fill_checked(tokenizer.encode(suffix, add_special_tokens=False))
         self._messages = messages
         self._awaiting_reply = role != "assistant"
 
@@ -192,7 +191,7 @@ class Context:
         header = tokenizer.apply_chat_template(self._messages, add_generation_prompt=True)[
             len(tokenizer.apply_chat_template(self._messages, add_generation_prompt=False)) :
         ]
-        self._fill_checked(tokenizer.encode(header, add_special_tokens=False), header)
+        self._fill_checked(tokenizer.encode(header, add_special_tokens=False))
         self._awaiting_reply = False
 
     def checked_ids(self, ids: list[int]) -> list[int]:
@@ -202,14 +201,13 @@ class Context:
             raise TokenIdError(f"token ids {bad[:5]} are outside [0, {vocab}) for this model's vocabulary")
         return ids
 
-    def _fill_checked(self, ids: list[int], text: str) -> None:
+    def _fill_checked(self, ids: list[int]) -> None:
         self.checked_ids(ids)
         if len(self._ids) + len(ids) > self.engine.max_len:
             raise PromptTooLongError(
                 f"{len(self._ids)} + {len(ids)} tokens exceed the model's context of {self.engine.max_len}"
             )
         self._append(ids)
-        self._text += text
 
     def _append(self, ids: Sequence[int]) -> None:
         self._ids.extend(ids)
@@ -219,7 +217,6 @@ class Context:
         """Keep the first ``n`` tokens; K/V past ``n - 1`` are rolled back so the last token is pending."""
         self._ids = self._ids[:n]
         self._masked = self._masked[:n]
-        self._text = self.engine.model.tokenizer.decode(self._ids)
         if self.kv_len > max(n - 1, 0):
             self.cache.truncate(max(n - 1, 0))
 
@@ -366,7 +363,6 @@ class Context:
         """Keep ``n`` tokens, all fed (a verified prefix); later K/V are rolled back."""
         self._ids = self._ids[:n]
         self._masked = self._masked[:n]
-        self._text = self.engine.model.tokenizer.decode(self._ids)
         if self.kv_len > n:
             self.cache.truncate(n)
 
@@ -380,7 +376,7 @@ class Context:
         if not self._release.alive:
             raise CacheError("this context was released; it cannot be forked")
         twin = Context(self.engine, seed=seed, cache=self.cache.fork())
-        twin._ids, twin._masked, twin._text = list(self._ids), self._masked.copy(), self._text
+        twin._ids, twin._masked = list(self._ids), self._masked.copy()
         twin._messages, twin._awaiting_reply = [dict(m) for m in self._messages], self._awaiting_reply
         return twin
 
@@ -438,10 +434,10 @@ class Context:
         return context_from_import(engine, state, seed=seed)
 
     def restore(
-        self, ids: Sequence[int], masked: np.ndarray, text: str, messages: Sequence[tuple[str, str]], awaiting_reply: bool
+        self, ids: Sequence[int], masked: np.ndarray, messages: Sequence[tuple[str, str]], awaiting_reply: bool
     ) -> None:
         """Set the token bookkeeping of a context whose pages were just injected (snapshots, imports)."""
-        self._ids, self._masked, self._text = list(ids), np.asarray(masked, bool).copy(), text
+        self._ids, self._masked = list(ids), np.asarray(masked, bool).copy()
         self._messages = [{"role": r, "content": c} for r, c in messages]
         self._awaiting_reply = awaiting_reply
 

@@ -49,7 +49,6 @@ class ImportedKVState:
 
     token_ids: tuple[int, ...]
     masked: np.ndarray  # bool per token
-    text: str
     messages: tuple[tuple[str, str], ...]
     awaiting_reply: bool  # the last chat turn still needs the assistant header
     kv_len: int
@@ -87,7 +86,7 @@ def _context_state(ctx: Context) -> ImportedKVState:
     blocks = tuple(int(b) for b in ctx.cache.block_table[0, :pages])
     messages = tuple((m["role"], m["content"]) for m in ctx.messages)
     return ImportedKVState(
-        tuple(ctx.token_ids), ctx.masked_flags, ctx.text, messages, ctx.awaiting_reply, ctx.kv_len, blocks
+        tuple(ctx.token_ids), ctx.masked_flags, messages, ctx.awaiting_reply, ctx.kv_len, blocks
     )
 
 
@@ -116,7 +115,6 @@ def save_context(ctx: Context, name: str) -> Path:
         "layout": _layout(ctx.engine),
         "token_ids": list(state.token_ids),
         "masked": np.flatnonzero(state.masked).tolist(),
-        "text": state.text,
         "messages": [list(m) for m in state.messages],
         "awaiting_reply": state.awaiting_reply,
         "kv_len": state.kv_len,
@@ -192,7 +190,7 @@ def open_context(engine: Engine, name: str, *, seed: int | None = None) -> Conte
     engine.pool.free(blocks)  # the context's reference is now the only one
     masked = np.zeros(len(meta["token_ids"]), bool)
     masked[meta["masked"]] = True
-    ctx.restore(meta["token_ids"], masked, meta["text"], [(r, c) for r, c in meta["messages"]], bool(meta["awaiting_reply"]))
+    ctx.restore(meta["token_ids"], masked, [(r, c) for r, c in meta["messages"]], bool(meta["awaiting_reply"]))
     return ctx
 
 
@@ -242,5 +240,5 @@ def context_from_import(engine: Engine, state: ImportedKVState, *, seed: int | N
 
     ctx = Context(engine, seed=seed)
     ctx.cache.inject_blocks([list(state.blocks)], state.kv_len)  # shares: the export keeps its own reference
-    ctx.restore(state.token_ids, state.masked, state.text, list(state.messages), state.awaiting_reply)
+    ctx.restore(state.token_ids, state.masked, list(state.messages), state.awaiting_reply)
     return ctx
