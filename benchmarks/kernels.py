@@ -4,9 +4,11 @@
     python benchmarks/kernels.py --check-only  # only the correctness checks (small shapes, quick)
 
 Measures the device's copy bandwidth and bf16 matmul rate in the same run, then:
-- paged decode (B=8, 32 q / 8 kv heads, head_dim 128, bf16 queries, contexts 4k and 32k): achieved
-  bandwidth = bytes of KV actually read / time, and its fraction of copy bandwidth;
-- flash prefill (causal, 4k and 8k tokens, bf16): TFLOP/s (causal half counted) vs the matmul rate.
+- paged decode (B=8, 32 q / 8 kv heads, head_dim 128, bf16 queries, contexts 4k and 32k; bf16, fp8,
+  q4, q3 pages, and q4/q3 with coded keys as the paged cache stores them): achieved bandwidth = bytes
+  of KV actually read / time, and its fraction of copy bandwidth;
+- prefill (causal, 4k and 8k tokens, bf16): TFLOP/s (causal half counted) vs the matmul rate, for
+  flash attention over contiguous K/V and paged attention over pages of 64 (bf16 and q4).
 Every kernel is checked against zgen's reference (relative L2 error) before it is timed; a kernel that
 fails to lower or to match is reported, not fatal. Results go to ``$OUT/kernels.json`` when OUT is set.
 """
@@ -28,10 +30,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from zgen.pallas import flash_attention, paged_decode_attention
-from zgen.pallas.flash_attention import triton as flash_triton, xla as flash_xla
+from zgen.pallas.flash_attention import triton as flash_triton
 from zgen.pallas.paged_attention import triton as paged_triton
 from zgen.pallas.paged_attention.common import visible_pages
-from zgen.pallas.paged_attention.layouts import KVPages, bytes_per_token, quantize_fp8, quantize_q3, quantize_q4
+from zgen.pallas.paged_attention.layouts import (
+    KeyCalibration,
+    KVPages,
+    bytes_per_token,
+    dequantize,
+    quantize_fp8,
+    quantize_q3,
+    quantize_q4,
+)
 
 BATCH, Q_HEADS, KV_HEADS, HEAD_DIM = 8, 32, 8, 128
 PREFILL_BATCH = 2
@@ -156,38 +166,39 @@ class DecodeProblem:
 
 
 # name -> (num_warps, num_stages, num_splits or None for the default ~1024 programs).
-# Why and what to expect at 32k on the H200 (default after this round's changes: w4s3, 16 splits):
-# - w2s3: the Q3 value dots are [16,64]x[64,16]; with N=16 Triton puts the 4 warps along M and every
-#   warp dequantizes the whole V page (PTX: 3516 selects/thread at 4 warps vs 2732 at 2). Expect Q3
-#   ~1.3x faster than w4s3 if its register spills stay cheap; bf16/fp8/q4 about equal to w4s3.
-# - w4s2: previously the best at 4k for bf16/q4 (one fewer page in flight, less shared memory).
-# - w4s3x32 / w2s3x32: 32 splits (2048 programs): more loads in flight and a shorter tail wave;
-#   expected to help fp8 (latency-, not byte-bound: same time as bf16 at half the bytes) by ~1.2-1.5x
-#   at 32k; at 4k the splits are capped by the page count (64) so 4k barely changes.
+# Default: 4 warps, 3 stages, 16 splits at B=8 x 8 kv heads.
 DECODE_VARIANTS: dict[str, tuple[int, int, int | None]] = {
     "w2s3": (2, 3, None),
-    "w4s2": (4, 2, None),
-    "w4s3x32": (4, 3, 32),
     "w2s3x32": (2, 3, 32),
 }
 
 
-def paged_candidates(p: DecodeProblem, fmt: str, kq: KVPages, vq: KVPages) -> dict[str, Callable[[], jax.Array]]:
+def random_coding(seed: int) -> tuple[jax.Array, KeyCalibration]:
+    """RoPE frequencies and a random key calibration: the coded-key path the paged cache's q4/q3 use."""
+    ks = jax.random.split(jax.random.key(seed), 3)
+    inv_freq = 10_000.0 ** (-jnp.arange(0, HEAD_DIM, 2, dtype=jnp.float32) / HEAD_DIM)
+    stat = lambda k: jax.random.normal(k, (KV_HEADS, HEAD_DIM), jnp.float32)  # noqa: E731
+    return inv_freq, KeyCalibration(stat(ks[0]), stat(ks[1]), jnp.exp(0.5 * stat(ks[2])))
+
+
+def paged_candidates(
+    p: DecodeProblem, fmt: str, kq: KVPages, vq: KVPages, coding: dict[str, Any]
+) -> dict[str, Callable[[], jax.Array]]:
     cands: dict[str, Callable[[], jax.Array]] = {}
     args = (p.q, kq, vq, p.tables, p.lengths)
     page_size = p.k.shape[2]
     for impl in ("triton", "xla"):
-        f = jax.jit(lambda q, k, v, t, n, impl=impl: paged_decode_attention(q, k, v, t, n, implementation=impl))
+        f = jax.jit(lambda q, k, v, t, n, impl=impl: paged_decode_attention(q, k, v, t, n, implementation=impl, **coding))
         cands[f"zgen {impl}"] = lambda f=f: f(*args)
-    # Launch variants of our kernel, called below the api (same preprocessing). Default: 4 warps, 3
-    # stages, ~1024 programs (16 splits at B=8 x 8 kv heads). Predictions (H200, 32k) in DECODE_VARIANTS.
-    pages = visible_pages(p.tables, p.lengths, None, page_size, None)
+    # Launch variants of our kernel, called below the api (same preprocessing).
+    q_pos = (p.lengths - 1)[:, None]
+    pages = visible_pages(p.tables, q_pos, None, page_size, None)
     for name, (warps, stages, splits) in DECODE_VARIANTS.items():
         f = jax.jit(
-            lambda q, k, v, t, n, m, w=warps, s=stages, sp=splits: paged_triton.paged_decode_attention(
-                q, k, v, t, n, m, scale=HEAD_DIM**-0.5, soft_cap=None, sliding_window=None,
-                num_warps=w, num_stages=s, num_splits=sp,
-            )
+            lambda q, k, v, t, n, m, w=warps, s=stages, sp=splits: paged_triton.paged_attention(
+                q[:, None], k, v, t, (n - 1)[:, None], m, scale=HEAD_DIM**-0.5, soft_cap=None, sliding_window=None,
+                num_warps=w, num_stages=s, num_splits=sp, **coding,
+            )[:, 0]
         )
         cands[f"zgen triton {name}"] = lambda f=f: f(*args, pages)
     if fmt == "bf16":
@@ -213,16 +224,27 @@ def paged_candidates(p: DecodeProblem, fmt: str, kq: KVPages, vq: KVPages) -> di
     return cands
 
 
-def bench_decode(contexts: list[int], page_size: int, repeats: int, copy_bw: float | None, results: Results) -> None:
+# Page formats timed: plain layouts, and q4/q3 with coded keys (stored before RoPE, calibrated,
+# Hadamard-rotated), which is what the paged cache stores for kv_dtype q4/q3.
+DECODE_FORMATS = ("bf16", *QUANTIZERS, "q4 coded", "q3 coded")
+
+
+def bench_decode(
+    contexts: list[int], formats: list[str], page_size: int, repeats: int, copy_bw: float | None, results: Results
+) -> None:
     for context in contexts:
         p = DecodeProblem.make(context, page_size, seed=context)
-        for fmt in ("bf16", *QUANTIZERS):
-            kq, vq = (p.k, p.v) if fmt == "bf16" else (quantize_in_slices(p.k, fmt), quantize_in_slices(p.v, fmt))
-            ref = jax.jit(lambda q, k, v, t, n: paged_decode_attention(q, k, v, t, n, implementation="reference"))(
+        for fmt in formats:
+            base, coded = fmt.split(" ")[0], fmt.endswith("coded")
+            kq, vq = (p.k, p.v) if base == "bf16" else (quantize_in_slices(p.k, base), quantize_in_slices(p.v, base))
+            coding: dict[str, Any] = {}
+            if coded:
+                coding["key_rope"], coding["key_calibration"] = random_coding(context)
+            ref = jax.jit(lambda q, k, v, t, n: paged_decode_attention(q, k, v, t, n, implementation="reference", **coding))(
                 p.q, kq, vq, p.tables, p.lengths
             )
             read = 2 * BATCH * KV_HEADS * context * bytes_per_token(kq)
-            for name, fn in paged_candidates(p, fmt, kq, vq).items():
+            for name, fn in paged_candidates(p, fmt, kq, vq, coding).items():
                 row = Row("paged_decode", name, fmt, context)
                 try:
                     row.rel_err = rel_err(fn(), ref)
@@ -250,8 +272,8 @@ def flash_candidates(q: jax.Array, k: jax.Array, v: jax.Array) -> dict[str, Call
     q16, k16, v16 = (x.astype(jnp.float16) for x in (q, k, v))
     f = jax.jit(lambda q, k, v: flash_attention(q, k, v, implementation="mosaic_gpu"))
     cands["zgen mosaic_gpu (f16)"] = lambda f=f: f(q16, k16, v16)
-    # Default is now q128 k64 w8 s3 (the best at 8k in the last run); the old default and the runners-up.
-    for bq, bk, warps, stages in ((128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 4, 3)):
+    # Default: q128 k64 w8 s3 (the best at 8k in earlier runs); the runner-up.
+    for bq, bk, warps, stages in ((128, 128, 8, 2),):
         f = jax.jit(
             lambda q, k, v, n, bq=bq, bk=bk, w=warps, s=stages: flash_triton.flash_attention(
                 q, k, v, n, causal=True, sliding_window=None, soft_cap=None, scale=HEAD_DIM**-0.5,
@@ -259,10 +281,16 @@ def flash_candidates(q: jax.Array, k: jax.Array, v: jax.Array) -> dict[str, Call
             )
         )
         cands[f"zgen triton q{bq}k{bk}w{warps}s{stages}"] = lambda f=f: f(q, k, v, lengths)
-    f = jax.jit(lambda q, k, v, n: flash_xla.flash_attention(
-        q, k, v, n, causal=True, sliding_window=None, soft_cap=None, scale=HEAD_DIM**-0.5, block_q=1024, block_k=1024
-    ))
-    cands["zgen xla b1024"] = lambda f=f: f(q, k, v, lengths)
+    # The same causal attention read from a paged cache (pages of 64 in order, bf16 and q4): the
+    # kernel the paged cache prefills with.
+    for fmt in ("bf16", "q4"):
+        kp, vp, tables = as_pages(k, fmt), as_pages(v, fmt), page_tables(q.shape[0], q.shape[1])
+        positions = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32), q.shape[:2])
+        for warps in (4, 8):
+            f = jax.jit(lambda q, k, v, t, pos, w=warps: paged_triton.paged_attention(
+                q, k, v, t, pos, jnp.ones(t.shape, bool), scale=HEAD_DIM**-0.5, soft_cap=None, sliding_window=None, num_warps=w,
+            ))
+            cands[f"zgen triton paged {fmt} w{warps}"] = lambda f=f, kp=kp, vp=vp, t=tables, pos=positions: f(q, kp, vp, t, pos)
     try:
         from jax.experimental.pallas.ops.gpu import attention_mgpu
 
@@ -284,6 +312,26 @@ def flash_candidates(q: jax.Array, k: jax.Array, v: jax.Array) -> dict[str, Call
     return cands
 
 
+PREFILL_PAGE = 64
+
+
+def as_pages(x: jax.Array, fmt: str) -> KVPages:
+    """[B, T, KVH, D] as pages [KVH, B * T / 64, 64, D], row b owning pages b * T/64 ... in order."""
+    b, t, kvh, d = x.shape
+    pages = x.reshape(b, t // PREFILL_PAGE, PREFILL_PAGE, kvh, d).transpose(3, 0, 1, 2, 4).reshape(kvh, -1, PREFILL_PAGE, d)
+    return pages if fmt == "bf16" else quantize_in_slices(pages, fmt)
+
+
+def dequantized_rows(x: jax.Array, fmt: str) -> jax.Array:
+    """``x`` [1, T, KVH, D] through ``fmt`` pages and back."""
+    pages = dequantize(as_pages(x, fmt), jnp.float32)  # [KVH, T/64, 64, D]
+    return pages.reshape(x.shape[2], x.shape[1], x.shape[3]).transpose(1, 0, 2)[None].astype(x.dtype)
+
+
+def page_tables(batch: int, tokens: int) -> jax.Array:
+    return jnp.arange(batch * tokens // PREFILL_PAGE, dtype=jnp.int32).reshape(batch, -1)
+
+
 def bench_prefill(lengths: list[int], repeats: int, mm_flops: float | None, results: Results) -> None:
     for t in lengths:
         ks = jax.random.split(jax.random.key(t), 3)
@@ -292,11 +340,15 @@ def bench_prefill(lengths: list[int], repeats: int, mm_flops: float | None, resu
         v = jax.random.normal(ks[2], (PREFILL_BATCH, t, KV_HEADS, HEAD_DIM), jnp.bfloat16)
         # The reference materializes [H, T, T] f32 logits: check the first sequence only (8k: ~9 GB).
         ref = jax.jit(lambda q, k, v: flash_attention(q, k, v, implementation="reference"))(q[:1], k[:1], v[:1])
+        q4_ref = jax.jit(lambda q, k, v: flash_attention(q, k, v, implementation="reference"))(
+            q[:1], *(dequantized_rows(x[:1], "q4") for x in (k, v))
+        )
         flops = 4 * PREFILL_BATCH * Q_HEADS * t * t * HEAD_DIM / 2  # causal: half the score matrix
         for name, fn in flash_candidates(q, k, v).items():
-            row = Row("flash_prefill", name, "f16" if "(f16)" in name else "bf16", t)
+            row = Row("flash_prefill", name, "f16" if "(f16)" in name else "q4" if " q4 " in name else "bf16", t)
             try:
-                row.rel_err = rel_err(fn()[:1], ref)
+                # q4 pages: against attention over the dequantized pages
+                row.rel_err = rel_err(fn()[:1], q4_ref if row.fmt == "q4" else ref)
                 if not row.rel_err <= MAX_REL_ERR:
                     row.error = f"wrong result (rel err {row.rel_err:.3g})"
                 elif mm_flops is not None:
@@ -331,6 +383,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--contexts", type=int, nargs="*", help="decode contexts (default 4096 32768; none: skip)")
     parser.add_argument("--prefill-lengths", type=int, nargs="*", help="prefill lengths (default 4096 8192; none: skip)")
+    parser.add_argument("--formats", nargs="*", default=list(DECODE_FORMATS), help=f"decode page formats {DECODE_FORMATS}")
     args = parser.parse_args()
 
     device = jax.devices()[0]
@@ -350,7 +403,7 @@ def main() -> None:
     )
     contexts = args.contexts if args.contexts is not None else [2048] if args.check_only else [4096, 32768]
     prefill = args.prefill_lengths if args.prefill_lengths is not None else [1024] if args.check_only else [4096, 8192]
-    bench_decode(contexts, args.page_size, args.repeats, copy_bw, results)
+    bench_decode(contexts, args.formats, args.page_size, args.repeats, copy_bw, results)
     bench_prefill(prefill, args.repeats, mm, results)
 
     print()

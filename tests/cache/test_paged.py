@@ -263,7 +263,7 @@ def test_calibrate_keys_measures_centres_sinks_and_sensitivity() -> None:
     normed = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + CONFIG.rms_norm_eps) * model.params["layers.0.input_norm"]
     q_rows = CONFIG.num_heads * CONFIG.head_dim
     k_rows = model.params["layers.0.qkv"][q_rows : q_rows + CONFIG.num_kv_heads * CONFIG.head_dim]
-    keys = (normed @ k_rows.T).reshape(2, CONFIG.num_kv_heads, CONFIG.head_dim)
+    keys = jnp.dot(normed, k_rows.T, precision=jax.lax.Precision.HIGHEST).reshape(2, CONFIG.num_kv_heads, CONFIG.head_dim)
     np.testing.assert_allclose(calibration[0].sink, keys.mean(0), rtol=1e-4, atol=1e-4)
 
 

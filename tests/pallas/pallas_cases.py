@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import strategies as st
 
-from zgen.pallas import flash_attention, paged_decode_attention
+from zgen.pallas import flash_attention, paged_attention
 from zgen.pallas.paged_attention.layouts import KVPages, quantize
 
 DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}
@@ -29,34 +29,36 @@ def assert_close(actual: jax.Array, expected: jax.Array, dtype: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class PagedCase:
-    q: jax.Array
+    q: jax.Array  # [B, T, H, D]
     k_pages: KVPages
     v_pages: KVPages
     block_tables: jax.Array
-    lengths: jax.Array
+    q_positions: jax.Array  # [B, T]; -1 = padding
     page_mask: jax.Array | None
     dtype: str
     fmt: str
     soft_cap: float | None
     sliding_window: int | None
 
-    def run(self, implementation: str) -> jax.Array:
+    def run(self, implementation: str, **options: object) -> jax.Array:
         """The op under jit: one compile is much cheaper on CPU than eager op-by-op dispatch."""
 
-        def call(q: jax.Array, k: KVPages, v: KVPages, tables: jax.Array, lengths: jax.Array, mask: jax.Array | None) -> jax.Array:
-            return paged_decode_attention(
-                q, k, v, tables, lengths, page_mask=mask, soft_cap=self.soft_cap,
-                sliding_window=self.sliding_window, implementation=implementation,
+        def call(q: jax.Array, k: KVPages, v: KVPages, tables: jax.Array, q_pos: jax.Array, mask: jax.Array | None) -> jax.Array:
+            return paged_attention(
+                q, k, v, tables, q_pos, page_mask=mask, soft_cap=self.soft_cap,
+                sliding_window=self.sliding_window, implementation=implementation, **options,  # type: ignore[arg-type]
             )
 
-        return jax.jit(call)(self.q, self.k_pages, self.v_pages, self.block_tables, self.lengths, self.page_mask)
+        return jax.jit(call)(self.q, self.k_pages, self.v_pages, self.block_tables, self.q_positions, self.page_mask)
 
 
 @st.composite
 def paged_cases(
-    draw: st.DrawFn, formats: tuple[str, ...] = ("native", "fp8", "q4", "q3"), page_options: bool = True
+    draw: st.DrawFn, formats: tuple[str, ...] = ("native", "fp8", "q4", "q3"), page_options: bool = True, max_queries: int = 1
 ) -> PagedCase:
-    """A random decode problem; ``page_options=False`` leaves out page masks and sliding windows."""
+    """A random problem: each row holds ``length`` tokens and its queries are the last ``T`` of them
+    (decode when T = 1, a prefill chunk after a cached prefix otherwise), rows shorter than T padded
+    with position -1. ``page_options=False`` leaves out page masks and sliding windows."""
     batch = draw(st.integers(1, 3))
     kv_heads = draw(st.sampled_from([1, 2]))
     group = draw(st.sampled_from([1, 2, 4, 8]))
@@ -69,6 +71,7 @@ def paged_cases(
     # Lengths concentrate on the edges: empty, one token, page boundaries, full.
     edge = st.sampled_from(sorted({0, 1, page_size - 1, page_size, page_size + 1, capacity}))
     lengths = draw(st.lists(st.one_of(edge, st.integers(0, capacity)).map(lambda n: min(n, capacity)), min_size=batch, max_size=batch))
+    num_queries = draw(st.integers(1, max_queries))
     masked = page_options and draw(st.booleans())
     seed = draw(st.integers(0, 2**16))
     soft_cap = draw(st.sampled_from([None, None, 5.0]))
@@ -79,7 +82,8 @@ def paged_cases(
     shape = (kv_heads, num_pages, page_size, head_dim)
     k = jnp.asarray(rng.standard_normal(shape), jnp.float32)
     v = jnp.asarray(rng.standard_normal(shape), jnp.float32)
-    q = jnp.asarray(rng.standard_normal((batch, kv_heads * group, head_dim)), DTYPES[dtype])
+    q = jnp.asarray(rng.standard_normal((batch, num_queries, kv_heads * group, head_dim)), DTYPES[dtype])
+    q_positions = np.asarray(lengths)[:, None] - num_queries + np.arange(num_queries)[None, :]
     tables = rng.permutation(num_pages)[: batch * pages_per_seq].reshape(batch, pages_per_seq)
     page_mask = jnp.asarray(rng.random((batch, pages_per_seq)) < 0.7) if masked else None
     if fmt == "native":
@@ -91,7 +95,7 @@ def paged_cases(
         k_pages=k_pages,
         v_pages=v_pages,
         block_tables=jnp.asarray(tables, jnp.int32),
-        lengths=jnp.asarray(lengths, jnp.int32),
+        q_positions=jnp.asarray(np.maximum(q_positions, -1), jnp.int32),
         page_mask=page_mask,
         dtype=dtype,
         fmt=fmt,

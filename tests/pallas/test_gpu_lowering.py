@@ -16,6 +16,7 @@ from jax import export
 from zgen.pallas.flash_attention import triton as flash_triton
 from zgen.pallas.paged_attention import mosaic_gpu as paged_mosaic_gpu
 from zgen.pallas.paged_attention import quantize
+from zgen.pallas.paged_attention.layouts import KeyCalibration
 from zgen.pallas.paged_attention import triton as paged_triton
 
 TRITON_CALL = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
@@ -29,18 +30,25 @@ def lower_for_cuda(fn: Callable[..., Any], *args: Any) -> str:
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "q4", "q3"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_paged_decode_lowers(fmt: str, head_dim: int) -> None:
+@pytest.mark.parametrize(("num_queries", "coded"), [(1, False), (24, True)])
+def test_paged_attention_lowers(fmt: str, head_dim: int, num_queries: int, coded: bool) -> None:
     b, kvh, pages, page_size, pps = 2, 2, 8, 64, 4
-    q = jnp.zeros((b, 8, head_dim), jnp.bfloat16)
+    q = jnp.zeros((b, num_queries, 8, head_dim), jnp.bfloat16)
     kv = quantize(jnp.zeros((kvh, pages, page_size, head_dim), jnp.float32), fmt)  # type: ignore[arg-type]
     tables = jnp.zeros((b, pps), jnp.int32)
-    lengths = jnp.full((b,), 100, jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(num_queries, dtype=jnp.int32) + 100, (b, num_queries))
     mask = jnp.ones((b, pps), bool)
+    coding: dict[str, Any] = {}
+    if coded:
+        ones = jnp.ones((kvh, head_dim), jnp.float32)
+        coding = dict(key_rope=jnp.ones((head_dim // 2,), jnp.float32), key_calibration=KeyCalibration(ones, ones, ones))
 
-    def fn(q: jax.Array, k: Any, v: Any, t: jax.Array, n: jax.Array, m: jax.Array) -> jax.Array:
-        return paged_triton.paged_decode_attention(q, k, v, t, n, m, scale=0.1, soft_cap=30.0, sliding_window=90)
+    def fn(q: jax.Array, k: Any, v: Any, t: jax.Array, p: jax.Array, m: jax.Array) -> jax.Array:
+        return paged_triton.paged_attention(
+            q, k, v, t, p, m, scale=0.1, soft_cap=30.0, sliding_window=90, **coding
+        )
 
-    assert "xla.gpu.triton" in lower_for_cuda(fn, q, kv, kv, tables, lengths, mask)
+    assert "xla.gpu.triton" in lower_for_cuda(fn, q, kv, kv, tables, positions, mask)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])

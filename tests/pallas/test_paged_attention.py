@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -10,9 +9,9 @@ from hypothesis import given, settings, strategies as st
 from pallas_cases import PagedCase, assert_close, paged_cases
 
 from zgen.errors import ConfigError
-from zgen.pallas import paged_decode_attention
+from zgen.pallas import paged_attention, paged_decode_attention
 from zgen.pallas.common import platform
-from zgen.pallas.paged_attention.common import apply_rope
+from zgen.pallas.paged_attention.common import apply_rope, visible_pages
 from zgen.pallas.paged_attention.layouts import KeyCalibration, dequantize, hadamard, quantize
 
 # Examples per (implementation, page format): interpreted kernels compile a program per shape.
@@ -29,6 +28,59 @@ def test_matches_reference(implementation: str, fmt: str) -> None:
         assert_close(case.run(implementation), case.run("reference"), case.dtype)
 
     check()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("implementation", sorted(EXAMPLES))
+def test_query_chunks_match_reference(implementation: str, fmt: str) -> None:
+    """Several queries per row at their own positions (a prefill chunk after a cached prefix, padded
+    rows): each sees exactly the keys up to its position."""
+
+    @settings(max_examples=EXAMPLES[implementation], deadline=None, derandomize=True)
+    @given(paged_cases(formats=(fmt,), max_queries=40))
+    def check(case: PagedCase) -> None:
+        assert_close(case.run(implementation), case.run("reference"), case.dtype)
+
+    check()
+
+
+def test_triton_splits_match_reference() -> None:
+    """Query chunks whose visible slots straddle split boundaries."""
+
+    @settings(max_examples=3, deadline=None, derandomize=True)
+    @given(paged_cases(formats=("native", "q4"), max_queries=20))
+    def check(case: PagedCase) -> None:
+        from zgen.pallas.paged_attention import triton
+
+        page_size = jax.tree_util.tree_leaves(case.k_pages)[0].shape[2]
+        pages = visible_pages(case.block_tables, case.q_positions, case.page_mask, page_size, case.sliding_window)
+        got = triton.paged_attention(
+            case.q, case.k_pages, case.v_pages, jnp.where(pages, case.block_tables, 0), case.q_positions, pages,
+            scale=case.q.shape[-1] ** -0.5, soft_cap=case.soft_cap, sliding_window=case.sliding_window,
+            interpret=True, num_splits=3,
+        )
+        assert_close(got, case.run("reference"), case.dtype)
+
+    check()
+
+
+def test_query_chunk_equals_decoding_token_by_token() -> None:
+    """A chunk of queries gives what one-token decode gives at each of its positions."""
+    q, k, v, tables, _ = _dense_problem()
+    chunk = jnp.asarray(np.random.default_rng(3).standard_normal((2, 6, 4, 64)), jnp.float32)
+    positions = jnp.asarray([[30, 31, 32, 33, 34, 35], [10, 11, 12, 13, -1, -1]], jnp.int32)
+    for impl in ("reference", "xla", "triton"):
+        out = paged_attention(chunk, k, v, tables, positions, implementation=impl)
+        for t in range(6):
+            one = paged_decode_attention(chunk[:, t], k, v, tables, positions[:, t] + 1, implementation=impl)
+            np.testing.assert_allclose(out[:, t], one, atol=2e-5)
+        assert np.all(np.asarray(out[1, 4:]) == 0)
+
+
+def test_decode_kernels_refuse_query_chunks() -> None:
+    q, k, v, tables, _ = _dense_problem()
+    with pytest.raises(ConfigError, match="decode kernel"):
+        paged_attention(jnp.stack([q, q], axis=1), k, v, tables, jnp.asarray([[3, 4], [5, 6]]), implementation="mosaic_gpu")
 
 
 @st.composite
@@ -54,16 +106,12 @@ def test_decoded_keys_match_reference(implementation: str, fmt: str) -> None:
     @settings(max_examples=EXAMPLES[implementation], deadline=None, derandomize=True)
     @given(st.data())
     def check(data: st.DataObject) -> None:
-        case: PagedCase = data.draw(paged_cases(formats=(fmt,)))
+        case: PagedCase = data.draw(paged_cases(formats=(fmt,), max_queries=12))
         kv_heads = jax.tree_util.tree_leaves(case.k_pages)[0].shape[0]
         key_rope, calibration = data.draw(key_codings(kv_heads, case.q.shape[-1]))
 
         def run(impl: str) -> jax.Array:
-            call = partial(
-                paged_decode_attention, page_mask=case.page_mask, soft_cap=case.soft_cap, sliding_window=case.sliding_window,
-                key_rope=key_rope, key_calibration=calibration, implementation=impl,
-            )
-            return jax.jit(call)(case.q, case.k_pages, case.v_pages, case.block_tables, case.lengths)
+            return case.run(impl, key_rope=key_rope, key_calibration=calibration)
 
         assert_close(run(implementation), run("reference"), case.dtype)
 

@@ -49,6 +49,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from zgen.cache.base import LayerKV, replace_layer
 from zgen.errors import CacheError
+from zgen.numerics import matmul_precision
 
 
 def masked_attention(
@@ -61,11 +62,13 @@ def masked_attention(
     batch, seq, heads, dim = q.shape
     kv_heads = k.shape[2]
     grouped = q.reshape(batch, seq, kv_heads, heads // kv_heads, dim)
-    scores = jnp.einsum("btkgd,bskd->bkgts", grouped, k, preferred_element_type=jnp.float32) / math.sqrt(dim)
+    qk_precision, pv_precision = matmul_precision(q.dtype, k.dtype), matmul_precision(v.dtype)
+    scores = jnp.einsum("btkgd,bskd->bkgts", grouped, k, preferred_element_type=jnp.float32, precision=qk_precision)
+    scores = scores / math.sqrt(dim)
     mask = visible[:, None, None]
     scores = jnp.where(mask, scores, -1e30)
     weights = (jax.nn.softmax(scores, axis=-1) * mask).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", weights, v, preferred_element_type=jnp.float32)
+    out = jnp.einsum("bkgts,bskd->btkgd", weights, v, preferred_element_type=jnp.float32, precision=pv_precision)
     return out.reshape(batch, seq, heads, dim).astype(q.dtype)
 
 

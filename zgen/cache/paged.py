@@ -16,11 +16,9 @@ Two levels, as every zgen cache kind (see ``zgen/cache/base.py``):
 Storage formats (``kv_dtype``): ``fp32``, ``bf16``, ``fp16`` are plain arrays; ``fp8`` (E4M3 + f32
 scale per token), ``q4`` (asymmetric 4-bit groups of 32) and ``q3`` (8 non-uniform levels times a
 scale per group of 16) are the page layouts of :mod:`zgen.pallas.paged_attention.layouts`. Writes
-quantize each token as it is stored; decode attention (T == 1) hands the quantized pages to
-:func:`zgen.pallas.paged_decode_attention`, which dequantizes a chunk at a time inside the kernel, so
-no full-precision copy of the cache exists on the decode path. Prefill (T > 1) gathers the row's pages
-to a dense view and runs :func:`~zgen.cache.tensor.causal_attention` (a full-precision copy for the
-length of one prefill).
+quantize each token as it is stored; attention -- decode, verification and prefill chunks alike --
+hands the stored pages to :func:`zgen.pallas.paged_attention`, which reads only the pages each query
+can see and dequantizes them inside the kernel, so no full-precision copy of the cache exists.
 
 The integer formats (``CODED_KV_DTYPES``: q4, q3) code what they store, KVQuant-style:
 
@@ -30,8 +28,8 @@ The integer formats (``CODED_KV_DTYPES``: q4, q3) code what they store, KVQuant-
   in every sequence), scaled per channel by a Fisher-information proxy and rotated by an orthonormal
   Hadamard matrix (:class:`~zgen.pallas.paged_attention.layouts.KeyCalibration`, fitted by
   :func:`calibrate_keys` and passed in through ``PagedConfig.key_calibration``). Every read decodes
-  them and then applies RoPE at the key's position: in the decode kernels (``key_calibration``,
-  ``key_rope``) and in the T > 1 path here. Pre-RoPE, a key's large channels sit in the same place
+  them and then applies RoPE at the key's position, inside the attention kernels (``key_calibration``,
+  ``key_rope``). Pre-RoPE, a key's large channels sit in the same place
   token after token, so fixed per-channel statistics fit them;
 * values are Hadamard-rotated; attention runs in the rotated basis and the output is rotated back.
 
@@ -59,7 +57,7 @@ from typing import TYPE_CHECKING, Any, Literal, Self, TypeAlias, get_args
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from zgen.cache.base import LayerKV, replace_layer
 from zgen.cache.block_pool import BlockPool, blocks_for
@@ -69,8 +67,7 @@ from zgen.errors import CacheError, ConfigError, PoolExhaustedError
 from zgen.graph.core import ForwardContext
 from zgen.graph.decoder import LOGIT_ROWS, POSITIONS, TOKENS
 from zgen.graph.nodes import rotary
-from zgen.pallas import paged_decode_attention
-from zgen.pallas.paged_attention.common import apply_rope
+from zgen.pallas import paged_attention
 from zgen.pallas.paged_attention.layouts import (
     Fp8Pages,
     KeyCalibration,
@@ -328,36 +325,28 @@ class PagedKVState:
         *,
         sliding_window: int | None,
         key_rope: Float[Array, " half"] | None = None,
+        page_mask: Bool[Array, "B P"] | None = None,
     ) -> Float[Array, "B T H D"]:
-        """T == 1: the paged decode kernel over the stored format. T > 1: dense gather + causal_attention.
+        """:func:`~zgen.pallas.paged_attention` of the queries over the stored pages.
 
         Positions need not start at 0 (a cached prefix may precede them): visibility only depends on
         each query's position. ``key_rope`` (RoPE inverse frequencies) says the stored keys are
         un-rotated: each is rotated to its own position after it is dequantized (and decoded).
-        Coded values are attended to in the rotated basis; the output is rotated back.
+        Coded values are attended to in the rotated basis; the output is rotated back. ``page_mask``
+        (``False``: dropped or wholly masked pages) keeps pages out of attention.
         """
         coding = self._key_coding(layer)
-        if q.shape[1] == 1:
-            out = paged_decode_attention(
-                q[:, 0],
-                self.k[layer],
-                self.v[layer],
-                self.block_tables,
-                positions[:, 0].astype(jnp.int32) + 1,
-                sliding_window=sliding_window,
-                key_rope=key_rope,
-                key_calibration=coding,
-            )[:, None]
-        else:
-            dtype = None if not self.quantized else q.dtype
-            k = _gather_dense(self.k[layer], self.block_tables, dtype)
-            v = _gather_dense(self.v[layer], self.block_tables, dtype)
-            slots = jnp.arange(k.shape[1])[None, :, None]  # slot j holds position j
-            if coding is not None:
-                k = coding.decode(k, slots == 0, head_axis=-2)
-            if key_rope is not None:
-                k = apply_rope(k, slots, key_rope)
-            out = causal_attention(q, k.astype(v.dtype), v, positions, sliding_window=sliding_window)
+        out = paged_attention(
+            q,
+            self.k[layer],
+            self.v[layer],
+            self.block_tables,
+            positions.astype(jnp.int32),
+            page_mask=page_mask,
+            sliding_window=sliding_window,
+            key_rope=key_rope,
+            key_calibration=coding,
+        )
         return out if coding is None else hadamard(out).astype(q.dtype)
 
     def layer_view(self, layer: int) -> LayerKV:

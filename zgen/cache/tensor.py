@@ -23,6 +23,7 @@ from jaxtyping import Array, Float, Int
 
 from zgen.cache.base import LayerKV, replace_layer
 from zgen.errors import CacheError
+from zgen.numerics import matmul_precision
 from zgen.pallas import flash_attention
 from zgen.pallas.common import platform
 
@@ -44,7 +45,8 @@ def causal_attention(
     batch, seq, heads, dim = q.shape
     kv_heads = k.shape[2]
     grouped = q.reshape(batch, seq, kv_heads, heads // kv_heads, dim)
-    scores = jnp.einsum("btkgd,bskd->bkgts", grouped, k, preferred_element_type=jnp.float32)
+    qk_precision, pv_precision = matmul_precision(q.dtype, k.dtype), matmul_precision(v.dtype)
+    scores = jnp.einsum("btkgd,bskd->bkgts", grouped, k, preferred_element_type=jnp.float32, precision=qk_precision)
     scores = scores / math.sqrt(dim)
     slots = jnp.arange(k.shape[1])
     visible = slots[None, None, :] <= q_positions[:, :, None]  # [B, T, S]
@@ -52,7 +54,7 @@ def causal_attention(
         visible &= slots[None, None, :] > q_positions[:, :, None] - sliding_window
     scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
     weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", weights, v, preferred_element_type=jnp.float32)
+    out = jnp.einsum("bkgts,bskd->btkgd", weights, v, preferred_element_type=jnp.float32, precision=pv_precision)
     return out.reshape(batch, seq, heads, dim).astype(q.dtype)
 
 

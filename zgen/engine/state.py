@@ -6,7 +6,7 @@ in one pool, one block-table row per batch row) with three optional masks, each 
 compiled step (``None`` = not traced):
 
 * ``page_mask [B, P]`` — pages that may be read (``False`` for dropped pages, whose table entry is
-  ``-1``, and for pages whose every token is masked). Decode (T == 1) still runs the paged kernel.
+  ``-1``, and for pages whose every token is masked). Attention still runs the paged kernel.
 * ``token_mask [B, P * page_size]`` — token slots that may be read (masks that cut through a page).
 * ``query_mask [B, T, P * page_size]`` — a per-query override of the causal rule (``ForwardPass``'s
   ``attention_mask``); token and page masks still apply.
@@ -25,8 +25,8 @@ from jaxtyping import Array, Bool, Float, Int
 
 from zgen.cache.base import LayerKV
 from zgen.cache.paged import PagedKVState
-from zgen.pallas import paged_decode_attention
 from zgen.pallas.common import masked_softmax_attention, resolve_scale, visible
+from zgen.pallas.paged_attention.common import apply_rope
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,10 @@ class ContextKVState:
     @property
     def capacity(self) -> int:
         return self.pages.capacity
+
+    @property
+    def keys_before_rope(self) -> bool:
+        return self.pages.keys_before_rope
 
     def write(
         self,
@@ -58,27 +62,24 @@ class ContextKVState:
         positions: Int[Array, "B T"],
         *,
         sliding_window: int | None,
+        key_rope: Float[Array, " half"] | None = None,
     ) -> Float[Array, "B T H D"]:
-        if self.page_mask is None and self.token_mask is None and self.query_mask is None:
-            return self.pages.attend(layer, q, positions, sliding_window=sliding_window)
-        if q.shape[1] == 1 and self.token_mask is None and self.query_mask is None:
-            out = paged_decode_attention(
-                q[:, 0],
-                self.pages.k[layer],
-                self.pages.v[layer],
-                self.pages.block_tables,
-                positions[:, 0].astype(jnp.int32) + 1,
-                page_mask=self.page_mask,
-                sliding_window=sliding_window,
+        if self.token_mask is None and self.query_mask is None:
+            return self.pages.attend(
+                layer, q, positions, sliding_window=sliding_window, key_rope=key_rope, page_mask=self.page_mask
             )
-            return out[:, None]
-        return self._masked_attention(layer, q, positions, sliding_window)
+        return self._masked_attention(layer, q, positions, sliding_window, key_rope)
 
     def _masked_attention(
-        self, layer: int, q: Float[Array, "B T H D"], positions: Int[Array, "B T"], sliding_window: int | None
+        self,
+        layer: int,
+        q: Float[Array, "B T H D"],
+        positions: Int[Array, "B T"],
+        sliding_window: int | None,
+        key_rope: Float[Array, " half"] | None,
     ) -> Float[Array, "B T H D"]:
         """Attention over a dense gather of the rows' pages with every mask applied (f32 softmax)."""
-        view = self.pages.layer_view(layer)  # [B, S, KVH, D], dequantized
+        view = self.pages.layer_view(layer)  # [B, S, KVH, D], dequantized and decoded
         b, t, h, d = q.shape
         slots = jnp.arange(view.k.shape[1])
         pos = positions.astype(jnp.int32)[:, :, None]
@@ -94,8 +95,9 @@ class ContextKVState:
         if self.page_mask is not None:
             mask &= jnp.repeat(self.page_mask, self.pages.page_size, axis=1)[:, None, :]
         kvh = view.k.shape[2]
+        keys = view.k if key_rope is None else apply_rope(view.k, slots[None, :, None], key_rope)
         grouped = q.reshape(b, t, kvh, h // kvh, d).transpose(0, 2, 3, 1, 4)  # [B, KVH, G, T, D]
-        keys = view.k.transpose(0, 2, 1, 3)[:, :, None]  # [B, KVH, 1, S, D]
+        keys = keys.transpose(0, 2, 1, 3)[:, :, None]  # [B, KVH, 1, S, D]
         values = view.v.transpose(0, 2, 1, 3)[:, :, None]
         out = masked_softmax_attention(
             grouped, keys, values, mask[:, None, None], scale=resolve_scale(d, None), cap=None

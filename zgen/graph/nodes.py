@@ -11,6 +11,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from zgen.graph.core import ForwardContext, Node, TensorType, act, i32, param
+from zgen.numerics import matmul_precision
 from zgen.pallas.paged_attention.common import apply_rope
 
 
@@ -23,7 +24,7 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 def linear(x: jax.Array, weight: jax.Array) -> jax.Array:
     """x @ weight.T with weight in the checkpoint's [out, in] layout."""
-    return jnp.einsum("...i,oi->...o", x, weight)
+    return jnp.einsum("...i,oi->...o", x, weight, precision=matmul_precision(x.dtype, weight.dtype))
 
 
 def rotary(x: Float[Array, "B T heads D"], positions: Int[Array, "B T"], inv_freq: Float[Array, " half"]) -> Float[Array, "B T heads D"]:

@@ -18,8 +18,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from zgen.cache.base import KVState
-from zgen.cache.paged import PagedKVState
+from zgen.cache.base import KVState, PreRopeKVState
 from zgen.graph.core import ForwardContext, Graph
 from zgen.graph.decoder import LOGIT_ROWS, POSITIONS, TOKENS
 from zgen.graph.nodes import rotary
@@ -55,7 +54,7 @@ class _CacheContext(ForwardContext, Generic[S]):
         inv_freq: Float[Array, " half"],
     ) -> Float[Array, "B T H D"]:
         state = self.state
-        if isinstance(state, PagedKVState) and state.keys_before_rope:
+        if isinstance(state, PreRopeKVState) and state.keys_before_rope:
             written = state.write(layer, k, v, positions)
             self.state = cast(S, written)
             return written.attend(layer, q, positions, sliding_window=self.sliding_window, key_rope=inv_freq)

@@ -93,12 +93,13 @@ def masked_softmax_attention(
     cap: float | None,
 ) -> Float[Array, "*batch tq d"]:
     """Fully materialised attention in f32 (references only); rows with no visible key give 0."""
-    logits = jnp.einsum("...qd,...kd->...qk", q.astype(jnp.float32), k.astype(jnp.float32)) * scale
+    exact = jax.lax.Precision.HIGHEST  # f32 must not drop to TF32 on GPUs
+    logits = jnp.einsum("...qd,...kd->...qk", q.astype(jnp.float32), k.astype(jnp.float32), precision=exact) * scale
     logits = jnp.where(mask, soft_cap(logits, cap), -jnp.inf)
     m = jnp.max(logits, axis=-1, keepdims=True)
     p = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
     den = jnp.sum(p, axis=-1, keepdims=True)
-    out = jnp.einsum("...qk,...kd->...qd", p, v.astype(jnp.float32))
+    out = jnp.einsum("...qk,...kd->...qd", p, v.astype(jnp.float32), precision=exact)
     return out / jnp.where(den > 0, den, 1.0)
 
 

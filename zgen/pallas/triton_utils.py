@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array
+
+from zgen.numerics import matmul_precision
 
 # Triton's tensor-core dot needs every dimension to be at least 16.
 MIN_DOT = 16
@@ -14,20 +15,15 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def precision(dtype: jnp.dtype) -> jax.lax.Precision:
-    """f32 inputs must not silently drop to TF32 on the GPU."""
-    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
-
-
 def dot_nt(a: Array, b: Array) -> Array:
     """``a @ b.T`` in f32; a [m, k], b [n, k]. Narrow k falls back to a broadcast-and-reduce."""
     if a.shape[1] < MIN_DOT:
         return jnp.sum(a.astype(jnp.float32)[:, None, :] * b.astype(jnp.float32)[None, :, :], axis=-1)
-    return jnp.dot(a, b.T, preferred_element_type=jnp.float32, precision=precision(a.dtype))
+    return jnp.dot(a, b.T, preferred_element_type=jnp.float32, precision=matmul_precision(a.dtype))
 
 
 def dot_nn(a: Array, b: Array) -> Array:
     """``a @ b`` in f32; a [m, k], b [k, n]. Narrow n falls back to a broadcast-and-reduce."""
     if b.shape[1] < MIN_DOT:
         return jnp.sum(a.astype(jnp.float32)[:, :, None] * b.astype(jnp.float32)[None, :, :], axis=1)
-    return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=precision(a.dtype))
+    return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=matmul_precision(a.dtype))

@@ -22,6 +22,7 @@ from zgen.pallas.common import (
     softmax_rescale,
     visible,
 )
+from zgen.numerics import matmul_precision
 
 DEFAULT_BLOCK = 512
 
@@ -61,6 +62,7 @@ def flash_attention(
     n_k = kt.shape[2] // bk
     length = lengths[:, None, None, None, None]
     max_len = jnp.max(lengths)
+    qk_precision, pv_precision = matmul_precision(q.dtype, k.dtype), matmul_precision(v.dtype)
 
     def q_block(args: tuple[Array, Array]) -> Array:
         qb, block_positions = args  # [B, KVH, G, bq, D], [B, bq]
@@ -70,12 +72,16 @@ def flash_attention(
             m, l, acc = carry
             kb = jax.lax.dynamic_slice_in_dim(kt, j * bk, bk, axis=2)[:, :, None]
             vb = jax.lax.dynamic_slice_in_dim(vt, j * bk, bk, axis=2)[:, :, None]
-            logits = jnp.einsum("bkgqd,bkgtd->bkgqt", qb, kb, preferred_element_type=jnp.float32) * scale
+            logits = jnp.einsum(
+                "bkgqd,bkgtd->bkgqt", qb, kb, preferred_element_type=jnp.float32, precision=qk_precision
+            ) * scale
             k_pos = j * bk + jnp.arange(bk)
             ok = visible(q_pos, k_pos, length, causal=causal, window=sliding_window)
             logits = jnp.where(ok, apply_soft_cap(logits, soft_cap), -jnp.inf)
             m, l, p, alpha = softmax_rescale(m, l, logits)
-            pv = jnp.einsum("bkgqt,bkgtd->bkgqd", p.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
+            pv = jnp.einsum(
+                "bkgqt,bkgtd->bkgqd", p.astype(vb.dtype), vb, preferred_element_type=jnp.float32, precision=pv_precision
+            )
             return m, l, acc * alpha[..., None] + pv
 
         first, last = query_span(block_positions, lengths[:, None])

@@ -1,4 +1,6 @@
-"""``paged_decode_attention``: one query token per sequence against a paged (optionally quantized) KV cache."""
+"""Attention over a paged (optionally quantized) KV cache: ``paged_attention`` for queries at any
+positions (chunked prefill, verification, decode), ``paged_decode_attention`` for one new token per
+sequence."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from jaxtyping import Array, Bool, Float, Int
 from zgen.errors import ConfigError, InputError
 from zgen.pallas.common import Implementation, check_implementation, interpret_pallas, platform, resolve_scale
 from zgen.pallas.paged_attention.common import visible_pages
-from zgen.pallas.paged_attention.layouts import KeyCalibration, KVPages, head_dim_of, leading_shape
+from zgen.pallas.paged_attention.layouts import KeyCalibration, KVPages, Q3Pages, head_dim_of, leading_shape
 
 
 def _layout(pages: KVPages) -> type:
@@ -19,8 +21,8 @@ def _layout(pages: KVPages) -> type:
     return jax.Array if isinstance(pages, jax.Array) else type(pages)
 
 
-def _check(q: Array, k_pages: KVPages, v_pages: KVPages, block_tables: Array, lengths: Array) -> None:
-    b, h, d = q.shape
+def _check(q: Array, k_pages: KVPages, v_pages: KVPages, block_tables: Array, q_positions: Array) -> None:
+    b, t, h, d = q.shape
     kvh, _, _ = leading_shape(k_pages)
     if _layout(k_pages) is not _layout(v_pages) or leading_shape(v_pages) != leading_shape(k_pages):
         raise ValueError("k_pages and v_pages must share a layout and [kv_heads, num_pages, page_size]")
@@ -28,34 +30,44 @@ def _check(q: Array, k_pages: KVPages, v_pages: KVPages, block_tables: Array, le
         raise ValueError(f"page head_dim must equal the query's ({d})")
     if h % kvh:
         raise ValueError(f"{h} query heads are not a multiple of {kvh} kv heads")
-    if block_tables.shape[0] != b or lengths.shape != (b,):
-        raise ValueError("block_tables [B, pages_per_seq] and lengths [B] must match the query batch")
+    if block_tables.shape[0] != b or q_positions.shape != (b, t):
+        raise ValueError("block_tables [B, pages_per_seq] and q_positions [B, T] must match the queries [B, T, H, D]")
+
+
+# Backends that take any number of queries per sequence; the Mosaic ones are decode kernels.
+_MULTI_QUERY = ("reference", "xla", "triton")
 
 
 def _backend(
-    implementation: Implementation, k_pages: KVPages, page_mask_given: bool, window: int | None, decodes_keys: bool
+    implementation: Implementation, k_pages: KVPages, page_mask_given: bool, window: int | None, decodes_keys: bool, num_queries: int
 ) -> Callable[..., Any]:
+    """The backend, called as ``fn(q [B, T, H, D], k, v, tables, q_positions [B, T], pages, **options)``."""
     if decodes_keys and implementation in ("mosaic_gpu", "mosaic_tpu"):
         raise ConfigError(
             f"implementation={implementation!r} cannot decode stored keys (key_rope, key_calibration); "
             "use reference, xla or triton, or pass implementation=None to let zgen choose"
         )
+    if num_queries != 1 and implementation not in _MULTI_QUERY:
+        raise ConfigError(
+            f"implementation={implementation!r} is a decode kernel (one query per sequence), got {num_queries}; "
+            "use reference, xla or triton, or pass implementation=None to let zgen choose"
+        )
     if implementation == "reference":
         from zgen.pallas.paged_attention import reference
 
-        return reference.paged_decode_attention
+        return reference.paged_attention
     if implementation == "xla":
         from zgen.pallas.paged_attention import xla
 
-        return xla.paged_decode_attention
+        return xla.paged_attention
     if implementation == "triton":
         from zgen.pallas.paged_attention import triton
 
-        return lambda *a, **kw: triton.paged_decode_attention(*a, **kw, interpret=interpret_pallas())
+        return lambda *a, **kw: triton.paged_attention(*a, **kw, interpret=interpret_pallas())
     if implementation == "mosaic_gpu":
         from zgen.pallas.paged_attention import mosaic_gpu
 
-        return mosaic_gpu.paged_decode_attention
+        return _as_multi_query(mosaic_gpu.paged_decode_attention)
     if implementation == "mosaic_tpu":
         from zgen.pallas.paged_attention import mosaic_tpu
 
@@ -64,27 +76,121 @@ def _backend(
                 "implementation='mosaic_tpu' takes unquantized pages without page_mask or sliding_window; "
                 "pass implementation=None to let zgen choose"
             )
-        return lambda *a, **kw: mosaic_tpu.paged_decode_attention(*a, **kw, interpret=platform() != "tpu")
+        return _as_multi_query(lambda *a, **kw: mosaic_tpu.paged_decode_attention(*a, **kw, interpret=platform() != "tpu"))
     raise ConfigError(
-        f"unknown paged_decode_attention implementation {implementation!r}; choose reference, xla, triton, "
+        f"unknown paged attention implementation {implementation!r}; choose reference, xla, triton, "
         "mosaic_gpu, mosaic_tpu or None"
     )
 
 
+def _as_multi_query(decode: Callable[..., Array]) -> Callable[..., Array]:
+    """A decode kernel (``q [B, H, D]``, ``lengths``) called with one query per sequence at ``q_positions``."""
+
+    def call(q: Array, k: KVPages, v: KVPages, tables: Array, q_positions: Array, pages: Array, **options: Any) -> Array:
+        return decode(q[:, 0], k, v, tables, q_positions[:, 0] + 1, pages, **options)[:, None]
+
+    return call
+
+
 def default_implementation(
-    k_pages: KVPages, page_mask_given: bool, window: int | None, decodes_keys: bool = False
+    k_pages: KVPages, page_mask_given: bool, window: int | None, decodes_keys: bool = False, num_queries: int = 1
 ) -> Implementation:
     """Best implementation for the current platform that supports these pages and options."""
     where = platform()
     if where == "gpu":
-        # The Mosaic GPU kernel (bf16 pages only) stays opt-in until GPU runs have checked and timed it.
-        return "triton"
-    if where == "tpu" and not decodes_keys:
+        # The Mosaic GPU kernel (bf16 pages only) stays opt-in: slower than Triton in the GPU runs.
+        from zgen.pallas.paged_attention import triton
+
+        # Coded Q3 keys (7-select trees, then the inverse rotation as dots) ran 2-2.3x slower in the
+        # Triton kernel than in the XLA loop on an H200 (4k and 32k contexts).
+        coded_q3 = decodes_keys and isinstance(k_pages, Q3Pages)
+        return "triton" if triton.supports(k_pages) and not coded_q3 else "xla"
+    if where == "tpu" and not decodes_keys and num_queries == 1:
         from zgen.pallas.paged_attention import mosaic_tpu
 
         if mosaic_tpu.supports(k_pages, page_mask_given=page_mask_given, sliding_window=window):
             return "mosaic_tpu"
     return "xla"
+
+
+def paged_attention(
+    q: Float[Array, "b t h d"],
+    k_pages: KVPages,
+    v_pages: KVPages,
+    block_tables: Int[Array, "b pages_per_seq"],
+    q_positions: Int[Array, "b t"],
+    *,
+    page_mask: Bool[Array, "b pages_per_seq"] | None = None,
+    scale: float | None = None,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    key_rope: Float[Array, " half"] | None = None,
+    key_calibration: KeyCalibration | None = None,
+    implementation: str | None = None,
+) -> Float[Array, "b t h d"]:
+    """Causal attention of queries at given positions over their sequences' paged KV cache (grouped-query).
+
+    A query at position ``p`` sees the keys at positions ``<= p`` (within ``sliding_window``) of its
+    row's pages: the cache must already hold them, the query's own included. Serves chunked prefill
+    (a chunk after a cached prefix), speculative verification and decode alike.
+
+    Args:
+      q: queries ``[B, T, H, D]``; query head ``h`` reads kv head ``h // (H // KVH)``.
+      k_pages, v_pages: ``[KVH, num_pages, page_size, D]`` arrays, or a quantized layout from
+        :mod:`zgen.pallas.paged_attention.layouts` (dequantized inside the kernel).
+      block_tables: ``[B, pages_per_seq]`` page ids; pages no query can see, or masked, are never read.
+      q_positions: ``[B, T]`` position of each query; negative positions are padding and give zeros.
+      page_mask: optional ``[B, pages_per_seq]``; ``False`` pages (dropped or masked) are skipped.
+      scale: logit scale, default ``D ** -0.5``.
+      soft_cap: optional ``cap * tanh(logits / cap)`` after scaling.
+      sliding_window: keep only keys within this many positions of the query (its own included).
+      key_rope: RoPE inverse frequencies ``[D/2]`` when the pages hold keys *before* RoPE: each key
+        is dequantized (and decoded, see ``key_calibration``), then rotated (rotate-half) to its
+        position (page index * page_size + offset). None: the stored keys are used as they are.
+      key_calibration: the coding the keys were stored with (:class:`KeyCalibration`, ``[KVH, D]``
+        statistics): each dequantized key is decoded with it (inverse Hadamard rotation, unscaled,
+        re-centred) before ``key_rope``.
+      implementation: None (best for the platform), "reference", "xla", "triton", or one query per
+        sequence only: "mosaic_gpu" (Hopper; bf16/f16 pages, page_size a multiple of 64), "mosaic_tpu".
+    """
+    _check(q, k_pages, v_pages, block_tables, q_positions)
+    kvh, _, page_size = leading_shape(k_pages)
+    if key_rope is not None and key_rope.shape != (q.shape[-1] // 2,):
+        raise InputError(f"key_rope must hold head_dim/2 = {q.shape[-1] // 2} inverse frequencies, got shape {key_rope.shape}")
+    if key_calibration is not None and any(
+        stat.shape != (kvh, q.shape[-1]) for stat in jax.tree_util.tree_leaves(key_calibration)
+    ):
+        raise InputError(f"key_calibration statistics must be [kv_heads, head_dim] = [{kvh}, {q.shape[-1]}]")
+    decodes_keys = key_rope is not None or key_calibration is not None
+    num_queries = q.shape[1]
+    impl = (
+        default_implementation(k_pages, page_mask is not None, sliding_window, decodes_keys, num_queries)
+        if implementation is None
+        else check_implementation(implementation)
+    )
+    q_positions = q_positions.astype(jnp.int32)
+    pages = visible_pages(block_tables, q_positions, page_mask, page_size, sliding_window)
+    # Invisible table entries may be stale or -1: point them at page 0 so no backend reads out of bounds.
+    tables = jnp.where(pages, block_tables, 0).astype(jnp.int32)
+    fn = _backend(impl, k_pages, page_mask is not None, sliding_window, decodes_keys, num_queries)
+    # Only backends that can decode keys get these arguments, so the others keep their signatures.
+    key_coding: dict[str, Any] = {}
+    if key_rope is not None:
+        key_coding["key_rope"] = key_rope.astype(jnp.float32)
+    if key_calibration is not None:
+        key_coding["key_calibration"] = key_calibration
+    return fn(
+        q,
+        k_pages,
+        v_pages,
+        tables,
+        q_positions,
+        pages,
+        scale=resolve_scale(q.shape[-1], scale),
+        soft_cap=soft_cap,
+        sliding_window=sliding_window,
+        **key_coding,
+    )
 
 
 def paged_decode_attention(
@@ -102,65 +208,22 @@ def paged_decode_attention(
     key_calibration: KeyCalibration | None = None,
     implementation: str | None = None,
 ) -> Float[Array, "b h d"]:
-    """Attention of one new token per sequence over its paged KV cache (grouped-query).
-
-    Args:
-      q: queries ``[B, H, D]``; query head ``h`` reads kv head ``h // (H // KVH)``.
-      k_pages, v_pages: ``[KVH, num_pages, page_size, D]`` arrays, or a quantized layout from
-        :mod:`zgen.pallas.paged_attention.layouts` (dequantized inside the kernel).
-      block_tables: ``[B, pages_per_seq]`` page ids; entries past the length or masked are never read.
-      lengths: ``[B]`` tokens in each sequence; the query sits at position ``lengths[b] - 1``.
-      page_mask: optional ``[B, pages_per_seq]``; ``False`` pages (dropped or masked) are skipped.
-      scale: logit scale, default ``D ** -0.5``.
-      soft_cap: optional ``cap * tanh(logits / cap)`` after scaling.
-      sliding_window: keep only keys within this many positions of the query (its own included).
-      key_rope: RoPE inverse frequencies ``[D/2]`` when the pages hold keys *before* RoPE: each key
-        is dequantized (and decoded, see ``key_calibration``), then rotated (rotate-half) to its
-        position (page index * page_size + offset). None: the stored keys are used as they are.
-      key_calibration: the coding the keys were stored with (:class:`KeyCalibration`, ``[KVH, D]``
-        statistics): each dequantized key is decoded with it (inverse Hadamard rotation, unscaled,
-        re-centred) before ``key_rope``.
-      implementation: None (best for the platform), "reference", "xla", "triton", "mosaic_gpu"
-        (Hopper; bf16/f16 pages, page_size a multiple of 64) or "mosaic_tpu".
-
-    Sequences with no visible key return zeros.
-    """
-    _check(q, k_pages, v_pages, block_tables, lengths)
-    kvh, _, page_size = leading_shape(k_pages)
-    if key_rope is not None and key_rope.shape != (q.shape[-1] // 2,):
-        raise InputError(f"key_rope must hold head_dim/2 = {q.shape[-1] // 2} inverse frequencies, got shape {key_rope.shape}")
-    if key_calibration is not None and any(
-        stat.shape != (kvh, q.shape[-1]) for stat in jax.tree_util.tree_leaves(key_calibration)
-    ):
-        raise InputError(f"key_calibration statistics must be [kv_heads, head_dim] = [{kvh}, {q.shape[-1]}]")
-    decodes_keys = key_rope is not None or key_calibration is not None
-    impl = (
-        default_implementation(k_pages, page_mask is not None, sliding_window, decodes_keys)
-        if implementation is None
-        else check_implementation(implementation)
-    )
-    lengths = lengths.astype(jnp.int32)
-    pages = visible_pages(block_tables, lengths, page_mask, page_size, sliding_window)
-    # Invisible table entries may be stale or -1: point them at page 0 so no backend reads out of bounds.
-    tables = jnp.where(pages, block_tables, 0).astype(jnp.int32)
-    fn = _backend(impl, k_pages, page_mask is not None, sliding_window, decodes_keys)
-    # Only backends that can decode keys get these arguments, so the others keep their signatures.
-    key_coding: dict[str, Any] = {}
-    if key_rope is not None:
-        key_coding["key_rope"] = key_rope.astype(jnp.float32)
-    if key_calibration is not None:
-        key_coding["key_calibration"] = key_calibration
-    return fn(
-        q,
+    """Attention of one new token per sequence over its paged KV cache: :func:`paged_attention` with
+    ``q [B, H, D]`` at position ``lengths[b] - 1`` (``lengths``: tokens in each sequence, the new
+    one included). Sequences with no visible key (``lengths`` 0) return zeros."""
+    if lengths.shape != q.shape[:1]:
+        raise ValueError("lengths [B] must match the query batch")
+    return paged_attention(
+        q[:, None],
         k_pages,
         v_pages,
-        tables,
-        lengths,
-        pages,
-        scale=resolve_scale(q.shape[-1], scale),
+        block_tables,
+        (lengths.astype(jnp.int32) - 1)[:, None],
+        page_mask=page_mask,
+        scale=scale,
         soft_cap=soft_cap,
         sliding_window=sliding_window,
-        **key_coding,
-    )
-
-
+        key_rope=key_rope,
+        key_calibration=key_calibration,
+        implementation=implementation,
+    )[:, 0]

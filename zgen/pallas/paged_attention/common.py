@@ -6,18 +6,28 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 
+def query_bounds(q_positions: Int[Array, "*lead t"]) -> tuple[Int[Array, " *lead"], Int[Array, " *lead"]]:
+    """The first and last position of the real (non-negative) queries along the last axis; both -1
+    where there is none."""
+    last = jnp.max(q_positions, axis=-1)
+    first = jnp.min(jnp.where(q_positions >= 0, q_positions, last[..., None]), axis=-1)
+    return first, jnp.maximum(last, -1)
+
+
 def visible_pages(
     block_tables: Int[Array, "b pages_per_seq"],
-    lengths: Int[Array, " b"],
+    q_positions: Int[Array, "b t"],
     page_mask: Bool[Array, "b pages_per_seq"] | None,
     page_size: int,
     window: int | None,
 ) -> Bool[Array, "b pages_per_seq"]:
-    """Pages that hold at least one visible key: inside the length, inside the window, not masked."""
+    """Pages that hold a key some query of the row can see: not past its last query, inside the
+    window of its first, not masked."""
+    first, last = query_bounds(q_positions)
     start = jnp.arange(block_tables.shape[1]) * page_size
-    ok = start[None, :] < lengths[:, None]
+    ok = start[None, :] <= last[:, None]
     if window is not None:
-        ok &= start[None, :] + page_size > lengths[:, None] - window
+        ok &= start[None, :] + page_size > first[:, None] + 1 - window
     return ok if page_mask is None else ok & page_mask
 
 
@@ -37,35 +47,86 @@ def compact_pages(
     return tables, order, jnp.sum(visible, axis=1, dtype=jnp.int32)
 
 
-# Enough (batch, kv head, split) programs to fill ~132 SMs several times over when batch x heads is small.
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# Enough (batch, kv head, query block, split) programs to fill ~132 SMs several times over.
 TARGET_PROGRAMS = 1024
 
 
 def split_pages(
     block_tables: Int[Array, "b pages_per_seq"],
     page_mask: Bool[Array, "b pages_per_seq"],
-    kv_heads: int,
+    programs: int,
     num_splits: int | None,
 ) -> tuple[int, Int[Array, "b padded"], Int[Array, "b padded"], Int[Array, " b"]]:
-    """Compacted tables cut into equal splits for a ``(batch, kv_head, split)`` kernel grid.
+    """Compacted tables cut into equal splits for a grid of ``programs`` programs per split.
 
-    Returns pages per split and the compacted tables, logical page indices (both padded to a whole
-    number of splits) and visible-page counts.
+    Returns pages per split and the compacted tables and logical page indices (both padded to a
+    whole number of splits) and the visible-page counts.
     """
-    b, pps = block_tables.shape
-    splits = num_splits or min(pps, max(1, -(-TARGET_PROGRAMS // (b * kv_heads))))
-    per_split = -(-pps // splits)
-    splits = -(-pps // per_split)
+    pps = block_tables.shape[1]
+    splits = num_splits or min(pps, max(1, cdiv(TARGET_PROGRAMS, programs)))
+    per_split = cdiv(pps, splits)
+    splits = cdiv(pps, per_split)
     tables, logical, count = compact_pages(block_tables, page_mask)
     pad = ((0, 0), (0, splits * per_split - pps))
     return per_split, jnp.pad(tables, pad), jnp.pad(logical, pad), count
 
 
-def group_queries(q: Float[Array, "b h d"], kv_heads: int, rows: int) -> Float[Array, "b kvh rows d"]:
-    """Each kv head's query group as one tile, zero-padded to the ``rows`` a matrix unit needs."""
-    b, h, d = q.shape
+def slot_ranges(
+    logical: Int[Array, "b slots"],
+    count: Int[Array, " b"],
+    q_positions: Int[Array, "b blocks t"],
+    page_size: int,
+    window: int | None,
+) -> tuple[Int[Array, "b blocks"], Int[Array, "b blocks"]]:
+    """For each block of queries, the compacted slots ``[lo, hi)`` it must read: the visible pages
+    from the window of its first query to its last query (compacted slots are in logical order)."""
+    first, last = query_bounds(q_positions)
+    used = jnp.arange(logical.shape[1])[None, :] < count[:, None]
+    page = jnp.where(used, logical, jnp.iinfo(jnp.int32).max)[:, None, :]
+    hi = jnp.sum(page <= (last // page_size)[..., None], axis=-1, dtype=jnp.int32)
+    if window is None:
+        return jnp.zeros_like(hi), hi
+    lo = jnp.sum(page < (jnp.maximum(first + 1 - window, 0) // page_size)[..., None], axis=-1, dtype=jnp.int32)
+    return jnp.minimum(lo, hi), hi
+
+
+def query_blocks(
+    q: Float[Array, "b t h d"], q_positions: Int[Array, "b t"], kv_heads: int, block_t: int, rows: int
+) -> tuple[Float[Array, "b kvh blocks rows d"], Int[Array, "b blocks rows"]]:
+    """Queries as tiles for a matrix unit: ``block_t`` consecutive tokens times the query group of one
+    kv head (row ``t * group + g``), zero-padded to ``rows``; padding rows sit at position -1."""
+    b, t, h, d = q.shape
     g = h // kv_heads
-    return jnp.pad(q.reshape(b, kv_heads, g, d), ((0, 0), (0, 0), (0, rows - g), (0, 0)))
+    blocks = cdiv(t, block_t)
+    pad_t = blocks * block_t - t
+    grouped = jnp.pad(q.reshape(b, t, kv_heads, g, d), ((0, 0), (0, pad_t), (0, 0), (0, 0), (0, 0)))
+    grouped = grouped.reshape(b, blocks, block_t, kv_heads, g, d).transpose(0, 3, 1, 2, 4, 5)
+    tiles = grouped.reshape(b, kv_heads, blocks, block_t * g, d)
+    tiles = jnp.pad(tiles, ((0, 0), (0, 0), (0, 0), (0, rows - block_t * g), (0, 0)))
+    pos = jnp.pad(q_positions.astype(jnp.int32), ((0, 0), (0, pad_t)), constant_values=-1)
+    pos = jnp.repeat(pos.reshape(b, blocks, block_t), g, axis=2)
+    pos = jnp.pad(pos, ((0, 0), (0, 0), (0, rows - block_t * g)), constant_values=-1)
+    return tiles, pos
+
+
+def ungroup_queries(
+    out: Float[Array, "b kvh blocks rows d"], num_queries: int, heads: int, block_t: int
+) -> Float[Array, "b t h d"]:
+    """The inverse of :func:`query_blocks`: ``[B, T, H, D]`` without the padding."""
+    b, kvh, blocks, _, d = out.shape
+    g = heads // kvh
+    rows = out[:, :, :, : block_t * g].reshape(b, kvh, blocks * block_t, g, d)
+    return rows[:, :, :num_queries].transpose(0, 2, 1, 3, 4).reshape(b, num_queries, heads, d)
+
+
+def group_queries(q: Float[Array, "b h d"], kv_heads: int, rows: int) -> Float[Array, "b kvh rows d"]:
+    """Each kv head's query group (one token per sequence) as one tile, zero-padded to ``rows``."""
+    tiles, _ = query_blocks(q[:, None], jnp.zeros(q.shape[:1] + (1,), jnp.int32), kv_heads, 1, rows)
+    return tiles[:, :, 0]
 
 
 def rope_cos_sin(

@@ -152,7 +152,7 @@ def paged_decode_attention(
     kvh, num_pages, page_size = leading_shape(k_pages)
     g = h // kvh
     qg = group_queries(q, kvh, ROWS)
-    per_split, tables, logical, count = split_pages(block_tables, page_mask, kvh, num_splits)
+    per_split, tables, logical, count = split_pages(block_tables, page_mask, b * kvh, num_splits)
     splits = tables.shape[1] // per_split
     body = functools.partial(
         _body,

@@ -1,4 +1,4 @@
-"""Paged decode attention in plain jax.numpy: dequantize every page, gather, (decode and rotate keys,) mask, softmax."""
+"""Paged attention in plain jax.numpy: dequantize every page, gather, (decode and rotate keys,) mask, softmax."""
 
 from __future__ import annotations
 
@@ -18,12 +18,12 @@ def _dense(pages: KVPages, block_tables: Array) -> Array:
     return gathered.transpose(1, 0, 2, 3, 4).reshape(b, kvh, pps * page, d)
 
 
-def paged_decode_attention(
-    q: Float[Array, "b h d"],
+def paged_attention(
+    q: Float[Array, "b t h d"],
     k_pages: KVPages,
     v_pages: KVPages,
     block_tables: Int[Array, "b pages_per_seq"],
-    lengths: Int[Array, " b"],
+    q_positions: Int[Array, "b t"],
     page_mask: Bool[Array, "b pages_per_seq"],
     *,
     scale: float,
@@ -31,8 +31,8 @@ def paged_decode_attention(
     sliding_window: int | None,
     key_rope: Float[Array, " half"] | None = None,
     key_calibration: KeyCalibration | None = None,
-) -> Float[Array, "b h d"]:
-    b, h, d = q.shape
+) -> Float[Array, "b t h d"]:
+    b, t, h, d = q.shape
     kvh, _, page_size = leading_shape(k_pages)
     k, v = _dense(k_pages, block_tables), _dense(v_pages, block_tables)
     pos = jnp.arange(k.shape[2])
@@ -40,10 +40,9 @@ def paged_decode_attention(
         k = key_calibration.decode(k, pos == 0, head_axis=1)
     if key_rope is not None:
         k = apply_rope(k, pos, key_rope)
-    mask = visible(lengths[:, None] - 1, pos[None, :], lengths[:, None], causal=True, window=sliding_window)
-    mask &= jnp.repeat(page_mask, page_size, axis=1)
-    qg = q.reshape(b, kvh, h // kvh, d)
-    out = masked_softmax_attention(
-        qg, k, v, mask[:, None, None, :], scale=scale, cap=soft_cap
-    )
-    return out.reshape(b, h, d).astype(q.dtype)
+    qpos = q_positions[:, :, None]
+    mask = visible(qpos, pos[None, None, :], qpos + 1, causal=True, window=sliding_window)  # [B, T, S]
+    mask &= jnp.repeat(page_mask, page_size, axis=1)[:, None, :]
+    qg = q.reshape(b, t, kvh, h // kvh, d).transpose(0, 2, 3, 1, 4)  # [B, KVH, G, T, D]
+    out = masked_softmax_attention(qg, k[:, :, None], v[:, :, None], mask[:, None, None], scale=scale, cap=soft_cap)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(q.dtype)

@@ -1,17 +1,21 @@
-"""Paged decode attention as a Pallas kernel on the Triton backend (GPU; interpretable on CPU).
+"""Paged attention as a Pallas kernel on the Triton backend (GPU; interpretable on CPU).
 
-Grid ``(batch, kv_head, split)``: each program takes the whole query group of one kv head (padded to
-16 rows for the tensor cores) through a contiguous share of the sequence's visible pages, one page
-per loop step, dequantizing the page in registers; the splits are merged by log-sum-exp outside.
-The pages are compacted first (``compact_pages``) so the loop has no branch and Triton can pipeline
-its loads. Quantized pages are read as "pieces": contiguous dim ranges that unpack without lane
+One kernel serves decode (one query per sequence), speculative verification and chunked prefill
+(several queries per sequence, each at its own position). Grid ``(batch, kv_head, query block x
+split)``: each program takes a tile of queries -- ``block_t`` consecutive tokens times the query group
+of one kv head, padded to at least 16 rows for the tensor cores -- through a contiguous share of the
+visible pages, one page per loop step, dequantizing it in registers; the splits are merged by
+log-sum-exp outside. The pages are compacted first (``compact_pages``) and each query block
+reads only the slots its queries can see (``slot_ranges``), so the loop has no branch and Triton can
+pipeline its loads. Quantized pages are read as "pieces": contiguous dim ranges that unpack without lane
 shuffles (see ``layouts``), each with its own small dot.
 
 Coded keys (``key_calibration``) and keys stored before RoPE (``key_rope``) take another path: the
 page's keys are dequantized to f32 tiles, decoded (the inverse Hadamard rotation as dots against the
 rotation matrix, straight into the two halves of the head vector, then unscaled and re-centred; the
 key at position 0 on its own centre) and rotated to their positions (cos/sin of ``position *
-inv_freq`` per tile), before the query dot.
+inv_freq``, from one table of in-page offsets per program and the page's start angle per step),
+before the query dot.
 """
 
 from __future__ import annotations
@@ -26,8 +30,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Bool, Float, Int
 
+from zgen.errors import ConfigError
 from zgen.pallas.common import RUNNING_MAX_INIT, finish_softmax, merge_partials, soft_cap as apply_soft_cap, softmax_rescale, visible
-from zgen.pallas.paged_attention.common import group_queries, rope_cos_sin, rotate_halves, split_pages
+from zgen.pallas.paged_attention.common import (
+    cdiv,
+    query_blocks,
+    rope_cos_sin,
+    rotate_halves,
+    slot_ranges,
+    split_pages,
+    ungroup_queries,
+)
 from zgen.pallas.paged_attention.layouts import (
     Q3_LEVELS,
     Fp8Pages,
@@ -282,18 +295,20 @@ def _calibration_decoder(
     """``decode(tiles, positions)``: a page's dequantized key tiles (the reader's pieces) to the two
     decoded halves of the keys. The inverse rotation is one dot per piece and half against the
     matching block of the rotation matrix; then the reciprocal scale and the centre (the sink's at
-    position 0). The constants load once per program."""
+    position 0). The centre, sink and scale rows load once per program."""
     half = head_dim // 2
     center_ref, sink_ref, inv_scale_ref, rotation_ref = refs
     center, sink, inv_scale = (
         [ref[pl.ds(h * half, half)][None, :] for h in range(2)] for ref in (center_ref, sink_ref, inv_scale_ref)
     )
-    blocks = [
-        [rotation_ref[pl.ds(start, width), pl.ds(h * half, half)].astype(dtype) for h in range(2)]
-        for start, width in reader.pieces
-    ]
 
     def decode(tiles: list[Array], pos: Array) -> list[Array]:
+        # The rotation matrix is read at every step (from cache): held across the loop, its D x D
+        # values would take the registers the page tiles need.
+        blocks = [
+            [rotation_ref[pl.ds(start, width), pl.ds(h * half, half)].astype(dtype) for h in range(2)]
+            for start, width in reader.pieces
+        ]
         first = (pos == 0)[:, None]
         rotated = [
             functools.reduce(jnp.add, [_matmul(t.astype(dtype), blk[h]) for t, blk in zip(tiles, blocks, strict=True)])
@@ -307,23 +322,36 @@ def _calibration_decoder(
 def _decoded_key_logits(
     q_ref: jax.Ref, reader: PageReader, k_refs: Sequence[jax.Ref], coding_refs: Sequence[jax.Ref], decoding: KeyDecoding, dtype: jnp.dtype
 ) -> Callable[[Array, Array], Array]:
-    """``logits(page, positions)`` for coded or pre-RoPE keys: dequantize the page to f32 tiles, decode
-    them (into the two halves of the head vector), rotate each pair of matching half-tiles to its
-    positions, then the query dots."""
+    """``logits(page, start)`` for coded or pre-RoPE keys of a page whose first token sits at
+    ``start``: dequantize the page to f32 tiles, decode them (into the two halves of the head
+    vector), rotate each pair of matching half-tiles to its positions, then the query dots.
+
+    The angle of offset ``i`` is ``(start + i) * f``: its cosine and sine come from the page's start
+    angle (``width`` of each per page) and a per-program table of the offsets' (by angle addition),
+    not from ``page_size * width`` transcendental calls per page.
+    """
     d = q_ref.shape[1]
+    page_size = k_refs[0].shape[1]
     freq = coding_refs[0] if decoding.rope else None
     decode = _calibration_decoder(reader, coding_refs[int(decoding.rope) :], d, dtype) if decoding.calibrated else None
     pieces = _halves(d) if decoding.calibrated else reader.pieces
     q_pieces = [q_ref[:, pl.ds(start, width)] for start, width in pieces]
     freqs = [] if freq is None else [freq[pl.ds(start, width)] for start, width in pieces[: len(pieces) // 2]]
+    offsets = [rope_cos_sin(jnp.arange(page_size), f) for f in freqs]
 
-    def logits(page: Array, pos: Array) -> Array:
+    def logits(page: Array, start: Array) -> Array:
         tiles = reader.tiles(k_refs, page)
         if decode is not None:
-            tiles = decode(tiles, pos)
+            tiles = decode(tiles, start + jnp.arange(page_size))
         if freqs:
             n = len(tiles) // 2
-            pairs = [rotate_halves(tiles[j], tiles[j + n], *rope_cos_sin(pos, freqs[j])) for j in range(n)]
+            pairs = []
+            for j in range(n):
+                cos_start, sin_start = rope_cos_sin(start, freqs[j])
+                cos_off, sin_off = offsets[j]
+                cos = cos_off * cos_start[None, :] - sin_off * sin_start[None, :]
+                sin = sin_off * cos_start[None, :] + cos_off * sin_start[None, :]
+                pairs.append(rotate_halves(tiles[j], tiles[j + n], cos, sin))
             tiles = [low for low, _ in pairs] + [high for _, high in pairs]
         return functools.reduce(jnp.add, [dot_nt(qi, ki.astype(dtype)) for qi, ki in zip(q_pieces, tiles, strict=True)])
 
@@ -332,12 +360,14 @@ def _decoded_key_logits(
 
 def _kernel(
     q_ref: jax.Ref,
+    qpos_ref: jax.Ref,
     *refs: jax.Ref,
     k_reader: PageReader,
     v_reader: PageReader,
     decoding: KeyDecoding | None,
     page_size: int,
     pages_per_split: int,
+    splits: int,
     scale: float,
     soft_cap: float | None,
     window: int | None,
@@ -346,39 +376,40 @@ def _kernel(
     v_refs, refs = refs[: v_reader.num_refs], refs[v_reader.num_refs :]
     num_coding = 0 if decoding is None else decoding.num_refs
     coding_refs, refs = refs[:num_coding], refs[num_coding:]
-    tables_ref, logical_ref, count_ref, length_ref, o_ref, lse_ref = refs
-    length = length_ref[0]
-    first = pl.program_id(2) * pages_per_split
-    steps = jnp.clip(count_ref[0] - first, 0, pages_per_split)
+    tables_ref, logical_ref, lo_ref, hi_ref, o_ref, lse_ref = refs
+    split_start = (pl.program_id(2) % splits) * pages_per_split
+    start = jnp.maximum(lo_ref[0], split_start)
+    end = jnp.minimum(hi_ref[0], split_start + pages_per_split)
+    qpos = qpos_ref[...][:, None]
     rows = q_ref.shape[0]
     key_logits: Callable[[Array, Array], Array]
     if decoding is None:
-        q_pieces = [q_ref[:, pl.ds(start, width)] for start, width in k_reader.pieces]
+        q_pieces = [q_ref[:, pl.ds(dim, width)] for dim, width in k_reader.pieces]
         prepared = k_reader.prepare(q_pieces)
-        key_logits = lambda page, pos: k_reader.logits(k_refs, page, q_pieces, prepared)  # noqa: E731
+        key_logits = lambda page, first: k_reader.logits(k_refs, page, q_pieces, prepared)  # noqa: E731
     else:
         key_logits = _decoded_key_logits(q_ref, k_reader, k_refs, coding_refs, decoding, q_ref.dtype)
 
-    def step(i: Array, carry: tuple[Array, Array, list[Array]]) -> tuple[Array, Array, list[Array]]:
+    def step(slot: Array, carry: tuple[Array, Array, list[Array]]) -> tuple[Array, Array, list[Array]]:
         m, l, acc = carry
-        page = tables_ref[first + i]
-        pos = logical_ref[first + i] * page_size + jnp.arange(page_size)
-        s = key_logits(page, pos)
-        ok = visible(length - 1, pos, length, causal=True, window=window)
-        s = jnp.where(ok[None, :], apply_soft_cap(s * scale, soft_cap), -jnp.inf)
+        page = tables_ref[slot]
+        first = logical_ref[slot] * page_size
+        pos = first + jnp.arange(page_size)
+        s = key_logits(page, first)
+        ok = visible(qpos, pos[None, :], qpos + 1, causal=True, window=window)
+        s = jnp.where(ok, apply_soft_cap(s * scale, soft_cap), -jnp.inf)
         m, l, p, alpha = softmax_rescale(m, l, s)
         pv = v_reader.values(v_refs, page, p)
-        acc = [a * alpha[:, None] + c for a, c in zip(acc, pv, strict=True)]
-        return m, l, acc
+        return m, l, [a * alpha[:, None] + c for a, c in zip(acc, pv, strict=True)]
 
     init = (
         jnp.full((rows,), RUNNING_MAX_INIT, jnp.float32),
         jnp.zeros((rows,), jnp.float32),
         [jnp.zeros((rows, width), jnp.float32) for _, width in v_reader.pieces],
     )
-    m, l, acc = jax.lax.fori_loop(0, steps, step, init)
-    for (start, width), a in zip(v_reader.pieces, acc, strict=True):
-        o_ref[:, pl.ds(start, width)] = finish_softmax(a, m, l)[0]
+    m, l, acc = jax.lax.fori_loop(start, jnp.maximum(start, end), step, init)
+    for (dim, width), a in zip(v_reader.pieces, acc, strict=True):
+        o_ref[:, pl.ds(dim, width)] = finish_softmax(a, m, l)[0]
     lse_ref[...] = finish_softmax(acc[0], m, l)[1]
 
 
@@ -406,12 +437,28 @@ def _leaf_spec(leaf: Array) -> pl.BlockSpec:
     return pl.BlockSpec((None, *leaf.shape[1:]), lambda b, h, s: (h,) + (0,) * trailing)
 
 
-def paged_decode_attention(
-    q: Float[Array, "b h d"],
+def supports(k_pages: KVPages) -> bool:
+    """Pages the kernel can tile: the page is the key tile of its dots."""
+    page_size = leading_shape(k_pages)[2]
+    return page_size >= MIN_DOT and page_size & (page_size - 1) == 0
+
+
+def _launch(num_queries: int, group: int) -> tuple[int, int]:
+    """``(block_t, rows)``: one token's query group for decode, else up to 64 rows of tokens x group."""
+    block_t = 1 if num_queries == 1 else min(next_pow2(num_queries), max(1, prev_pow2(64 // group)))
+    return block_t, max(MIN_DOT, next_pow2(block_t * group))
+
+
+def prev_pow2(n: int) -> int:
+    return 1 << (max(n, 1).bit_length() - 1)
+
+
+def paged_attention(
+    q: Float[Array, "b t h d"],
     k_pages: KVPages,
     v_pages: KVPages,
     block_tables: Int[Array, "b pages_per_seq"],
-    lengths: Int[Array, " b"],
+    q_positions: Int[Array, "b t"],
     page_mask: Bool[Array, "b pages_per_seq"],
     *,
     scale: float,
@@ -423,16 +470,20 @@ def paged_decode_attention(
     num_splits: int | None = None,
     num_warps: int = 4,
     num_stages: int = 3,
-) -> Float[Array, "b h d"]:
-    b, h, d = q.shape
+) -> Float[Array, "b t h d"]:
+    b, t, h, d = q.shape
     kvh, _, page_size = leading_shape(k_pages)
-    if page_size < MIN_DOT or page_size & (page_size - 1):
-        raise ValueError(f"the Triton kernel needs a power-of-two page_size >= {MIN_DOT}, got {page_size}")
-    g = h // kvh
-    rows = max(MIN_DOT, next_pow2(g))
-    qg = group_queries(q, kvh, rows)
-    per_split, tables, logical, count = split_pages(block_tables, page_mask, kvh, num_splits)
-    splits = tables.shape[1] // per_split
+    if not supports(k_pages):
+        raise ConfigError(
+            f"the Triton paged kernel needs a power-of-two page_size >= {MIN_DOT}, got {page_size}; "
+            "use implementation='xla' or None"
+        )
+    block_t, rows = _launch(t, h // kvh)
+    q_tiles, q_pos = query_blocks(q, q_positions, kvh, block_t, rows)
+    blocks = q_tiles.shape[2]
+    per_split, tables, logical, count = split_pages(block_tables, page_mask, b * kvh * blocks, num_splits)
+    splits = cdiv(block_tables.shape[1], per_split)
+    lo, hi = slot_ranges(logical, count, q_pos, page_size, sliding_window)
 
     k_leaves = kernel_leaves(k_pages)
     v_leaves = kernel_leaves(v_pages)
@@ -448,35 +499,37 @@ def paged_decode_attention(
         decoding=decoding,
         page_size=page_size,
         pages_per_split=per_split,
+        splits=splits,
         scale=scale,
         soft_cap=soft_cap,
         window=sliding_window,
     )
-    per_row = pl.BlockSpec((None, 1), lambda b, h, s: (b, 0))
-    per_seq = pl.BlockSpec((None, splits * per_split), lambda b, h, s: (b, 0))
+    per_block = pl.BlockSpec((None, None, 1), lambda b, h, i: (b, i // splits, 0))
+    per_seq = pl.BlockSpec((None, tables.shape[1]), lambda b, h, i: (b, 0))
     out, lse = pl.pallas_call(
         kernel,
-        grid=(b, kvh, splits),
+        grid=(b, kvh, blocks * splits),
         in_specs=[
-            pl.BlockSpec((None, None, rows, d), lambda b, h, s: (b, h, 0, 0)),
+            pl.BlockSpec((None, None, None, rows, d), lambda b, h, i: (b, h, i // splits, 0, 0)),
+            pl.BlockSpec((None, None, rows), lambda b, h, i: (b, i // splits, 0)),
             *map(_leaf_spec, k_leaves),
             *map(_leaf_spec, v_leaves),
             *coding_specs,
             per_seq,
             per_seq,
-            per_row,
-            per_row,
+            per_block,
+            per_block,
         ],
         out_specs=[
-            pl.BlockSpec((None, None, None, rows, d), lambda b, h, s: (b, h, s, 0, 0)),
-            pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)),
+            pl.BlockSpec((None, None, None, None, rows, d), lambda b, h, i: (b, h, i // splits, i % splits, 0, 0)),
+            pl.BlockSpec((None, None, None, None, rows), lambda b, h, i: (b, h, i // splits, i % splits, 0)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((b, kvh, splits, rows, d), jnp.float32),
-            jax.ShapeDtypeStruct((b, kvh, splits, rows), jnp.float32),
+            jax.ShapeDtypeStruct((b, kvh, blocks, splits, rows, d), jnp.float32),
+            jax.ShapeDtypeStruct((b, kvh, blocks, splits, rows), jnp.float32),
         ],
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name="zgen_paged_decode",
-    )(qg, *k_leaves, *v_leaves, *coding_inputs, tables, logical, count[:, None], lengths[:, None])
-    return merge_partials(out, lse)[:, :, :g].reshape(b, h, d).astype(q.dtype)
+        name="zgen_paged_attention",
+    )(q_tiles, q_pos, *k_leaves, *v_leaves, *coding_inputs, tables, logical, lo[..., None], hi[..., None])
+    return ungroup_queries(merge_partials(out, lse), t, h, block_t).astype(q.dtype)

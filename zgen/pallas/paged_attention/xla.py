@@ -1,9 +1,9 @@
-"""Paged decode attention in XLA: a loop over chunks of pages with an online softmax.
+"""Paged attention in XLA: a loop over chunks of pages with an online softmax.
 
 Each step gathers one chunk of pages per sequence in the stored layout and dequantizes (and, for
 coded keys, decodes and rotates) only that chunk, so a quantized cache never has a full-precision
-copy larger than one chunk. The loop runs only over chunks that some sequence can see (up to the
-longest length, from the earliest window).
+copy larger than one chunk. The loop runs only over chunks that some query can see (up to the
+latest query, from the earliest window).
 """
 
 from __future__ import annotations
@@ -12,19 +12,20 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from zgen.numerics import matmul_precision
 from zgen.pallas.common import RUNNING_MAX_INIT, finish_softmax, soft_cap as apply_soft_cap, softmax_rescale, visible
-from zgen.pallas.paged_attention.common import apply_rope
+from zgen.pallas.paged_attention.common import apply_rope, query_bounds
 from zgen.pallas.paged_attention.layouts import KeyCalibration, KVPages, dequantize, leading_shape, take_pages
 
 DEFAULT_CHUNK_TOKENS = 512
 
 
-def paged_decode_attention(
-    q: Float[Array, "b h d"],
+def paged_attention(
+    q: Float[Array, "b t h d"],
     k_pages: KVPages,
     v_pages: KVPages,
     block_tables: Int[Array, "b pages_per_seq"],
-    lengths: Int[Array, " b"],
+    q_positions: Int[Array, "b t"],
     page_mask: Bool[Array, "b pages_per_seq"],
     *,
     scale: float,
@@ -33,8 +34,8 @@ def paged_decode_attention(
     key_rope: Float[Array, " half"] | None = None,
     key_calibration: KeyCalibration | None = None,
     pages_per_chunk: int | None = None,
-) -> Float[Array, "b h d"]:
-    b, h, d = q.shape
+) -> Float[Array, "b t h d"]:
+    b, t, h, d = q.shape
     kvh, _, page_size = leading_shape(k_pages)
     pps = block_tables.shape[1]
     chunk = min(pps, pages_per_chunk or max(1, DEFAULT_CHUNK_TOKENS // page_size))
@@ -45,7 +46,9 @@ def paged_decode_attention(
     chunk_tokens = chunk * page_size
     # bf16 queries multiply bf16 keys on the MXU / tensor cores; f32 stays f32.
     compute_dtype = q.dtype
-    qg = q.reshape(b, kvh, h // kvh, d)
+    precision = matmul_precision(compute_dtype)
+    qg = q.reshape(b, t, kvh, h // kvh, d).transpose(0, 2, 3, 1, 4)  # [B, KVH, G, T, D]
+    qpos = q_positions[:, :, None]
 
     def body(c: Array, carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
         m, l, acc = carry
@@ -61,23 +64,25 @@ def paged_decode_attention(
                 k = apply_rope(k, pos, key_rope)
             k = k.astype(compute_dtype)
         v = dequantize(take_pages(v_pages, idx), compute_dtype).reshape(kvh, b, chunk_tokens, d)
-        s = jnp.einsum("bkgd,kbtd->bkgt", qg, k, preferred_element_type=jnp.float32) * scale
-        ok = visible(lengths[:, None] - 1, pos[None, :], lengths[:, None], causal=True, window=sliding_window)
-        ok &= jnp.repeat(jax.lax.dynamic_slice_in_dim(valid_pages, c * chunk, chunk, axis=1), page_size, axis=1)
-        s = jnp.where(ok[:, None, None, :], apply_soft_cap(s, soft_cap), -jnp.inf)
+        s = jnp.einsum("bkgqd,kbtd->bkgqt", qg, k, preferred_element_type=jnp.float32, precision=precision) * scale
+        ok = visible(qpos, pos[None, None, :], qpos + 1, causal=True, window=sliding_window)  # [B, T, chunk]
+        ok &= jnp.repeat(jax.lax.dynamic_slice_in_dim(valid_pages, c * chunk, chunk, axis=1), page_size, axis=1)[:, None, :]
+        s = jnp.where(ok[:, None, None], apply_soft_cap(s, soft_cap), -jnp.inf)
         m, l, p, alpha = softmax_rescale(m, l, s)
-        pv = jnp.einsum("bkgt,kbtd->bkgd", p.astype(compute_dtype), v, preferred_element_type=jnp.float32)
+        pv = jnp.einsum("bkgqt,kbtd->bkgqd", p.astype(compute_dtype), v, preferred_element_type=jnp.float32, precision=precision)
         return m, l, acc * alpha[..., None] + pv
 
-    hi = (jnp.max(lengths) + chunk_tokens - 1) // chunk_tokens
+    first, last = query_bounds(q_positions.reshape(-1))
+    hi = (last + chunk_tokens) // chunk_tokens
     lo = jnp.zeros((), hi.dtype)
     if sliding_window is not None:
-        lo = jnp.maximum(jnp.min(lengths) - sliding_window, 0) // chunk_tokens
+        lo = jnp.maximum(first + 1 - sliding_window, 0) // chunk_tokens
+    shape = (b, kvh, h // kvh, t)
     init = (
-        jnp.full((b, kvh, h // kvh), RUNNING_MAX_INIT, jnp.float32),
-        jnp.zeros((b, kvh, h // kvh), jnp.float32),
-        jnp.zeros((b, kvh, h // kvh, d), jnp.float32),
+        jnp.full(shape, RUNNING_MAX_INIT, jnp.float32),
+        jnp.zeros(shape, jnp.float32),
+        jnp.zeros((*shape, d), jnp.float32),
     )
     m, l, acc = jax.lax.fori_loop(lo, jnp.minimum(hi, n_chunks), body, init)
     out, _ = finish_softmax(acc, m, l)
-    return out.reshape(b, h, d).astype(q.dtype)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(q.dtype)
