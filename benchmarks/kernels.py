@@ -173,12 +173,12 @@ DECODE_VARIANTS: dict[str, tuple[int, int, int | None]] = {
 }
 
 
-def random_coding(seed: int) -> tuple[jax.Array, KeyCalibration]:
-    """RoPE frequencies and a random key calibration: the coded-key path the paged cache's q4/q3 use."""
+def random_calibration(seed: int) -> KeyCalibration:
+    """A random key calibration of the right shapes: the coded keys the paged cache's q4/q3 store."""
     ks = jax.random.split(jax.random.key(seed), 3)
     inv_freq = 10_000.0 ** (-jnp.arange(0, HEAD_DIM, 2, dtype=jnp.float32) / HEAD_DIM)
     stat = lambda k: jax.random.normal(k, (KV_HEADS, HEAD_DIM), jnp.float32)  # noqa: E731
-    return inv_freq, KeyCalibration(stat(ks[0]), stat(ks[1]), jnp.exp(0.5 * stat(ks[2])))
+    return KeyCalibration(stat(ks[0]), stat(ks[1]), jnp.exp(0.5 * stat(ks[2])), inv_freq)
 
 
 def paged_candidates(
@@ -224,8 +224,8 @@ def paged_candidates(
     return cands
 
 
-# Page formats timed: plain layouts, and q4/q3 with coded keys (stored before RoPE, calibrated,
-# Hadamard-rotated), which is what the paged cache stores for kv_dtype q4/q3.
+# Page formats timed: plain layouts, and q4/q3 with coded keys (centred, scaled, Hadamard-rotated),
+# which is what the paged cache stores for kv_dtype q4/q3.
 DECODE_FORMATS = ("bf16", *QUANTIZERS, "q4 coded", "q3 coded")
 
 
@@ -239,7 +239,7 @@ def bench_decode(
             kq, vq = (p.k, p.v) if base == "bf16" else (quantize_in_slices(p.k, base), quantize_in_slices(p.v, base))
             coding: dict[str, Any] = {}
             if coded:
-                coding["key_rope"], coding["key_calibration"] = random_coding(context)
+                coding["key_calibration"] = random_calibration(context)
             ref = jax.jit(lambda q, k, v, t, n: paged_decode_attention(q, k, v, t, n, implementation="reference", **coding))(
                 p.q, kq, vq, p.tables, p.lengths
             )

@@ -83,7 +83,7 @@ def decode_tokens_per_s(
 
 
 class _CodedActivations(ForwardContext):
-    """Causal attention of each window over itself, keeping every layer's pre-RoPE keys and values."""
+    """Causal attention of each window over itself, keeping every layer's (rotated) keys and values."""
 
     def __init__(self) -> None:
         self.keys: list[Array] = []
@@ -98,9 +98,10 @@ class _CodedActivations(ForwardContext):
         positions: Int[Array, "B T"],
         inv_freq: Float[Array, " half"],
     ) -> Float[Array, "B T H D"]:
+        k = rotary(k, positions, inv_freq)
         self.keys.append(k)
         self.values.append(v)
-        return causal_attention(q, rotary(k, positions, inv_freq), v, positions, sliding_window=None)
+        return causal_attention(q, k, v, positions, sliding_window=None)
 
 
 def fit_q3_levels(model: Model, calibration: tuple[KeyCalibration, ...], rounds: int = 20, seed: int = 0) -> dict[str, Any]:
@@ -116,9 +117,9 @@ def fit_q3_levels(model: Model, calibration: tuple[KeyCalibration, ...], rounds:
     feeds = {TOKENS: jnp.asarray(tokens), POSITIONS: jnp.asarray(positions), LOGIT_ROWS: jnp.zeros((4, 1), jnp.int32)}
     model.graph.run(model.params, feeds, context)
     group = q3_group_size(model.config.head_dim)
-    first = (positions == 0)[:, :, None]
+    at = jnp.asarray(positions)[:, :, None]
     coded = {
-        "keys": [np.asarray(cal.encode(k, first, head_axis=-2)) for cal, k in zip(calibration, context.keys, strict=True)],
+        "keys": [np.asarray(cal.encode(k, at, head_axis=-2)) for cal, k in zip(calibration, context.keys, strict=True)],
         "values": [np.asarray(hadamard(v)) for v in context.values],
     }
     fits: dict[str, Any] = {}
@@ -181,6 +182,7 @@ def main() -> None:
     parser.add_argument("--decode-rounds", type=int, default=5)
     parser.add_argument("--fit-levels", action="store_true")
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "kv_quantization.png")
+    parser.add_argument("--kinds", nargs="*", help="only these kinds (e.g. fp32 q4 q3); default: all, and the plot")
     args = parser.parse_args()
 
     model = load_model("smollm2", dtype="float32")
@@ -202,6 +204,9 @@ def main() -> None:
         **kinds,
         compressed: CompressedBackend(c.num_layers, c.num_kv_heads, c.head_dim, args.compressed_chunk, model.dtype),
     }
+    if args.kinds:
+        kinds = {name: kinds[name] for name in kinds if name.split(",")[0] in args.kinds}
+        decode_backends = {name: decode_backends[name] for name in kinds}
     rows: list[dict[str, Any]] = []
     for name, backend in kinds.items():
         result = perplexity(model, ids, window=args.window, chunk=args.chunk, backend=backend)
@@ -229,7 +234,8 @@ def main() -> None:
             f"| {row['decode_tokens_per_s']:.1f} |"
         )
 
-    plot(rows, len(ids), args.plot)
+    if not args.kinds:
+        plot(rows, len(ids), args.plot)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,8 @@ After every step, every live cache's ``get(layer)`` is checked against its refer
 
 * fp32 / bf16 / fp16: bit-exact against the reference rounded to the stored dtype;
 * fp8 (E4M3, per-token scale s = amax/448): ``|err| <= |x|/16 + s/1024`` (3 mantissa bits, subnormal step);
-* q4 and q3 code what they store (keys: ``y = H((k - shift) * a)`` with a random calibration, the
-  sink's shift at position 0; values: ``y = H v``; ``H`` the orthonormal Hadamard matrix), so the
+* q4 and q3 code what they store (keys: ``y = H((k - rope(shift, p)) * a)`` with a random
+  calibration, the sink's shift at position 0; values: ``y = H v``; ``H`` the orthonormal Hadamard matrix), so the
   bound is derived in the coded domain and carried back: ``|err_x[i]| <= sum_j |H[i, j]| |err_y[j]| /
   a[i]``, with in the coded domain
   * q4 (per-group stored scale s' and min z', bf16): ``|err_y| <= s'/2`` plus the clipping slack of
@@ -63,15 +63,23 @@ def _sylvester(d: int) -> np.ndarray:
 H_D = _sylvester(D)
 
 
+INV_FREQ = 10_000.0 ** (-np.arange(0, D, 2) / D)
+
+
 class Coding:
     """What a coded format stores for reference values ``x [B, S, KVH, D]`` (float64)."""
 
-    def __init__(self, shift_rest: np.ndarray, shift_first: np.ndarray, scale: np.ndarray) -> None:
+    def __init__(self, shift_rest: np.ndarray, shift_first: np.ndarray, scale: np.ndarray, inv_freq: np.ndarray) -> None:
         self.shift_rest, self.shift_first, self.scale = shift_rest, shift_first, scale  # [KVH, D] each
+        self.inv_freq = inv_freq  # [D/2]
 
     def shift(self, seq_len: int) -> np.ndarray:
-        first = (np.arange(seq_len) == 0)[None, :, None, None]
-        return np.where(first, self.shift_first, self.shift_rest)
+        """Each position's centre, rotated to it (rotate-half RoPE)."""
+        pos = np.arange(seq_len)
+        shift = np.where((pos == 0)[None, :, None, None], self.shift_first, self.shift_rest)
+        angle = (pos[:, None] * self.inv_freq)[None, :, None, :]
+        low, high = np.split(shift, 2, axis=-1)
+        return np.concatenate([low * np.cos(angle) - high * np.sin(angle), high * np.cos(angle) + low * np.sin(angle)], -1)
 
     def encode(self, x: np.ndarray) -> np.ndarray:
         return ((x - self.shift(x.shape[1])) * self.scale) @ H_D.T
@@ -159,11 +167,13 @@ class PagedCacheMachine(RuleBasedStateMachine):
             return x.astype(np.float32).astype(np.float64)
 
         self.key_codings = [
-            Coding(f32(rng.standard_normal((KVH, D))), f32(rng.standard_normal((KVH, D))), f32(rng.uniform(0.25, 4.0, (KVH, D))))
+            Coding(
+                f32(rng.standard_normal((KVH, D))), f32(rng.standard_normal((KVH, D))), f32(rng.uniform(0.25, 4.0, (KVH, D))), f32(INV_FREQ)
+            )
             for _ in range(LAYERS)
         ]
         calibration = tuple(
-            KeyCalibration(*(jnp.asarray(x, jnp.float32) for x in (c.shift_rest, c.shift_first, c.scale)))
+            KeyCalibration(*(jnp.asarray(x, jnp.float32) for x in (c.shift_rest, c.shift_first, c.scale, c.inv_freq)))
             for c in self.key_codings
         )
         config = PagedConfig(LAYERS, KVH, D, PS, kv_dtype, key_calibration=calibration)
@@ -301,7 +311,7 @@ class PagedCacheMachine(RuleBasedStateMachine):
     @invariant()
     def every_read_matches_its_reference(self) -> None:
         coded = self.kv_dtype in CODED_KV_DTYPES
-        value_coding = Coding(np.zeros((KVH, D)), np.zeros((KVH, D)), np.ones((KVH, D)))
+        value_coding = Coding(np.zeros((KVH, D)), np.zeros((KVH, D)), np.ones((KVH, D)), np.zeros(D // 2))
         for e in self.live:
             assert e.cache.seq_len == e.k[0].shape[1]
             for layer in range(LAYERS):

@@ -33,7 +33,7 @@ from zgen.graph.decoder import build_decoder
 from zgen.graph.nodes import rotary
 from zgen.graph.plan import ExecutionPlan, _CacheContext
 from zgen.model import random_model
-from zgen.pallas.paged_attention.layouts import KeyCalibration
+from zgen.pallas.paged_attention.layouts import KeyCalibration, hadamard
 
 # -- BlockPool ---------------------------------------------------------------------------------------
 
@@ -207,44 +207,46 @@ def _context_step(state: PagedKVState, start: int, n: int, seed: int) -> tuple[j
 
 
 @pytest.mark.parametrize("kv_dtype", ["q4", "q3"])
-def test_coded_formats_store_keys_before_rope_and_rotate_them_after_dequantizing(kv_dtype: str) -> None:
-    """Through the plan's cache context: the stored keys are the un-rotated ones, and prefill (T > 1)
-    and decode (T == 1) attention equal attention over the dequantized keys rotated afterwards."""
+def test_coded_formats_attend_like_their_decoded_keys(kv_dtype: str) -> None:
+    """Through the plan's cache context: the coded keys decode to the rotated keys (within the
+    quantization error), and prefill (T > 1) and decode (T == 1) attention -- which never decode a
+    key -- equal attention over the decoded keys."""
     state = _shuffled_state(kv_dtype, 12, seed=2)
-    assert state.keys_before_rope
     for start, n, seed in ((0, 9, 10), (9, 1, 20)):
         out, state, q, k, pos = _context_step(state, start, n, seed)
         view = _view(state)
         stored = view[0][:, start : start + n]
-        err_pre = float(jnp.linalg.norm(stored - k) / jnp.linalg.norm(k))
-        err_post = float(jnp.linalg.norm(stored - rotary(k, pos, INV_FREQ)) / jnp.linalg.norm(k))
-        assert err_pre < 0.25 < err_post, (err_pre, err_post)
-        slots = jnp.broadcast_to(jnp.arange(view[0].shape[1], dtype=jnp.int32), view[0].shape[:2])
-        expected = causal_attention(q, rotary(view[0], slots, INV_FREQ), view[1], pos, sliding_window=None)
+        err = float(jnp.linalg.norm(stored - rotary(k, pos, INV_FREQ)) / jnp.linalg.norm(k))
+        assert err < 0.25, err
+        expected = causal_attention(q, view[0], view[1], pos, sliding_window=None)
         np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "fp8"])
-def test_other_formats_store_keys_after_rope(kv_dtype: str) -> None:
-    """Unquantized (and fp8) pages keep post-RoPE keys, as before the coded formats existed."""
+def test_other_formats_store_the_rotated_keys(kv_dtype: str) -> None:
     state = _shuffled_state(kv_dtype, 12, seed=3)
-    assert not state.keys_before_rope
     _, state, _, k, pos = _context_step(state, 0, 5, 30)
     tolerance = {"fp32": 1e-6, "bf16": 1e-2, "fp8": 0.07}[kv_dtype]  # fp32: XLA may fuse the rotation differently
     np.testing.assert_allclose(_view(state)[0][:, :5], rotary(k, pos, INV_FREQ), rtol=tolerance, atol=tolerance)
 
 
-def test_key_calibration_codes_the_sink_on_its_own_centre() -> None:
+def test_key_calibration_centres_each_key_on_its_rotated_mean() -> None:
+    """A key equal to its position's centre rotated to it (the sink's at position 0) codes to zero;
+    decoding inverts encoding; the coding commutes with RoPE when the scale is tied per pair."""
     rng = np.random.default_rng(4)
-    calibration = KeyCalibration(*(jnp.asarray(rng.uniform(0.5, 2.0, (KVH, D)), jnp.float32) for _ in range(3)))
+    center, sink = (jnp.asarray(rng.standard_normal((KVH, D)), jnp.float32) for _ in range(2))
+    pair_scale = jnp.asarray(rng.uniform(0.5, 2.0, (KVH, D // 2)), jnp.float32)
+    calibration = KeyCalibration(center, sink, jnp.concatenate([pair_scale] * 2, axis=-1), INV_FREQ)
+    pos = jnp.broadcast_to(jnp.arange(3), (B, 3))[:, :, None]
     k = _rand(5, B, 3, KVH, D)
-    first = (jnp.arange(3) == 0)[None, :, None]
-    coded = calibration.encode(k, first, head_axis=-2)
-    np.testing.assert_allclose(calibration.decode(coded, first, head_axis=-2), k, rtol=1e-5, atol=1e-5)
-    # The key at position 0 is coded against the sink, the others against the centre.
-    sink_only = calibration.encode(jnp.broadcast_to(calibration.sink, k.shape), first, head_axis=-2)
-    np.testing.assert_allclose(sink_only[:, 0], 0.0, atol=1e-6)
-    assert float(jnp.min(jnp.abs(sink_only[:, 1:]).max(-1))) > 0.1
+    coded = calibration.encode(k, pos, head_axis=-2)
+    np.testing.assert_allclose(calibration.decode(coded, pos, head_axis=-2), k, rtol=1e-5, atol=1e-5)
+    means = jnp.where((pos == 0)[..., None], sink, center)
+    np.testing.assert_allclose(calibration.encode(rotary(means, pos[..., 0], INV_FREQ), pos, head_axis=-2), 0.0, atol=1e-5)
+    # Coding rotated keys = rotating the centred, scaled keys before the Hadamard rotation.
+    centred = (k - means) * calibration.scale
+    rotated = calibration.encode(rotary(k, pos[..., 0], INV_FREQ), pos, head_axis=-2)
+    np.testing.assert_allclose(rotated, hadamard(rotary(centred, pos[..., 0], INV_FREQ)), rtol=1e-5, atol=1e-5)
 
 
 def test_calibrate_keys_measures_centres_sinks_and_sensitivity() -> None:

@@ -41,7 +41,7 @@ def test_paged_attention_lowers(fmt: str, head_dim: int, num_queries: int, coded
     coding: dict[str, Any] = {}
     if coded:
         ones = jnp.ones((kvh, head_dim), jnp.float32)
-        coding = dict(key_rope=jnp.ones((head_dim // 2,), jnp.float32), key_calibration=KeyCalibration(ones, ones, ones))
+        coding = dict(key_calibration=KeyCalibration(ones, ones, ones, jnp.ones((head_dim // 2,), jnp.float32)))
 
     def fn(q: jax.Array, k: Any, v: Any, t: jax.Array, p: jax.Array, m: jax.Array) -> jax.Array:
         return paged_triton.paged_attention(

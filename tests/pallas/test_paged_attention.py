@@ -84,55 +84,48 @@ def test_decode_kernels_refuse_query_chunks() -> None:
 
 
 @st.composite
-def key_codings(draw: st.DrawFn, kv_heads: int, head_dim: int) -> tuple[jax.Array | None, KeyCalibration | None]:
-    """RoPE frequencies (keys stored before RoPE) and/or a random key calibration, at least one of them."""
-    rope, calibrated = draw(st.sampled_from([(True, False), (False, True), (True, True)]))
+def key_calibrations(draw: st.DrawFn, kv_heads: int, head_dim: int) -> KeyCalibration:
+    """A random key calibration: centres, sinks, per-channel scales and RoPE frequencies."""
     rng = np.random.default_rng(draw(st.integers(0, 2**16)))
     base = draw(st.sampled_from([10_000.0, 100_000.0]))
-    inv_freq = jnp.asarray(base ** (-np.arange(0, head_dim, 2) / head_dim), jnp.float32) if rope else None
-    calibration = None
-    if calibrated:
-        center, sink = (jnp.asarray(rng.standard_normal((kv_heads, head_dim)), jnp.float32) for _ in range(2))
-        calibration = KeyCalibration(center, sink, jnp.asarray(rng.uniform(0.25, 4.0, (kv_heads, head_dim)), jnp.float32))
-    return inv_freq, calibration
+    center, sink = (jnp.asarray(3 * rng.standard_normal((kv_heads, head_dim)), jnp.float32) for _ in range(2))
+    scale = jnp.asarray(rng.uniform(0.25, 4.0, (kv_heads, head_dim)), jnp.float32)
+    return KeyCalibration(center, sink, scale, jnp.asarray(base ** (-np.arange(0, head_dim, 2) / head_dim), jnp.float32))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("implementation", sorted(EXAMPLES))
-def test_decoded_keys_match_reference(implementation: str, fmt: str) -> None:
-    """Keys stored before RoPE and/or coded with a calibration: every backend decodes and rotates each
-    dequantized key to its position exactly as the reference does."""
+def test_coded_keys_match_reference(implementation: str, fmt: str) -> None:
+    """Keys coded with a calibration: the kernels (query folded into the coding, the centre's share
+    added per page) give what the reference gives by decoding every key."""
 
     @settings(max_examples=EXAMPLES[implementation], deadline=None, derandomize=True)
     @given(st.data())
     def check(data: st.DataObject) -> None:
         case: PagedCase = data.draw(paged_cases(formats=(fmt,), max_queries=12))
         kv_heads = jax.tree_util.tree_leaves(case.k_pages)[0].shape[0]
-        key_rope, calibration = data.draw(key_codings(kv_heads, case.q.shape[-1]))
-
-        def run(impl: str) -> jax.Array:
-            return case.run(impl, key_rope=key_rope, key_calibration=calibration)
-
-        assert_close(run(implementation), run("reference"), case.dtype)
+        calibration = data.draw(key_calibrations(kv_heads, case.q.shape[-1]))
+        assert_close(case.run(implementation, key_calibration=calibration), case.run("reference", key_calibration=calibration), case.dtype)
 
     check()
 
 
-def test_reference_decodes_then_rotates_each_key_to_its_position() -> None:
-    """The reference against a hand-built one: keys decoded, then RoPE at position page index * page_size + offset."""
+def test_reference_decodes_each_key_at_its_position() -> None:
+    """The reference against a hand-built one: ``hadamard(code) / scale`` plus the key's centre (the
+    sink's at position 0) rotated to its position, page index * page_size + offset."""
     q, k, v, tables, lengths = _dense_problem()
     rng = np.random.default_rng(1)
-    calibration = KeyCalibration(*(jnp.asarray(rng.uniform(0.5, 2.0, (2, 64)), jnp.float32) for _ in range(3)))
     inv_freq = jnp.asarray(10_000.0 ** (-np.arange(0, 64, 2) / 64), jnp.float32)
+    calibration = KeyCalibration(*(jnp.asarray(rng.uniform(0.5, 2.0, (2, 64)), jnp.float32) for _ in range(3)), inv_freq)
     kq, vq = quantize(k, "q4"), quantize(v, "q4")
-    out = paged_decode_attention(q, kq, vq, tables, lengths, key_rope=inv_freq, key_calibration=calibration, implementation="reference")
+    out = paged_decode_attention(q, kq, vq, tables, lengths, key_calibration=calibration, implementation="reference")
     stored_k, stored_v = dequantize(kq, jnp.float32), dequantize(vq, jnp.float32)
     for b in range(2):
         n = int(lengths[b])
         coded = stored_k[:, tables[b]].reshape(2, -1, 64)[:, :n]
         pos = jnp.arange(n)
         shift = jnp.where((pos == 0)[None, :, None], calibration.sink[:, None], calibration.center[:, None])
-        keys = apply_rope(hadamard(coded) / calibration.scale[:, None] + shift, pos, inv_freq)
+        keys = hadamard(coded) / calibration.scale[:, None] + apply_rope(shift, pos, inv_freq)
         vals = stored_v[:, tables[b]].reshape(2, -1, 64)[:, :n]
         w = jax.nn.softmax(jnp.einsum("kgd,ktd->kgt", q[b].reshape(2, 2, 64), keys) / 8.0, axis=-1)
         np.testing.assert_allclose(out[b], jnp.einsum("kgt,ktd->kgd", w, vals).reshape(4, 64), atol=1e-5)
@@ -153,10 +146,12 @@ def test_hadamard_is_sylvesters_orthonormal_matrix_blockwise(d: int) -> None:
 
 
 @pytest.mark.parametrize("implementation", ["mosaic_gpu", "mosaic_tpu"])
-def test_backends_that_cannot_decode_keys_refuse_them(implementation: str) -> None:
+def test_backends_that_cannot_read_coded_keys_refuse_them(implementation: str) -> None:
     q, k, v, tables, lengths = _dense_problem()
-    with pytest.raises(ConfigError, match="cannot decode stored keys"):
-        paged_decode_attention(q, k, v, tables, lengths, key_rope=jnp.ones(32), implementation=implementation)
+    with pytest.raises(ConfigError, match="cannot read coded keys"):
+        paged_decode_attention(
+            q, k, v, tables, lengths, key_calibration=KeyCalibration.identity(2, 64), implementation=implementation
+        )
 
 
 @pytest.mark.skipif(platform() == "gpu", reason="the TPU interpreter is exercised on CPU")

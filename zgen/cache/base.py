@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Self, TypeVar, runtime_checkable
+from typing import Protocol, Self, TypeVar
 
 import jax
 from jaxtyping import Array, Float, Int
@@ -62,29 +62,6 @@ class KVState(Protocol):
 
     def layer_view(self, layer: int) -> LayerKV:
         """A full-precision copy of one layer, for tests and inspection (never on the hot path)."""
-        ...
-
-
-@runtime_checkable
-class PreRopeKVState(KVState, Protocol):
-    """A state that may store keys before RoPE (coded KV formats quantize them better there) and
-    rotates each key to its position itself when it attends."""
-
-    @property
-    def keys_before_rope(self) -> bool:
-        """Whether the attention node must hand this state un-rotated keys and ``key_rope``."""
-        ...
-
-    def attend(
-        self,
-        layer: int,
-        q: Float[Array, "B T H D"],
-        positions: Int[Array, "B T"],
-        *,
-        sliding_window: int | None,
-        key_rope: Float[Array, " half"] | None = None,
-    ) -> Float[Array, "B T H D"]:
-        """As :meth:`KVState.attend`; ``key_rope`` (RoPE inverse frequencies): keys are stored before RoPE."""
         ...
 
 

@@ -22,23 +22,22 @@ can see and dequantizes them inside the kernel, so no full-precision copy of the
 
 The integer formats (``CODED_KV_DTYPES``: q4, q3) code what they store, KVQuant-style:
 
-* keys are stored **before** RoPE (the Attention node hands the cache un-rotated keys; see
-  ``_CacheContext`` in ``zgen/graph/plan.py``), centred on per-channel calibration means (the key at
-  position 0, the attention sink, on its own mean: past the first layers it is nearly the same vector
-  in every sequence), scaled per channel by a Fisher-information proxy and rotated by an orthonormal
-  Hadamard matrix (:class:`~zgen.pallas.paged_attention.layouts.KeyCalibration`, fitted by
-  :func:`calibrate_keys` and passed in through ``PagedConfig.key_calibration``). Every read decodes
-  them and then applies RoPE at the key's position, inside the attention kernels (``key_calibration``,
-  ``key_rope``). Pre-RoPE, a key's large channels sit in the same place
-  token after token, so fixed per-channel statistics fit them;
+* keys are centred on per-channel calibration means of keys *before* RoPE, rotated to the key's
+  position (``k - rope(mean, pos) = rope(k_pre - mean, pos)``: pre-RoPE, a key's large channels sit
+  in the same place token after token, so fixed per-channel statistics fit them; the key at
+  position 0, the attention sink, has its own mean: past the first layers it is nearly the same
+  vector in every sequence), scaled per RoPE pair by a Fisher-information proxy and rotated by an
+  orthonormal Hadamard matrix (:class:`~zgen.pallas.paged_attention.layouts.KeyCalibration`, fitted
+  by :func:`calibrate_keys` and passed in through ``PagedConfig.key_calibration``). The attention
+  kernels never decode them: the coding folds into the query (``key_calibration``);
 * values are Hadamard-rotated; attention runs in the rotated basis and the output is rotated back.
 
-The other formats store keys after RoPE, exactly as the dense cache does (f32 greedy decoding must
+The other formats store keys as the dense cache does (f32 greedy decoding must
 equal HF transformers). Measured on SmolLM2-135M (``benchmarks/kv_quality.py``, f32, perplexity of a
 2,373-token English text in 512-token windows read through the cache in chunks of 64; bytes per token
 per layer, K + V over 3 kv heads x 64 dims): fp32 1536 B, PPL 32.584; fp16/bf16 768 B, +0.00 %; fp8
-408 B, +0.31 %; q4 240 B, +1.08 %; q3 192 B, +3.64 %. Without a calibration (rotation only): q4
-+2.30 %, q3 +20.4 %. Decode speeds and the method are in ``docs/kv_quantization.md``.
+408 B, +0.31 %; q4 240 B, +1.31 %; q3 192 B, +4.80 %. Without a calibration (rotation only): q4
++3.64 %, q3 +17.4 %. Decode speeds and the method are in ``docs/kv_quantization.md``.
 
 For the dense ("tensor") layout with a quantized storage dtype, use :meth:`PagedKVState.contiguous`:
 a paged state whose block table is the identity (row ``b`` owns pages ``[b * pps, (b + 1) * pps)``),
@@ -276,11 +275,6 @@ class PagedKVState:
     def quantized(self) -> bool:
         return self.kv_dtype not in _PLAIN
 
-    @property
-    def keys_before_rope(self) -> bool:
-        """Whether keys should be written before RoPE, to be rotated by :meth:`attend` (``key_rope``)."""
-        return self.kv_dtype in CODED_KV_DTYPES
-
     def _key_coding(self, layer: int) -> KeyCalibration | None:
         """The layer's key calibration in a coded format (the identity one if none was given), else None."""
         if self.kv_dtype not in CODED_KV_DTYPES:
@@ -302,7 +296,7 @@ class PagedKVState:
         positions = positions.astype(jnp.int32)
         coding = self._key_coding(layer)
         if coding is not None:
-            k = coding.encode(k, (positions == 0)[:, :, None], head_axis=-2)
+            k = coding.encode(k, positions[:, :, None], head_axis=-2)
             v = hadamard(v)
         index = jnp.clip(positions // ps, 0, pps - 1)
         page = jnp.take_along_axis(self.block_tables, index, axis=1)
@@ -324,15 +318,12 @@ class PagedKVState:
         positions: Int[Array, "B T"],
         *,
         sliding_window: int | None,
-        key_rope: Float[Array, " half"] | None = None,
         page_mask: Bool[Array, "B P"] | None = None,
     ) -> Float[Array, "B T H D"]:
         """:func:`~zgen.pallas.paged_attention` of the queries over the stored pages.
 
         Positions need not start at 0 (a cached prefix may precede them): visibility only depends on
-        each query's position. ``key_rope`` (RoPE inverse frequencies) says the stored keys are
-        un-rotated: each is rotated to its own position after it is dequantized (and decoded).
-        Coded values are attended to in the rotated basis; the output is rotated back. ``page_mask``
+        each query's position. Coded values are attended to in the rotated basis; the output is rotated back. ``page_mask``
         (``False``: dropped or wholly masked pages) keeps pages out of attention.
         """
         coding = self._key_coding(layer)
@@ -344,20 +335,19 @@ class PagedKVState:
             positions.astype(jnp.int32),
             page_mask=page_mask,
             sliding_window=sliding_window,
-            key_rope=key_rope,
             key_calibration=coding,
         )
         return out if coding is None else hadamard(out).astype(q.dtype)
 
     def layer_view(self, layer: int) -> LayerKV:
         """All ``capacity`` slots of every row, dequantized (and decoded) to ``dtype`` (tests and
-        inspection only): keys as they were written, before RoPE in the coded formats."""
+        inspection only): keys as they were written (after RoPE)."""
         dtype = jnp.dtype(self.dtype)
         k = _gather_dense(self.k[layer], self.block_tables, dtype)
         v = _gather_dense(self.v[layer], self.block_tables, dtype)
         coding = self._key_coding(layer)
         if coding is not None:
-            k = coding.decode(k, (jnp.arange(k.shape[1]) == 0)[None, :, None], head_axis=-2).astype(dtype)
+            k = coding.decode(k, jnp.arange(k.shape[1])[None, :, None], head_axis=-2).astype(dtype)
             v = hadamard(v).astype(dtype)
         return LayerKV(k, v)
 
@@ -382,6 +372,8 @@ def _device_calibration(
     for layer in calibration:
         if any(tuple(np.shape(stat)) != (kv_heads, head_dim) for stat in (layer.center, layer.sink, layer.scale)):
             raise ConfigError(f"key_calibration statistics must be [kv_heads={kv_heads}, head_dim={head_dim}]")
+        if tuple(np.shape(layer.inv_freq)) != (head_dim // 2,):
+            raise ConfigError(f"key_calibration inv_freq must be [head_dim / 2 = {head_dim // 2}]")
     return tuple(jax.tree_util.tree_map(lambda stat: jnp.array(stat, jnp.float32), layer) for layer in calibration)
 
 
@@ -396,6 +388,7 @@ class _KeyStatistics(ForwardContext):
     def __init__(self, sliding_window: int | None) -> None:
         self.sliding_window = sliding_window
         self.sums: list[dict[str, Array]] = []
+        self.inv_freq: list[Array] = []
 
     def write_and_attend(
         self,
@@ -421,6 +414,7 @@ class _KeyStatistics(ForwardContext):
                 "q_pair_energy": q_energy[:, : d // 2] + q_energy[:, d // 2 :],
             }
         )
+        self.inv_freq.append(inv_freq.astype(jnp.float32))
         return causal_attention(q, rotary(k, positions, inv_freq), v, positions, sliding_window=self.sliding_window)
 
 
@@ -435,13 +429,14 @@ def calibrate_keys(
     Each window is one sequence starting at position 0. Per kv head and channel ``c``:
 
     * ``center``: mean pre-RoPE key over positions > 0; ``sink``: mean key at position 0;
-    * ``scale``: a Fisher-information proxy. KVQuant weights its k-means by the Fisher information of
-      each key element, i.e. E[(dL/dk_c)^2]; the gradient of a logit with respect to a key is the
-      query, so without calibration gradients we take the query energy of channel ``c``'s RoPE pair
-      ``w_c`` (RoPE rotates within a pair, so the pair's energy does not depend on the distance).
+    * ``scale``: a Fisher-information proxy, one per RoPE pair (so it commutes with RoPE). KVQuant
+      weights its k-means by the Fisher information of each key element, i.e. E[(dL/dk_c)^2]; the
+      gradient of a logit with respect to a key is the query, so without calibration gradients we
+      take the query energy of channel ``c``'s RoPE pair ``w_c`` (RoPE rotates within a pair, so the
+      pair's energy does not depend on the distance).
       Minimising the ``w``-weighted squared error of keys quantized with one step per group, after
       scaling channel ``c`` by ``a_c``, gives ``a_c ~ w_c^(1/4) / sigma_c^(1/2)`` (``sigma_c``: the
-      channel's standard deviation; Lagrange on ``sum_c w_c / a_c^2`` at fixed ``sum_c a_c^2 sigma_c^2``).
+      pair's RMS standard deviation; Lagrange on ``sum_c w_c / a_c^2`` at fixed ``sum_c a_c^2 sigma_c^2``).
       Normalised to a geometric mean of 1 per head.
     """
     config = model.config
@@ -456,23 +451,29 @@ def calibrate_keys(
     rows = np.zeros((tokens.shape[0], 1), np.int32)
 
     @jax.jit
-    def statistics(params: dict[str, Array], tokens: Array, positions: Array, rows: Array) -> list[dict[str, Array]]:
+    def statistics(
+        params: dict[str, Array], tokens: Array, positions: Array, rows: Array
+    ) -> tuple[list[dict[str, Array]], list[Array]]:
         context = _KeyStatistics(model.plan.sliding_window)
         model.graph.run(params, {TOKENS: tokens, POSITIONS: positions, LOGIT_ROWS: rows}, context)
-        return context.sums
+        return context.sums, context.inv_freq
 
     layers = []
-    for sums in statistics(model.params, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(rows)):
+    all_sums, inv_freqs = statistics(model.params, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(rows))
+    for sums, inv_freq in zip(all_sums, inv_freqs, strict=True):
         stats = {name: np.asarray(value, np.float64) for name, value in sums.items()}
         center = stats["key"] / stats["count"]
-        sigma = np.sqrt(np.maximum(stats["key_sq"] / stats["count"] - center**2, 0.0))
+        variance = np.maximum(stats["key_sq"] / stats["count"] - center**2, 0.0)
+        half = variance.shape[-1] // 2
+        # One spread per RoPE pair, so that the scale commutes with RoPE (see KeyCalibration).
+        sigma = np.sqrt(np.concatenate([(variance[..., :half] + variance[..., half:]) / 2] * 2, axis=-1))
         sigma = np.maximum(sigma, 1e-3 * sigma.max(axis=-1, keepdims=True) + 1e-12)
         energy = np.concatenate([stats["q_pair_energy"]] * 2, axis=-1)
         energy = np.maximum(energy, 1e-6 * energy.max(axis=-1, keepdims=True) + 1e-12)
         scale = energy**0.25 / np.sqrt(sigma)
         scale /= np.exp(np.mean(np.log(scale), axis=-1, keepdims=True))
         sink = stats["sink"] / max(float(stats["sinks"]), 1.0)
-        layers.append(KeyCalibration(*(jnp.asarray(x, jnp.float32) for x in (center, sink, scale))))
+        layers.append(KeyCalibration(*(jnp.asarray(x, jnp.float32) for x in (center, sink, scale)), inv_freq=inv_freq))
     return tuple(layers)
 
 

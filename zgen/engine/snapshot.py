@@ -39,7 +39,8 @@ if TYPE_CHECKING:
     from zgen.engine.engine import Engine
     from zgen.model import Model
 
-FORMAT_VERSION = 1
+# 2: q4/q3 pages hold keys coded after RoPE (centred on the rotated calibration means).
+FORMAT_VERSION = 2
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 

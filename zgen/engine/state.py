@@ -26,7 +26,6 @@ from jaxtyping import Array, Bool, Float, Int
 from zgen.cache.base import LayerKV
 from zgen.cache.paged import PagedKVState
 from zgen.pallas.common import masked_softmax_attention, resolve_scale, visible
-from zgen.pallas.paged_attention.common import apply_rope
 
 
 @dataclass(frozen=True)
@@ -41,10 +40,6 @@ class ContextKVState:
     @property
     def capacity(self) -> int:
         return self.pages.capacity
-
-    @property
-    def keys_before_rope(self) -> bool:
-        return self.pages.keys_before_rope
 
     def write(
         self,
@@ -62,13 +57,10 @@ class ContextKVState:
         positions: Int[Array, "B T"],
         *,
         sliding_window: int | None,
-        key_rope: Float[Array, " half"] | None = None,
     ) -> Float[Array, "B T H D"]:
         if self.token_mask is None and self.query_mask is None:
-            return self.pages.attend(
-                layer, q, positions, sliding_window=sliding_window, key_rope=key_rope, page_mask=self.page_mask
-            )
-        return self._masked_attention(layer, q, positions, sliding_window, key_rope)
+            return self.pages.attend(layer, q, positions, sliding_window=sliding_window, page_mask=self.page_mask)
+        return self._masked_attention(layer, q, positions, sliding_window)
 
     def _masked_attention(
         self,
@@ -76,7 +68,6 @@ class ContextKVState:
         q: Float[Array, "B T H D"],
         positions: Int[Array, "B T"],
         sliding_window: int | None,
-        key_rope: Float[Array, " half"] | None,
     ) -> Float[Array, "B T H D"]:
         """Attention over a dense gather of the rows' pages with every mask applied (f32 softmax)."""
         view = self.pages.layer_view(layer)  # [B, S, KVH, D], dequantized and decoded
@@ -95,9 +86,8 @@ class ContextKVState:
         if self.page_mask is not None:
             mask &= jnp.repeat(self.page_mask, self.pages.page_size, axis=1)[:, None, :]
         kvh = view.k.shape[2]
-        keys = view.k if key_rope is None else apply_rope(view.k, slots[None, :, None], key_rope)
         grouped = q.reshape(b, t, kvh, h // kvh, d).transpose(0, 2, 3, 1, 4)  # [B, KVH, G, T, D]
-        keys = keys.transpose(0, 2, 1, 3)[:, :, None]  # [B, KVH, 1, S, D]
+        keys = view.k.transpose(0, 2, 1, 3)[:, :, None]  # [B, KVH, 1, S, D]
         values = view.v.transpose(0, 2, 1, 3)[:, :, None]
         out = masked_softmax_attention(
             grouped, keys, values, mask[:, None, None], scale=resolve_scale(d, None), cap=None

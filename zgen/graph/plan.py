@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from zgen.cache.base import KVState, PreRopeKVState
+from zgen.cache.base import KVState
 from zgen.graph.core import ForwardContext, Graph
 from zgen.graph.decoder import LOGIT_ROWS, POSITIONS, TOKENS
 from zgen.graph.nodes import rotary
@@ -53,12 +53,7 @@ class _CacheContext(ForwardContext, Generic[S]):
         positions: Int[Array, "B T"],
         inv_freq: Float[Array, " half"],
     ) -> Float[Array, "B T H D"]:
-        state = self.state
-        if isinstance(state, PreRopeKVState) and state.keys_before_rope:
-            written = state.write(layer, k, v, positions)
-            self.state = cast(S, written)
-            return written.attend(layer, q, positions, sliding_window=self.sliding_window, key_rope=inv_freq)
-        self.state = cast(S, state.write(layer, rotary(k, positions, inv_freq), v, positions))
+        self.state = cast(S, self.state.write(layer, rotary(k, positions, inv_freq), v, positions))
         return self.state.attend(layer, q, positions, sliding_window=self.sliding_window)
 
 

@@ -13,7 +13,7 @@ from jaxtyping import Array, Bool, Float, Int
 from zgen.errors import ConfigError, InputError
 from zgen.pallas.common import Implementation, check_implementation, interpret_pallas, platform, resolve_scale
 from zgen.pallas.paged_attention.common import visible_pages
-from zgen.pallas.paged_attention.layouts import KeyCalibration, KVPages, Q3Pages, head_dim_of, leading_shape
+from zgen.pallas.paged_attention.layouts import KeyCalibration, KVPages, head_dim_of, leading_shape
 
 
 def _layout(pages: KVPages) -> type:
@@ -39,12 +39,12 @@ _MULTI_QUERY = ("reference", "xla", "triton")
 
 
 def _backend(
-    implementation: Implementation, k_pages: KVPages, page_mask_given: bool, window: int | None, decodes_keys: bool, num_queries: int
+    implementation: Implementation, k_pages: KVPages, page_mask_given: bool, window: int | None, coded_keys: bool, num_queries: int
 ) -> Callable[..., Any]:
     """The backend, called as ``fn(q [B, T, H, D], k, v, tables, q_positions [B, T], pages, **options)``."""
-    if decodes_keys and implementation in ("mosaic_gpu", "mosaic_tpu"):
+    if coded_keys and implementation in ("mosaic_gpu", "mosaic_tpu"):
         raise ConfigError(
-            f"implementation={implementation!r} cannot decode stored keys (key_rope, key_calibration); "
+            f"implementation={implementation!r} cannot read coded keys (key_calibration); "
             "use reference, xla or triton, or pass implementation=None to let zgen choose"
         )
     if num_queries != 1 and implementation not in _MULTI_QUERY:
@@ -93,7 +93,7 @@ def _as_multi_query(decode: Callable[..., Array]) -> Callable[..., Array]:
 
 
 def default_implementation(
-    k_pages: KVPages, page_mask_given: bool, window: int | None, decodes_keys: bool = False, num_queries: int = 1
+    k_pages: KVPages, page_mask_given: bool, window: int | None, coded_keys: bool = False, num_queries: int = 1
 ) -> Implementation:
     """Best implementation for the current platform that supports these pages and options."""
     where = platform()
@@ -101,11 +101,8 @@ def default_implementation(
         # The Mosaic GPU kernel (bf16 pages only) stays opt-in: slower than Triton in the GPU runs.
         from zgen.pallas.paged_attention import triton
 
-        # Coded Q3 keys (7-select trees, then the inverse rotation as dots) ran 2-2.3x slower in the
-        # Triton kernel than in the XLA loop on an H200 (4k and 32k contexts).
-        coded_q3 = decodes_keys and isinstance(k_pages, Q3Pages)
-        return "triton" if triton.supports(k_pages) and not coded_q3 else "xla"
-    if where == "tpu" and not decodes_keys and num_queries == 1:
+        return "triton" if triton.supports(k_pages) else "xla"
+    if where == "tpu" and not coded_keys and num_queries == 1:
         from zgen.pallas.paged_attention import mosaic_tpu
 
         if mosaic_tpu.supports(k_pages, page_mask_given=page_mask_given, sliding_window=window):
@@ -124,7 +121,6 @@ def paged_attention(
     scale: float | None = None,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
-    key_rope: Float[Array, " half"] | None = None,
     key_calibration: KeyCalibration | None = None,
     implementation: str | None = None,
 ) -> Float[Array, "b t h d"]:
@@ -144,27 +140,26 @@ def paged_attention(
       scale: logit scale, default ``D ** -0.5``.
       soft_cap: optional ``cap * tanh(logits / cap)`` after scaling.
       sliding_window: keep only keys within this many positions of the query (its own included).
-      key_rope: RoPE inverse frequencies ``[D/2]`` when the pages hold keys *before* RoPE: each key
-        is dequantized (and decoded, see ``key_calibration``), then rotated (rotate-half) to its
-        position (page index * page_size + offset). None: the stored keys are used as they are.
-      key_calibration: the coding the keys were stored with (:class:`KeyCalibration`, ``[KVH, D]``
-        statistics): each dequantized key is decoded with it (inverse Hadamard rotation, unscaled,
-        re-centred) before ``key_rope``.
+      key_calibration: the coding the keys were stored with (:class:`KeyCalibration`: ``[KVH, D]``
+        statistics and RoPE frequencies); a key's position is page index * page_size + offset.
+        None: the stored keys are used as they are.
       implementation: None (best for the platform), "reference", "xla", "triton", or one query per
         sequence only: "mosaic_gpu" (Hopper; bf16/f16 pages, page_size a multiple of 64), "mosaic_tpu".
     """
     _check(q, k_pages, v_pages, block_tables, q_positions)
     kvh, _, page_size = leading_shape(k_pages)
-    if key_rope is not None and key_rope.shape != (q.shape[-1] // 2,):
-        raise InputError(f"key_rope must hold head_dim/2 = {q.shape[-1] // 2} inverse frequencies, got shape {key_rope.shape}")
-    if key_calibration is not None and any(
-        stat.shape != (kvh, q.shape[-1]) for stat in jax.tree_util.tree_leaves(key_calibration)
+    if key_calibration is not None and (
+        any(stat.shape != (kvh, q.shape[-1]) for stat in (key_calibration.center, key_calibration.sink, key_calibration.scale))
+        or key_calibration.inv_freq.shape != (q.shape[-1] // 2,)
     ):
-        raise InputError(f"key_calibration statistics must be [kv_heads, head_dim] = [{kvh}, {q.shape[-1]}]")
-    decodes_keys = key_rope is not None or key_calibration is not None
+        raise InputError(
+            f"key_calibration statistics must be [kv_heads, head_dim] = [{kvh}, {q.shape[-1]}] and its "
+            f"inv_freq [head_dim / 2] = [{q.shape[-1] // 2}]"
+        )
+    coded_keys = key_calibration is not None
     num_queries = q.shape[1]
     impl = (
-        default_implementation(k_pages, page_mask is not None, sliding_window, decodes_keys, num_queries)
+        default_implementation(k_pages, page_mask is not None, sliding_window, coded_keys, num_queries)
         if implementation is None
         else check_implementation(implementation)
     )
@@ -172,13 +167,9 @@ def paged_attention(
     pages = visible_pages(block_tables, q_positions, page_mask, page_size, sliding_window)
     # Invisible table entries may be stale or -1: point them at page 0 so no backend reads out of bounds.
     tables = jnp.where(pages, block_tables, 0).astype(jnp.int32)
-    fn = _backend(impl, k_pages, page_mask is not None, sliding_window, decodes_keys, num_queries)
-    # Only backends that can decode keys get these arguments, so the others keep their signatures.
-    key_coding: dict[str, Any] = {}
-    if key_rope is not None:
-        key_coding["key_rope"] = key_rope.astype(jnp.float32)
-    if key_calibration is not None:
-        key_coding["key_calibration"] = key_calibration
+    fn = _backend(impl, k_pages, page_mask is not None, sliding_window, coded_keys, num_queries)
+    # Only backends that can read coded keys get the argument, so the others keep their signatures.
+    key_coding: dict[str, Any] = {} if key_calibration is None else {"key_calibration": key_calibration}
     return fn(
         q,
         k_pages,
@@ -204,7 +195,6 @@ def paged_decode_attention(
     scale: float | None = None,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
-    key_rope: Float[Array, " half"] | None = None,
     key_calibration: KeyCalibration | None = None,
     implementation: str | None = None,
 ) -> Float[Array, "b h d"]:
@@ -223,7 +213,6 @@ def paged_decode_attention(
         scale=scale,
         soft_cap=soft_cap,
         sliding_window=sliding_window,
-        key_rope=key_rope,
         key_calibration=key_calibration,
         implementation=implementation,
     )[:, 0]

@@ -36,12 +36,12 @@ Why these granularities:
 
 The integer formats are meant to be written through a coding (see :class:`KeyCalibration` and
 :func:`hadamard`, applied by :class:`zgen.cache.paged.PagedKVState`): values are rotated by an
-orthonormal Hadamard matrix (it spreads outlier channels over the whole group), keys are taken
-*before* RoPE, centred on per-channel calibration means (the first position, the attention sink, on
-its own mean), scaled per channel by a sensitivity proxy and rotated. The decode kernels undo the key
-coding on each dequantized tile and then apply RoPE (``key_calibration``, ``key_rope`` of
-:func:`~zgen.pallas.paged_attention.paged_decode_attention`); the value rotation is undone on the
-attention output, outside the kernels.
+orthonormal Hadamard matrix (it spreads outlier channels over the whole group); keys are centred on
+their calibration means taken *before* RoPE and rotated to the key's position (the first position,
+the attention sink, on its own mean), scaled per RoPE pair by a sensitivity proxy and rotated. The
+kernels never decode a key: they fold the coding into the query and add the centre's share of each
+logit (``key_calibration`` of :func:`~zgen.pallas.paged_attention.paged_attention`); the value
+rotation is undone on the attention output, outside the kernels.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from typing import Literal, TypeAlias
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Shaped, UInt8
+from jaxtyping import Array, Bool, Float, Int, Shaped, UInt8
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # Normalized Q3 levels: the Lloyd–Max levels of a unit Gaussian (see the module docstring).
@@ -261,25 +261,34 @@ def hadamard_matrix(d: int) -> Float[Array, "d d"]:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KeyCalibration:
-    """Per-kv-head statistics an integer format codes one layer's (pre-RoPE) keys with.
+    """Per-kv-head statistics an integer format codes one layer's keys with.
 
-    ``stored = hadamard((k - shift) * scale)`` with ``shift = sink`` for the key at position 0 and
-    ``center`` elsewhere; decoding inverts it. Centring removes the large per-channel offsets keys
-    carry before RoPE (a few channels sit at 5x the vector's RMS), which would otherwise set every
-    group's range; the attention sink (position 0) has a key of its own, nearly the same in every
-    sequence, so it gets its own centre. ``scale`` weights channels by sensitivity (see
-    :func:`zgen.cache.paged.calibrate_keys`); the rotation then spreads what is left evenly over the
-    quantization groups. ``identity`` codes keys with the rotation alone.
+    Keys arrive after RoPE. ``stored = hadamard((k - rope(shift, pos)) * scale)`` with ``shift =
+    sink`` for the key at position 0 and ``center`` elsewhere -- the statistics of keys *before* RoPE,
+    rotated to the key's position, so ``k - rope(shift, pos) = rope(k_pre - shift, pos)``: centring
+    removes the large per-channel offsets keys carry before RoPE (a few channels sit at 5x the
+    vector's RMS), which would otherwise set every group's range; the attention sink (position 0)
+    has a key of its own, nearly the same in every sequence, so it gets its own centre. ``scale``
+    weights channels by sensitivity (see :func:`zgen.cache.paged.calibrate_keys`) and is equal on
+    the two dims of a RoPE pair, so it commutes with RoPE; the rotation then spreads what is left
+    evenly over the quantization groups. ``inv_freq`` are the model's RoPE inverse frequencies.
+
+    Because the scale and the rotation act on channels alone, ``q . k = hadamard(q / scale) . stored
+    + q . rope(shift, pos)``: kernels dot the transformed query with the stored codes as with any
+    page, and add the mean term (:meth:`mean_products`), never decoding a key. ``identity`` codes keys
+    with the rotation alone.
     """
 
     center: Float[Array, "kvh d"]
     sink: Float[Array, "kvh d"]
     scale: Float[Array, "kvh d"]
+    inv_freq: Float[Array, " half"]
 
     @classmethod
     def identity(cls, kv_heads: int, head_dim: int) -> KeyCalibration:
         zeros = jnp.zeros((kv_heads, head_dim), jnp.float32)
-        return cls(center=zeros, sink=zeros, scale=jnp.ones((kv_heads, head_dim), jnp.float32))
+        ones = jnp.ones((kv_heads, head_dim), jnp.float32)
+        return cls(center=zeros, sink=zeros, scale=ones, inv_freq=jnp.zeros((head_dim // 2,), jnp.float32))
 
     def _per_head(self, stat: Array, ndim: int, head_axis: int) -> Array:
         """``stat [KVH, D]`` shaped to broadcast against an array of ``ndim`` dims (head axis ``head_axis``)."""
@@ -287,17 +296,40 @@ class KeyCalibration:
         shape[head_axis], shape[-1] = stat.shape
         return stat.astype(jnp.float32).reshape(shape)
 
-    def _shift(self, first: Bool[Array, "..."], ndim: int, head_axis: int) -> Array:
+    def _shift(self, positions: Int[Array, "..."], ndim: int, head_axis: int) -> Array:
+        """The centre of each key (its position's, rotated to it); ``positions`` broadcast against
+        the keys' leading dims."""
         sink, center = self._per_head(self.sink, ndim, head_axis), self._per_head(self.center, ndim, head_axis)
-        return jnp.where(first[..., None], sink, center)
+        cos, sin = (f(positions.astype(jnp.float32)[..., None] * self.inv_freq) for f in (jnp.cos, jnp.sin))
+        shift = jnp.where((positions == 0)[..., None], sink, center)
+        low, high = jnp.split(shift, 2, axis=-1)
+        return jnp.concatenate([low * cos - high * sin, high * cos + low * sin], axis=-1)
 
-    def encode(self, k: Float[Array, "*lead d"], first: Bool[Array, "..."], head_axis: int) -> Float[Array, "*lead d"]:
-        """Code keys ``k`` (kv heads on ``head_axis``); ``first`` marks keys at position 0 (broadcasts
+    def encode(self, k: Float[Array, "*lead d"], positions: Int[Array, "..."], head_axis: int) -> Float[Array, "*lead d"]:
+        """Code keys ``k`` (after RoPE; kv heads on ``head_axis``) at ``positions`` (broadcast
         against ``k``'s leading dims)."""
-        centred = k.astype(jnp.float32) - self._shift(first, k.ndim, head_axis)
+        centred = k.astype(jnp.float32) - self._shift(positions, k.ndim, head_axis)
         return hadamard(centred * self._per_head(self.scale, k.ndim, head_axis))
 
-    def decode(self, coded: Float[Array, "*lead d"], first: Bool[Array, "..."], head_axis: int) -> Float[Array, "*lead d"]:
+    def decode(self, coded: Float[Array, "*lead d"], positions: Int[Array, "..."], head_axis: int) -> Float[Array, "*lead d"]:
         """Invert :meth:`encode` (on dequantized values)."""
         unscaled = hadamard(coded) / self._per_head(self.scale, coded.ndim, head_axis)
-        return unscaled + self._shift(first, coded.ndim, head_axis)
+        return unscaled + self._shift(positions, coded.ndim, head_axis)
+
+    def fold_into_queries(self, q: Float[Array, "*lead d"], head_axis: int) -> Float[Array, "*lead d"]:
+        """``hadamard(q / scale)`` in f32: its dot with a stored code is ``q``'s dot with the key's
+        uncentred part."""
+        return hadamard(q.astype(jnp.float32) / self._per_head(self.scale, q.ndim, head_axis))
+
+    def mean_products(
+        self, q: Float[Array, "*lead d"], head_axis: int
+    ) -> tuple[Float[Array, "*lead half"], Float[Array, "*lead half"], Float[Array, " *lead"]]:
+        """What the mean term needs of each query: ``q . rope(center, p) = sum(a * cos(p * f) + b * sin(p * f))``
+        with ``a = q1 c1 + q2 c2`` and ``b = q2 c1 - q1 c2`` (halves of ``q`` and ``center``), and the
+        sink's extra ``q . (sink - center)`` at position 0 (where RoPE is the identity)."""
+        q32 = q.astype(jnp.float32)
+        center = self._per_head(self.center, q.ndim, head_axis)
+        q1, q2 = jnp.split(q32, 2, axis=-1)
+        c1, c2 = jnp.split(jnp.broadcast_to(center, q32.shape), 2, axis=-1)
+        sink_gap = self._per_head(self.sink, q.ndim, head_axis) - center
+        return q1 * c1 + q2 * c2, q2 * c1 - q1 * c2, jnp.sum(q32 * sink_gap, axis=-1)

@@ -1,4 +1,4 @@
-"""Paged attention in plain jax.numpy: dequantize every page, gather, (decode and rotate keys,) mask, softmax."""
+"""Paged attention in plain jax.numpy: dequantize every page, gather, (decode coded keys,) mask, softmax."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from zgen.pallas.common import masked_softmax_attention, visible
-from zgen.pallas.paged_attention.common import apply_rope
 from zgen.pallas.paged_attention.layouts import KeyCalibration, KVPages, dequantize, leading_shape
 
 
@@ -29,7 +28,6 @@ def paged_attention(
     scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
-    key_rope: Float[Array, " half"] | None = None,
     key_calibration: KeyCalibration | None = None,
 ) -> Float[Array, "b t h d"]:
     b, t, h, d = q.shape
@@ -37,9 +35,7 @@ def paged_attention(
     k, v = _dense(k_pages, block_tables), _dense(v_pages, block_tables)
     pos = jnp.arange(k.shape[2])
     if key_calibration is not None:
-        k = key_calibration.decode(k, pos == 0, head_axis=1)
-    if key_rope is not None:
-        k = apply_rope(k, pos, key_rope)
+        k = key_calibration.decode(k, pos, head_axis=1)
     qpos = q_positions[:, :, None]
     mask = visible(qpos, pos[None, None, :], qpos + 1, causal=True, window=sliding_window)  # [B, T, S]
     mask &= jnp.repeat(page_mask, page_size, axis=1)[:, None, :]

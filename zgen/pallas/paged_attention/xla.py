@@ -1,7 +1,7 @@
 """Paged attention in XLA: a loop over chunks of pages with an online softmax.
 
 Each step gathers one chunk of pages per sequence in the stored layout and dequantizes (and, for
-coded keys, decodes and rotates) only that chunk, so a quantized cache never has a full-precision
+coded keys, decodes) only that chunk, so a quantized cache never has a full-precision
 copy larger than one chunk. The loop runs only over chunks that some query can see (up to the
 latest query, from the earliest window).
 """
@@ -14,7 +14,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from zgen.numerics import matmul_precision
 from zgen.pallas.common import RUNNING_MAX_INIT, finish_softmax, soft_cap as apply_soft_cap, softmax_rescale, visible
-from zgen.pallas.paged_attention.common import apply_rope, query_bounds
+from zgen.pallas.paged_attention.common import query_bounds
 from zgen.pallas.paged_attention.layouts import KeyCalibration, KVPages, dequantize, leading_shape, take_pages
 
 DEFAULT_CHUNK_TOKENS = 512
@@ -31,7 +31,6 @@ def paged_attention(
     scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
-    key_rope: Float[Array, " half"] | None = None,
     key_calibration: KeyCalibration | None = None,
     pages_per_chunk: int | None = None,
 ) -> Float[Array, "b t h d"]:
@@ -54,15 +53,11 @@ def paged_attention(
         m, l, acc = carry
         idx = jax.lax.dynamic_slice_in_dim(tables, c * chunk, chunk, axis=1)
         pos = c * chunk_tokens + jnp.arange(chunk_tokens)
-        if key_rope is None and key_calibration is None:
+        if key_calibration is None:
             k = dequantize(take_pages(k_pages, idx), compute_dtype).reshape(kvh, b, chunk_tokens, d)
         else:  # decode in f32, then round once to the compute dtype
             k = dequantize(take_pages(k_pages, idx), jnp.float32).reshape(kvh, b, chunk_tokens, d)
-            if key_calibration is not None:
-                k = key_calibration.decode(k, pos == 0, head_axis=0)
-            if key_rope is not None:
-                k = apply_rope(k, pos, key_rope)
-            k = k.astype(compute_dtype)
+            k = key_calibration.decode(k, pos, head_axis=0).astype(compute_dtype)
         v = dequantize(take_pages(v_pages, idx), compute_dtype).reshape(kvh, b, chunk_tokens, d)
         s = jnp.einsum("bkgqd,kbtd->bkgqt", qg, k, preferred_element_type=jnp.float32, precision=precision) * scale
         ok = visible(qpos, pos[None, None, :], qpos + 1, causal=True, window=sliding_window)  # [B, T, chunk]
