@@ -148,3 +148,36 @@ def key_block_range(
     if window is None:
         return jnp.zeros_like(hi), hi
     return jnp.minimum(jnp.maximum(first - window + 1, 0) // block_k, hi), hi
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def query_blocks(
+    q: Float[Array, "b t h d"], q_positions: Int[Array, "b t"], kv_heads: int, block_t: int, rows: int
+) -> tuple[Float[Array, "b kvh blocks rows d"], Int[Array, "b blocks rows"]]:
+    """Queries as tiles for a matrix unit: ``block_t`` consecutive tokens times the query group of one
+    kv head (row ``t * group + g``), zero-padded to ``rows``; padding rows sit at position -1."""
+    b, t, h, d = q.shape
+    g = h // kv_heads
+    blocks = cdiv(t, block_t)
+    pad_t = blocks * block_t - t
+    grouped = jnp.pad(q.reshape(b, t, kv_heads, g, d), ((0, 0), (0, pad_t), (0, 0), (0, 0), (0, 0)))
+    grouped = grouped.reshape(b, blocks, block_t, kv_heads, g, d).transpose(0, 3, 1, 2, 4, 5)
+    tiles = grouped.reshape(b, kv_heads, blocks, block_t * g, d)
+    tiles = jnp.pad(tiles, ((0, 0), (0, 0), (0, 0), (0, rows - block_t * g), (0, 0)))
+    pos = jnp.pad(q_positions.astype(jnp.int32), ((0, 0), (0, pad_t)), constant_values=-1)
+    pos = jnp.repeat(pos.reshape(b, blocks, block_t), g, axis=2)
+    pos = jnp.pad(pos, ((0, 0), (0, 0), (0, rows - block_t * g)), constant_values=-1)
+    return tiles, pos
+
+
+def ungroup_queries(
+    out: Float[Array, "b kvh blocks rows d"], num_queries: int, heads: int, block_t: int
+) -> Float[Array, "b t h d"]:
+    """The inverse of :func:`query_blocks`: ``[B, T, H, D]`` without the padding."""
+    b, kvh, blocks, _, d = out.shape
+    g = heads // kvh
+    rows = out[:, :, :, : block_t * g].reshape(b, kvh, blocks * block_t, g, d)
+    return rows[:, :, :num_queries].transpose(0, 2, 1, 3, 4).reshape(b, num_queries, heads, d)

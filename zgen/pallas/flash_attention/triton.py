@@ -23,14 +23,17 @@ from jaxtyping import Array, Float, Int
 
 from zgen.pallas.common import (
     RUNNING_MAX_INIT,
+    cdiv,
     finish_softmax,
     is_query,
     key_block_range,
     merge_partials,
+    query_blocks,
     query_positions,
     query_span,
     soft_cap as apply_soft_cap,
     softmax_rescale,
+    ungroup_queries,
     visible,
 )
 from zgen.pallas.triton_utils import MIN_DOT, dot_nn, dot_nt, next_pow2
@@ -256,14 +259,10 @@ def decode_attention(
     bk = min(block_k, max(MIN_DOT, next_pow2(s)))
     k, v = _pad_keys(k, v, bk)
     num_k_blocks = k.shape[1] // bk
-    splits = num_splits or max(
-        1, min(-(-TARGET_PROGRAMS // (b * kvh)), -(-num_k_blocks // MIN_BLOCKS_PER_SPLIT))
-    )
-    # Row t * G + i of kv head j is query head j * G + i at query t.
-    pad_rows = ((0, 0), (0, rows - t * g))
-    grouped = q.reshape(b, t, kvh, g, d).transpose(0, 2, 1, 3, 4).reshape(b, kvh, t * g, d)
-    grouped = jnp.pad(grouped, ((0, 0), *pad_rows, (0, 0)))
-    positions = jnp.pad(jnp.repeat(q_positions, g, axis=1), pad_rows, constant_values=-1)
+    splits = num_splits or max(1, min(cdiv(TARGET_PROGRAMS, b * kvh), cdiv(num_k_blocks, MIN_BLOCKS_PER_SPLIT)))
+    # All queries of a sequence in one tile per kv head: row t * G + i is query head j * G + i at query t.
+    tiles, tile_positions = query_blocks(q, q_positions, kvh, t, rows)
+    grouped, positions = tiles[:, :, 0], tile_positions[:, 0]
     kernel = functools.partial(
         _decode_kernel,
         block_k=bk,
@@ -297,8 +296,7 @@ def decode_attention(
         interpret=interpret,
         name="zgen_flash_decode",
     )(grouped, k, v, positions, lengths[:, None])
-    merged = merge_partials(out, lse)[:, :, : t * g]  # [B, KVH, T * G, D]
-    return merged.reshape(b, kvh, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, h, d).astype(q.dtype)
+    return ungroup_queries(merge_partials(out, lse)[:, :, None], t, h, t).astype(q.dtype)
 
 
 def flash_attention(

@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from zgen.pallas.common import cdiv, query_blocks
+
 
 def query_bounds(q_positions: Int[Array, "*lead t"]) -> tuple[Int[Array, " *lead"], Int[Array, " *lead"]]:
     """The first and last position of the real (non-negative) queries along the last axis; both -1
@@ -45,10 +47,6 @@ def compact_pages(
     order = jnp.argsort(jnp.where(visible, slot, n + slot), axis=1).astype(jnp.int32)
     tables = jnp.take_along_axis(block_tables, order, axis=1)
     return tables, order, jnp.sum(visible, axis=1, dtype=jnp.int32)
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 # Enough (batch, kv head, query block, split) programs to fill ~132 SMs several times over.
@@ -92,35 +90,6 @@ def slot_ranges(
         return jnp.zeros_like(hi), hi
     lo = jnp.sum(page < (jnp.maximum(first + 1 - window, 0) // page_size)[..., None], axis=-1, dtype=jnp.int32)
     return jnp.minimum(lo, hi), hi
-
-
-def query_blocks(
-    q: Float[Array, "b t h d"], q_positions: Int[Array, "b t"], kv_heads: int, block_t: int, rows: int
-) -> tuple[Float[Array, "b kvh blocks rows d"], Int[Array, "b blocks rows"]]:
-    """Queries as tiles for a matrix unit: ``block_t`` consecutive tokens times the query group of one
-    kv head (row ``t * group + g``), zero-padded to ``rows``; padding rows sit at position -1."""
-    b, t, h, d = q.shape
-    g = h // kv_heads
-    blocks = cdiv(t, block_t)
-    pad_t = blocks * block_t - t
-    grouped = jnp.pad(q.reshape(b, t, kv_heads, g, d), ((0, 0), (0, pad_t), (0, 0), (0, 0), (0, 0)))
-    grouped = grouped.reshape(b, blocks, block_t, kv_heads, g, d).transpose(0, 3, 1, 2, 4, 5)
-    tiles = grouped.reshape(b, kv_heads, blocks, block_t * g, d)
-    tiles = jnp.pad(tiles, ((0, 0), (0, 0), (0, 0), (0, rows - block_t * g), (0, 0)))
-    pos = jnp.pad(q_positions.astype(jnp.int32), ((0, 0), (0, pad_t)), constant_values=-1)
-    pos = jnp.repeat(pos.reshape(b, blocks, block_t), g, axis=2)
-    pos = jnp.pad(pos, ((0, 0), (0, 0), (0, rows - block_t * g)), constant_values=-1)
-    return tiles, pos
-
-
-def ungroup_queries(
-    out: Float[Array, "b kvh blocks rows d"], num_queries: int, heads: int, block_t: int
-) -> Float[Array, "b t h d"]:
-    """The inverse of :func:`query_blocks`: ``[B, T, H, D]`` without the padding."""
-    b, kvh, blocks, _, d = out.shape
-    g = heads // kvh
-    rows = out[:, :, :, : block_t * g].reshape(b, kvh, blocks * block_t, g, d)
-    return rows[:, :, :num_queries].transpose(0, 2, 1, 3, 4).reshape(b, num_queries, heads, d)
 
 
 def group_queries(q: Float[Array, "b h d"], kv_heads: int, rows: int) -> Float[Array, "b kvh rows d"]:

@@ -29,15 +29,18 @@ from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Bool, Float, Int
 
 from zgen.errors import ConfigError
-from zgen.pallas.common import RUNNING_MAX_INIT, finish_softmax, merge_partials, soft_cap as apply_soft_cap, softmax_rescale, visible
-from zgen.pallas.paged_attention.common import (
+from zgen.pallas.common import (
+    RUNNING_MAX_INIT,
     cdiv,
+    finish_softmax,
+    merge_partials,
     query_blocks,
-    rope_cos_sin,
-    slot_ranges,
-    split_pages,
+    soft_cap as apply_soft_cap,
+    softmax_rescale,
     ungroup_queries,
+    visible,
 )
+from zgen.pallas.paged_attention.common import rope_cos_sin, slot_ranges, split_pages
 from zgen.pallas.paged_attention.layouts import (
     Q3_LEVELS,
     Fp8Pages,
@@ -78,7 +81,7 @@ def _columns(ref: jax.Ref, p: Array, n: int) -> list[Array]:
     """
     if ref.dtype == jnp.uint32:
         cols = []
-        for j in range(-(-n // 2)):
+        for j in range(cdiv(n, 2)):
             word = ref[p, :, j]
             cols.append(jax.lax.bitcast_convert_type(word << 16, jnp.float32))
             cols.append(jax.lax.bitcast_convert_type((word >> 16) << 16, jnp.float32))

@@ -1,23 +1,40 @@
 """Paged attention in XLA: a loop over chunks of pages with an online softmax.
 
-Each step gathers one chunk of pages per sequence in the stored layout and dequantizes (and, for
-coded keys, decodes) only that chunk, so a quantized cache never has a full-precision
-copy larger than one chunk. The loop runs only over chunks that some query can see (up to the
+Each step gathers one chunk of pages per sequence in the stored layout and dequantizes only that
+chunk, so a quantized cache never has a full-precision copy larger than one chunk. Coded keys are
+read as the Triton kernel reads them: through the query folded into the coding, plus the centre's
+share of each logit (see :class:`KeyCalibration`), so no key is decoded. The loop runs only over chunks that some query can see (up to the
 latest query, from the earliest window).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from zgen.numerics import matmul_precision
-from zgen.pallas.common import RUNNING_MAX_INIT, finish_softmax, soft_cap as apply_soft_cap, softmax_rescale, visible
+from zgen.pallas.common import RUNNING_MAX_INIT, cdiv, finish_softmax, soft_cap as apply_soft_cap, softmax_rescale, visible
 from zgen.pallas.paged_attention.common import query_bounds
 from zgen.pallas.paged_attention.layouts import KeyCalibration, KVPages, dequantize, leading_shape, take_pages
 
 DEFAULT_CHUNK_TOKENS = 512
+
+
+def _mean_logits(calibration: KeyCalibration, qg: Float[Array, "b kvh g t d"]) -> Callable[[Array], Array]:
+    """``mean(pos)``: ``q . rope(shift, pos)`` of each query and key at ``pos``, ``[B, KVH, G, T, len(pos)]``."""
+    mean_a, mean_b, sink_gap = calibration.mean_products(qg, head_axis=1)
+    exact = matmul_precision(jnp.float32)
+
+    def mean(pos: Array) -> Array:
+        angles = pos.astype(jnp.float32)[:, None] * calibration.inv_freq
+        out = jnp.einsum("bkgqh,th->bkgqt", mean_a, jnp.cos(angles), precision=exact)
+        out += jnp.einsum("bkgqh,th->bkgqt", mean_b, jnp.sin(angles), precision=exact)
+        return out + jnp.where(pos == 0, sink_gap[..., None], 0.0)
+
+    return mean
 
 
 def paged_attention(
@@ -38,7 +55,7 @@ def paged_attention(
     kvh, _, page_size = leading_shape(k_pages)
     pps = block_tables.shape[1]
     chunk = min(pps, pages_per_chunk or max(1, DEFAULT_CHUNK_TOKENS // page_size))
-    n_chunks = -(-pps // chunk)
+    n_chunks = cdiv(pps, chunk)
     pad = n_chunks * chunk - pps
     tables = jnp.pad(block_tables, ((0, 0), (0, pad)))
     valid_pages = jnp.pad(page_mask, ((0, 0), (0, pad)))
@@ -48,18 +65,21 @@ def paged_attention(
     precision = matmul_precision(compute_dtype)
     qg = q.reshape(b, t, kvh, h // kvh, d).transpose(0, 2, 3, 1, 4)  # [B, KVH, G, T, D]
     qpos = q_positions[:, :, None]
+    mean_logits = None
+    if key_calibration is not None:
+        mean_logits = _mean_logits(key_calibration, qg)
+        qg = key_calibration.fold_into_queries(qg, head_axis=1).astype(compute_dtype)
 
     def body(c: Array, carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
         m, l, acc = carry
         idx = jax.lax.dynamic_slice_in_dim(tables, c * chunk, chunk, axis=1)
         pos = c * chunk_tokens + jnp.arange(chunk_tokens)
-        if key_calibration is None:
-            k = dequantize(take_pages(k_pages, idx), compute_dtype).reshape(kvh, b, chunk_tokens, d)
-        else:  # decode in f32, then round once to the compute dtype
-            k = dequantize(take_pages(k_pages, idx), jnp.float32).reshape(kvh, b, chunk_tokens, d)
-            k = key_calibration.decode(k, pos, head_axis=0).astype(compute_dtype)
+        k = dequantize(take_pages(k_pages, idx), compute_dtype).reshape(kvh, b, chunk_tokens, d)
         v = dequantize(take_pages(v_pages, idx), compute_dtype).reshape(kvh, b, chunk_tokens, d)
-        s = jnp.einsum("bkgqd,kbtd->bkgqt", qg, k, preferred_element_type=jnp.float32, precision=precision) * scale
+        s = jnp.einsum("bkgqd,kbtd->bkgqt", qg, k, preferred_element_type=jnp.float32, precision=precision)
+        if mean_logits is not None:
+            s += mean_logits(pos)
+        s = s * scale
         ok = visible(qpos, pos[None, None, :], qpos + 1, causal=True, window=sliding_window)  # [B, T, chunk]
         ok &= jnp.repeat(jax.lax.dynamic_slice_in_dim(valid_pages, c * chunk, chunk, axis=1), page_size, axis=1)[:, None, :]
         s = jnp.where(ok[:, None, None], apply_soft_cap(s, soft_cap), -jnp.inf)
