@@ -15,6 +15,10 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def prev_pow2(n: int) -> int:
+    return 1 << (max(n, 1).bit_length() - 1)
+
+
 def dot_nt(a: Array, b: Array) -> Array:
     """``a @ b.T`` in f32; a [m, k], b [n, k]. Narrow k falls back to a broadcast-and-reduce."""
     if a.shape[1] < MIN_DOT:

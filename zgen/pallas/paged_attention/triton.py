@@ -50,7 +50,7 @@ from zgen.pallas.paged_attention.layouts import (
     Q4Pages,
     leading_shape,
 )
-from zgen.pallas.triton_utils import MIN_DOT, dot_nn, dot_nt, next_pow2
+from zgen.pallas.triton_utils import MIN_DOT, dot_nn, dot_nt, next_pow2, prev_pow2
 
 @dataclasses.dataclass(frozen=True)
 class PageReader:
@@ -311,7 +311,7 @@ def _kernel(
 def _leaf_spec(leaf: Array) -> pl.BlockSpec:
     """The whole of one kv head's pages; the kernel indexes pages itself."""
     trailing = leaf.ndim - 1
-    return pl.BlockSpec((None, *leaf.shape[1:]), lambda b, h, s: (h,) + (0,) * trailing)
+    return pl.BlockSpec((None, *leaf.shape[1:]), lambda b, h, i: (h,) + (0,) * trailing)
 
 
 def supports(k_pages: KVPages) -> bool:
@@ -322,8 +322,8 @@ def supports(k_pages: KVPages) -> bool:
 
 def _default_warps(k_pages: KVPages) -> int:
     """Q3's select trees run 3.6x faster with 2 warps than with 4 on an H200 (32k, coded keys): with
-    N=16 value dots Triton puts every warp on the whole page. The other formats measured equal or
-    better with 4."""
+    N=16 value dots Triton puts every warp on the whole page. The other formats measured within run
+    noise of each other with 2 and 4 (fp8 better with 4)."""
     return 2 if isinstance(k_pages, Q3Pages) else 4
 
 
@@ -331,10 +331,6 @@ def _launch(num_queries: int, group: int) -> tuple[int, int]:
     """``(block_t, rows)``: one token's query group for decode, else up to 64 rows of tokens x group."""
     block_t = 1 if num_queries == 1 else min(next_pow2(num_queries), max(1, prev_pow2(64 // group)))
     return block_t, max(MIN_DOT, next_pow2(block_t * group))
-
-
-def prev_pow2(n: int) -> int:
-    return 1 << (max(n, 1).bit_length() - 1)
 
 
 def paged_attention(
