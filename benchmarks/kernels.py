@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zgen.pallas import flash_attention, paged_decode_attention
+from zgen.pallas.flash_attention import mosaic_gpu as flash_mosaic_gpu
 from zgen.pallas.flash_attention import triton as flash_triton
 from zgen.pallas.paged_attention import triton as paged_triton
 from zgen.pallas.paged_attention.common import visible_pages
@@ -86,14 +87,22 @@ class Row:
     error: str | None = None
 
 
-def median_seconds(fn: Callable[[], Any], repeats: int) -> float:
+def median_seconds(fn: Callable[[], Any], repeats: int, batch_seconds: float = 5e-3) -> float:
+    """Median seconds per call over ``repeats`` batches of back-to-back calls, each batch long enough
+    (about ``batch_seconds``) that the one host sync at its end does not count: device time, as
+    ``triton.testing.do_bench`` measures it with events."""
     for _ in range(3):
         jax.block_until_ready(fn())
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    calls = max(1, min(200, int(batch_seconds / max(time.perf_counter() - start, 1e-6))))
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
+        for _ in range(calls - 1):
+            fn()
         jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
+        times.append((time.perf_counter() - start) / calls)
     return statistics.median(times)
 
 
@@ -166,10 +175,10 @@ class DecodeProblem:
 
 
 # name -> (num_warps, num_stages, num_splits or None for the default ~1024 programs).
-# Default: 4 warps, 3 stages, 16 splits at B=8 x 8 kv heads.
+# Default: 4 warps for bf16, 2 for quantized pages, 3 stages, 16 splits at B=8 x 8 kv heads.
 DECODE_VARIANTS: dict[str, tuple[int, int, int | None]] = {
-    "w2s3": (2, 3, None),
-    "w2s3x32": (2, 3, 32),
+    "w4s3": (4, 3, None),
+    "w2s4": (2, 4, None),
 }
 
 
@@ -266,9 +275,15 @@ def flash_candidates(q: jax.Array, k: jax.Array, v: jax.Array) -> dict[str, Call
     for impl in ("triton", "xla"):
         f = jax.jit(lambda q, k, v, impl=impl: flash_attention(q, k, v, implementation=impl))
         cands[f"zgen {impl}"] = lambda f=f: f(q, k, v)
-    # jax's Mosaic GPU kernel keeps float16 shared-memory tiles whatever the inputs, so bf16 fails to
-    # lower ("src had type bfloat16 and dst had type float16"): time it (our wrapper and the raw kernel)
-    # on float16 copies of the same inputs; the rows say fmt=f16. zgen's default sends bf16 to Triton.
+    # zgen's Mosaic GPU kernel in bf16 (the GPU default) with other key blocks / ring depths, and on
+    # float16 copies of the inputs beside jax's bundled kernel, which runs float16 only (rows fmt=f16).
+    f = jax.jit(lambda q, k, v: flash_attention(q, k, v, implementation="mosaic_gpu"))
+    cands["zgen mosaic_gpu"] = lambda f=f: f(q, k, v)
+    for bkv, stages in ((64, 2), (64, 4)):
+        f = jax.jit(lambda q, k, v, n, bkv=bkv, s=stages: flash_mosaic_gpu.flash_attention(
+            q, k, v, n, causal=True, sliding_window=None, soft_cap=None, scale=HEAD_DIM**-0.5, block_kv=bkv, stages=s,
+        ))
+        cands[f"zgen mosaic_gpu k{bkv}s{stages}"] = lambda f=f: f(q, k, v, lengths)
     q16, k16, v16 = (x.astype(jnp.float16) for x in (q, k, v))
     f = jax.jit(lambda q, k, v: flash_attention(q, k, v, implementation="mosaic_gpu"))
     cands["zgen mosaic_gpu (f16)"] = lambda f=f: f(q16, k16, v16)

@@ -14,6 +14,7 @@ from pallas_cases import DTYPES, FlashCase, assert_close, flash_cases
 
 from zgen.cache.tensor import causal_attention
 from zgen.pallas import flash_attention
+from zgen.pallas.common import platform
 from zgen.pallas.flash_attention import triton, xla
 
 IMPLEMENTATIONS = {"xla": 10, "triton": 5}
@@ -74,23 +75,38 @@ def test_padded_queries_are_zero() -> None:
         np.testing.assert_allclose(out2[1, :5], out[1, :5], atol=1e-5)
 
 
-def test_mosaic_gpu_covers_only_plain_causal_float16() -> None:
-    """jax's Hopper kernel (GPU-only; checked by benchmarks/kernels.py --check-only) is picked only where it fits.
-
-    Its shared-memory tiles are float16 whatever the inputs, so bf16 must go to Triton.
-    """
+def test_mosaic_gpu_covers_only_plain_causal_self_attention() -> None:
+    """zgen's Hopper kernel (GPU-only) is picked only where it fits: causal bf16/f16 from slot 0,
+    head_dim 64 or 128, no window, cap or ``q_positions``."""
     from zgen.pallas.flash_attention import mosaic_gpu
 
-    q = jnp.zeros((1, 8, 4, 128), jnp.float16)
-    k = jnp.zeros((1, 8, 2, 128), jnp.float16)
+    q = jnp.zeros((1, 8, 4, 128), jnp.bfloat16)
+    k = jnp.zeros((1, 8, 2, 128), jnp.bfloat16)
     assert mosaic_gpu.supports(q, k, causal=True, sliding_window=None, soft_cap=None)
-    assert not mosaic_gpu.supports(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), causal=True, sliding_window=None, soft_cap=None)
+    assert mosaic_gpu.supports(q.astype(jnp.float16), k.astype(jnp.float16), causal=True, sliding_window=None, soft_cap=None)
     assert not mosaic_gpu.supports(q, k, causal=False, sliding_window=None, soft_cap=None)
     assert not mosaic_gpu.supports(q, k, causal=True, sliding_window=4, soft_cap=None)
-    assert not mosaic_gpu.supports(q.astype(jnp.float32), k, causal=True, sliding_window=None, soft_cap=None)
+    assert not mosaic_gpu.supports(q, k, causal=True, sliding_window=None, soft_cap=30.0)
+    assert not mosaic_gpu.supports(q.astype(jnp.float32), k.astype(jnp.float32), causal=True, sliding_window=None, soft_cap=None)
+    assert not mosaic_gpu.supports(q, k.astype(jnp.float16), causal=True, sliding_window=None, soft_cap=None)
     assert not mosaic_gpu.supports(q[..., :32], k[..., :32], causal=True, sliding_window=None, soft_cap=None)
+    wide = jnp.zeros((1, 8, 4, 256), jnp.bfloat16)
+    assert not mosaic_gpu.supports(wide, wide[:, :, :2], causal=True, sliding_window=None, soft_cap=None)
     positions = jnp.zeros((1, 8), jnp.int32)
     assert not mosaic_gpu.supports(q, k, causal=True, sliding_window=None, soft_cap=None, q_positions=positions)
+
+
+@pytest.mark.skipif(platform() != "gpu", reason="Mosaic GPU kernels run compiled only: the CPU interpreter has no WGMMA transpose")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize(("t", "heads", "kv_heads", "head_dim"), [(300, 8, 2, 128), (1024, 4, 4, 64), (130, 32, 8, 128)])
+def test_mosaic_gpu_matches_reference(dtype: str, t: int, heads: int, kv_heads: int, head_dim: int) -> None:
+    """Several tiles and key blocks, a ragged batch (the second row padded), GQA."""
+    rng = np.random.default_rng(t)
+    q = jnp.asarray(rng.standard_normal((2, t, heads, head_dim)), dtype)
+    k, v = (jnp.asarray(rng.standard_normal((2, t, kv_heads, head_dim)), dtype) for _ in range(2))
+    lengths = jnp.asarray([t, t // 2 + 1], jnp.int32)
+    got = flash_attention(q, k, v, lengths=lengths, implementation="mosaic_gpu")
+    assert_close(got, flash_attention(q, k, v, lengths=lengths, implementation="reference"), "bf16")
 
 
 # -- queries at given positions (a prefill chunk after a cached prefix, decode steps) ----------------

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import pytest
 from jax import export
 
+from zgen.pallas.flash_attention import mosaic_gpu as flash_mosaic_gpu
 from zgen.pallas.flash_attention import triton as flash_triton
 from zgen.pallas.paged_attention import mosaic_gpu as paged_mosaic_gpu
 from zgen.pallas.paged_attention import quantize
@@ -111,3 +112,16 @@ def test_flash_decode_lowers(
         return flash_triton.decode_attention(q, k, v, n, p, causal=True, sliding_window=window, soft_cap=cap, scale=0.1)
 
     assert "xla.gpu.triton" in lower_for_cuda(fn, q, k, k, lengths, positions)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_mosaic_gpu_flash_lowers(dtype: jnp.dtype, head_dim: int) -> None:
+    q = jnp.zeros((2, 300, 8, head_dim), dtype)
+    k = jnp.zeros((2, 300, 2, head_dim), dtype)
+    lengths = jnp.array([300, 200], jnp.int32)
+
+    def fn(q: jax.Array, k: jax.Array, v: jax.Array, n: jax.Array) -> jax.Array:
+        return flash_mosaic_gpu.flash_attention(q, k, v, n, causal=True, sliding_window=None, soft_cap=None, scale=0.1)
+
+    assert "mosaic_gpu" in lower_for_cuda(fn, q, k, k, lengths)

@@ -11,8 +11,9 @@ from pallas_cases import PagedCase, assert_close, paged_cases
 from zgen.errors import ConfigError
 from zgen.pallas import paged_attention, paged_decode_attention
 from zgen.pallas.common import platform
-from zgen.pallas.paged_attention.common import apply_rope, visible_pages
+from zgen.pallas.paged_attention.common import visible_pages
 from zgen.pallas.paged_attention.layouts import KeyCalibration, dequantize, hadamard, quantize
+from zgen.rope import apply_rope
 
 # Examples per (implementation, page format): interpreted kernels compile a program per shape.
 EXAMPLES = {"xla": 3, "triton": 2}

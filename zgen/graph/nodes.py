@@ -12,7 +12,7 @@ from jaxtyping import Array, Float, Int
 
 from zgen.graph.core import ForwardContext, Node, TensorType, act, i32, param
 from zgen.numerics import matmul_precision
-from zgen.pallas.paged_attention.common import apply_rope
+from zgen.rope import apply_rope
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

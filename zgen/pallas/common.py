@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from zgen.shapes import cdiv
+
 Implementation = Literal["reference", "xla", "triton", "mosaic_gpu", "mosaic_tpu"]
 IMPLEMENTATIONS: tuple[Implementation, ...] = get_args(Implementation)
 
@@ -19,6 +21,11 @@ def platform() -> str:
     """The platform jit places computations on: "cpu", "gpu" or "tpu"."""
     name = jax.default_backend()
     return "gpu" if name in ("cuda", "rocm", "gpu") else name
+
+
+def hopper() -> bool:
+    """Whether the default device is a Hopper GPU (compute capability 9.x): WGMMA and TMA kernels."""
+    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
 
 
 def check_implementation(implementation: str) -> Implementation:
@@ -148,10 +155,6 @@ def key_block_range(
     if window is None:
         return jnp.zeros_like(hi), hi
     return jnp.minimum(jnp.maximum(first - window + 1, 0) // block_k, hi), hi
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def query_blocks(

@@ -11,10 +11,6 @@ from zgen.numerics import matmul_precision
 MIN_DOT = 16
 
 
-def next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def prev_pow2(n: int) -> int:
     return 1 << (max(n, 1).bit_length() - 1)
 

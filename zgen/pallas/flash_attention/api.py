@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from zgen.errors import ConfigError
-from zgen.pallas.common import Implementation, check_implementation, interpret_pallas, platform, resolve_scale
+from zgen.pallas.common import Implementation, check_implementation, hopper, interpret_pallas, platform, resolve_scale
 
 
 def _backend(implementation: Implementation) -> Callable[..., Any]:
@@ -36,13 +36,13 @@ def _backend(implementation: Implementation) -> Callable[..., Any]:
 def default_implementation(
     q: Array, k: Array, *, causal: bool, window: int | None, cap: float | None, q_positions: Array | None = None
 ) -> Implementation:
-    """GPU: jax's Mosaic GPU kernel where it covers the call, else our Triton kernel; elsewhere XLA."""
+    """GPU: the Mosaic GPU (Hopper) kernel where it covers the call, else the Triton kernel; elsewhere XLA."""
     if platform() != "gpu":
         return "xla"
     from zgen.pallas.flash_attention import mosaic_gpu
 
     covered = mosaic_gpu.supports(q, k, causal=causal, sliding_window=window, soft_cap=cap, q_positions=q_positions)
-    return "mosaic_gpu" if covered else "triton"
+    return "mosaic_gpu" if covered and hopper() else "triton"
 
 
 def flash_attention(
@@ -76,7 +76,7 @@ def flash_attention(
       soft_cap: optional ``cap * tanh(logits / cap)`` after scaling.
       scale: logit scale, default ``D ** -0.5``.
       implementation: None (best for the platform), "reference", "xla", "triton" or "mosaic_gpu"
-        (jax's bundled Hopper kernel; causal float16 without window, cap or ``q_positions``).
+        (Hopper: causal bf16/f16 self-attention, head_dim 64 or 128, without window, cap or ``q_positions``).
     """
     b, t, h, d = q.shape
     s, kvh = k.shape[1], k.shape[2]

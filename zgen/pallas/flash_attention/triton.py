@@ -23,7 +23,6 @@ from jaxtyping import Array, Float, Int
 
 from zgen.pallas.common import (
     RUNNING_MAX_INIT,
-    cdiv,
     finish_softmax,
     is_query,
     key_block_range,
@@ -36,7 +35,8 @@ from zgen.pallas.common import (
     ungroup_queries,
     visible,
 )
-from zgen.pallas.triton_utils import MIN_DOT, dot_nn, dot_nt, next_pow2
+from zgen.pallas.triton_utils import MIN_DOT, dot_nn, dot_nt
+from zgen.shapes import cdiv, next_pow2
 
 # Query rows per kv head up to which the decode kernel runs: beyond, the prefill grid has enough programs.
 DECODE_MAX_ROWS = 64

@@ -53,6 +53,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, Shaped, UInt8
 
+from zgen.rope import apply_rope
+
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # Normalized Q3 levels: the Lloyd–Max levels of a unit Gaussian (see the module docstring).
 Q3_LEVELS = (-2.152, -1.344, -0.756, -0.245, 0.245, 0.756, 1.344, 2.152)
@@ -300,10 +302,7 @@ class KeyCalibration:
         """The centre of each key (its position's, rotated to it); ``positions`` broadcast against
         the keys' leading dims."""
         sink, center = self._per_head(self.sink, ndim, head_axis), self._per_head(self.center, ndim, head_axis)
-        cos, sin = (f(positions.astype(jnp.float32)[..., None] * self.inv_freq) for f in (jnp.cos, jnp.sin))
-        shift = jnp.where((positions == 0)[..., None], sink, center)
-        low, high = jnp.split(shift, 2, axis=-1)
-        return jnp.concatenate([low * cos - high * sin, high * cos + low * sin], axis=-1)
+        return apply_rope(jnp.where((positions == 0)[..., None], sink, center), positions, self.inv_freq)
 
     def encode(self, k: Float[Array, "*lead d"], positions: Int[Array, "..."], head_axis: int) -> Float[Array, "*lead d"]:
         """Code keys ``k`` (after RoPE; kv heads on ``head_axis``) at ``positions`` (broadcast

@@ -10,7 +10,6 @@ Unquantized pages only (bf16/f16).
 from __future__ import annotations
 
 import functools
-from typing import Any, TypeAlias
 
 import jax
 import jax.numpy as jnp
@@ -20,14 +19,11 @@ from jaxtyping import Array, Bool, Float, Int
 
 from zgen.errors import ConfigError
 from zgen.pallas.common import RUNNING_MAX_INIT, broadcast_rows, merge_partials, softmax_rescale, soft_cap as apply_soft_cap
+from zgen.pallas.mosaic_gpu_utils import ROW_LAYOUT, Ref, swizzled
 from zgen.pallas.paged_attention.common import group_queries, split_pages
 from zgen.pallas.paged_attention.layouts import KVPages, leading_shape
 
-# GMEM, SMEM and accumulator refs share no public type that the Mosaic GPU primitives accept.
-Ref: TypeAlias = Any
 ROWS = 64  # WGMMA's M
-# jax renamed the row layout of a WGMMA tile between releases.
-ROW_LAYOUT = getattr(plgpu.Layout, "WGMMA_ROW", None) or plgpu.Layout.WGMMA.reduce(1)  # type: ignore[attr-defined]
 
 
 def supports(k_pages: KVPages, q: Array) -> bool:
@@ -39,10 +35,6 @@ def supports(k_pages: KVPages, q: Array) -> bool:
         and q.shape[1] // k_pages.shape[0] <= ROWS
         and k_pages.shape[2] % 64 == 0
     )
-
-
-def _swizzled() -> tuple[plgpu.TilingTransform, plgpu.SwizzleTransform]:
-    return plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
 
 
 def _body(
@@ -100,7 +92,7 @@ def _body(
             return m, l, acc * broadcast_rows(alpha, acc.shape) + pv_tile
 
         spec = plgpu.BlockSpec(
-            (page_size, head_dim), lambda i: (tables_gmem[b, first + i], 0), transforms=_swizzled()
+            (page_size, head_dim), lambda i: (tables_gmem[b, first + i], 0), transforms=swizzled()
         )
         # The loop carry must start in the layouts the WGMMA results have.
         init = (
@@ -122,7 +114,7 @@ def _body(
 
     pl.run_scoped(
         scoped,
-        plgpu.SMEM((ROWS, head_dim), q_gmem.dtype, transforms=_swizzled()),
+        plgpu.SMEM((ROWS, head_dim), q_gmem.dtype, transforms=swizzled()),
         plgpu.SMEM((ROWS, head_dim), jnp.float32),
         plgpu.SMEM((ROWS,), jnp.float32),
         plgpu.Barrier(num_barriers=1),

@@ -12,8 +12,8 @@ shuffles (see ``layouts``), each with its own small dot.
 
 Coded keys (``key_calibration``) are never decoded: the query is folded into the coding once
 (``hadamard(q / scale)``, outside the kernel), dotted with the stored codes like any page, and the
-centre's share ``q . rope(center, pos)`` is added per page from two small dots against a per-program
-table of the in-page offsets' cosines and sines (see :class:`KeyCalibration`).
+centre's share ``q . rope(center, pos)`` is added per page from two small dots against a table of
+the in-page offsets' cosines and sines (see :class:`KeyCalibration`, ``_coding_inputs``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from jaxtyping import Array, Bool, Float, Int
 from zgen.errors import ConfigError
 from zgen.pallas.common import (
     RUNNING_MAX_INIT,
-    cdiv,
     finish_softmax,
     merge_partials,
     query_blocks,
@@ -40,7 +39,7 @@ from zgen.pallas.common import (
     ungroup_queries,
     visible,
 )
-from zgen.pallas.paged_attention.common import rope_cos_sin, slot_ranges, split_pages
+from zgen.pallas.paged_attention.common import slot_ranges, split_pages
 from zgen.pallas.paged_attention.layouts import (
     Q3_LEVELS,
     Fp8Pages,
@@ -50,7 +49,10 @@ from zgen.pallas.paged_attention.layouts import (
     Q4Pages,
     leading_shape,
 )
-from zgen.pallas.triton_utils import MIN_DOT, dot_nn, dot_nt, next_pow2, prev_pow2
+from zgen.pallas.triton_utils import MIN_DOT, dot_nn, dot_nt, prev_pow2
+from zgen.rope import rope_cos_sin
+from zgen.shapes import cdiv, next_pow2
+
 
 @dataclasses.dataclass(frozen=True)
 class PageReader:
@@ -115,41 +117,73 @@ def _native_reader(head_dim: int, dtype: jnp.dtype) -> PageReader:
     return PageReader(pieces, 1, logits, values)
 
 
-def _fp8_reader(head_dim: int, dtype: jnp.dtype) -> PageReader:
-    """E4M3 tiles go to the dot as they are (exact in bf16); the per-token scale multiplies the logits
-    (K) or the probabilities (V), ``page_size`` values per row instead of ``page_size * D``."""
+# Queries go to the fp8 dots in float16, scaled by a power of two so their largest entry stays below this.
+_F16_QUERY_MAX = 2.0**14
 
-    def logits(refs: Sequence[jax.Ref], p: Array, q: Sequence[Array], _: Sequence[Array]) -> Array:
+
+def _fp8_reader(head_dim: int, dtype: jnp.dtype) -> PageReader:
+    """For bf16 queries, E4M3 tiles become float16 with one hardware convert per two values (exact) and
+    the dots run in float16: a bf16 target would need a second convert per value. The query is scaled
+    into float16's range by a power of two ``f`` (once per program). The per-token scale multiplies the
+    logits (K) or the probabilities (V), ``page_size`` values per row instead of ``page_size * D``; on V
+    it is taken relative to the page's largest so the float16 probabilities keep their precision.
+    Other query dtypes (f32, f16) hold E4M3 exactly and dot in their own dtype the same way."""
+    dot_dtype = jnp.float16 if dtype == jnp.bfloat16 else dtype
+
+    def prepare(q: Sequence[Array]) -> list[Array]:
+        q32 = q[0].astype(jnp.float32)
+        factor = jnp.exp2(jnp.maximum(jnp.ceil(jnp.log2(jnp.max(jnp.abs(q32)) / _F16_QUERY_MAX)), 0.0))
+        return [(q32 / factor).astype(dot_dtype), factor]
+
+    def logits(refs: Sequence[jax.Ref], p: Array, q: Sequence[Array], prepared: Sequence[Array]) -> Array:
         vals, scale = refs
-        return dot_nt(q[0], vals[p].astype(dtype)) * scale[p][None, :]
+        q_dot, factor = prepared
+        return dot_nt(q_dot, vals[p].astype(dot_dtype)) * (scale[p] * factor)[None, :]
 
     def values(refs: Sequence[jax.Ref], p: Array, probs: Array) -> list[Array]:
         vals, scale = refs
-        return [dot_nn(_scaled(probs, scale[p], dtype), vals[p].astype(dtype))]
+        tokens = scale[p]
+        top = jnp.max(tokens)
+        w = (probs * (tokens / top)[None, :]).astype(dot_dtype)
+        return [dot_nn(w, vals[p].astype(dot_dtype)) * top]
 
-    return PageReader(((0, head_dim),), 2, logits, values)
+    return PageReader(((0, head_dim),), 2, logits, values, prepare)
+
+
+# bf16 128.0: with a nibble ``c`` or'ed into the low mantissa bits it reads 128 + c (the unit in the last
+# place of 128 is 1), exact, so bit operations on the raw byte replace an int->float convert.
+_BF16_128 = 0x4300
+
+
+def _nibble_tiles(byte: Array, dtype: jnp.dtype) -> tuple[Array, Array]:
+    """The low and high nibbles of a byte tile as ``128 + c``."""
+    wide = byte.astype(jnp.uint16)
+    as_bf16 = lambda bits: jax.lax.bitcast_convert_type(bits | _BF16_128, jnp.bfloat16).astype(dtype)  # noqa: E731
+    return as_bf16(wide & 0xF), as_bf16(wide >> 4)
 
 
 def _q4_reader(head_dim: int, group: int, dtype: jnp.dtype) -> PageReader:
-    """Codes ``c`` in 0..15 are exact in bf16, so the dots run on the raw codes and the group's scale
-    ``s`` and min ``z`` act on whole rows: per group ``g`` and token ``t``,
+    """The dots run on ``L = 128 + c`` for the codes ``c``, exact in bf16 and made by bit operations on
+    the byte (``_nibble_tiles``); a group's scale ``s`` and min ``z`` (``k = s c + z = s L + z'``, ``z' = z - 128 s``) act
+    on whole rows:
 
-        q . k_t = sum_g s_tg (q_g . c_tg) + z_tg sum(q_g)        (K: sum(q_g) computed once)
-        (p @ v)_g = (p * s_g) @ c_g + (p @ z_g)                    (V: a [rows] vector per group)
+        q . k_t = sum_g s_tg (q_g . L_tg) + z'_tg sum(q_g)       (K: sum(q_g) computed once)
+        (p @ v)_g = w_g @ L_g + sum_t (p_t z_tg - 128 w_tg)      (V: w = bf16(p * s_g))
 
-    so the per-element work is a shift or mask and an int->bf16 convert; no per-element FMA.
+    The V correction subtracts the offset through the rounded ``w`` the dot saw, so it cancels exactly. Per element
+    that leaves a mask or shift and an or on the byte; no per-element convert or FMA.
     """
     half = head_dim // 2
     n = half // group  # groups per half
     groups = 2 * n
 
     def codes(packed: jax.Ref, p: Array) -> list[Array]:
-        """Code tiles in group order (low nibbles: dims [0, D/2), high nibbles: [D/2, D))."""
+        """Nibble tiles in group order (low nibbles: dims [0, D/2), high nibbles: [D/2, D))."""
         lows, highs = [], []
         for j in range(n):
-            byte = packed[p, :, pl.ds(j * group, group)].astype(jnp.int32)
-            lows.append((byte & 0xF).astype(dtype))
-            highs.append((byte >> 4).astype(dtype))
+            low, high = _nibble_tiles(packed[p, :, pl.ds(j * group, group)], dtype)
+            lows.append(low)
+            highs.append(high)
         return lows + highs
 
     def prepare(q: Sequence[Array]) -> list[Array]:
@@ -157,21 +191,20 @@ def _q4_reader(head_dim: int, group: int, dtype: jnp.dtype) -> PageReader:
 
     def logits(refs: Sequence[jax.Ref], p: Array, q: Sequence[Array], qsum: Sequence[Array]) -> Array:
         packed, scale, zero = refs
-        s_cols, z_cols = _columns(scale, p, groups), _columns(zero, p, groups)
-        out = None
-        for qg, cg, sg, zg, qs in zip(q, codes(packed, p), s_cols, z_cols, qsum, strict=True):
-            term = dot_nt(qg, cg) * sg[None, :] + qs[:, None] * zg[None, :]
-            out = term if out is None else out + term
-        assert out is not None
-        return out
+        terms = [
+            dot_nt(qg, lg) * sg[None, :] + qs[:, None] * (zg - 128 * sg)[None, :]
+            for qg, lg, sg, zg, qs in zip(q, codes(packed, p), _columns(scale, p, groups), _columns(zero, p, groups), qsum, strict=True)
+        ]
+        return functools.reduce(jnp.add, terms)
 
     def values(refs: Sequence[jax.Ref], p: Array, probs: Array) -> list[Array]:
         packed, scale, zero = refs
-        s_cols, z_cols = _columns(scale, p, groups), _columns(zero, p, groups)
-        return [
-            dot_nn(_scaled(probs, sg, dtype), cg) + jnp.sum(probs * zg[None, :], axis=1)[:, None]
-            for cg, sg, zg in zip(codes(packed, p), s_cols, z_cols, strict=True)
-        ]
+        out = []
+        for lg, sg, zg in zip(codes(packed, p), _columns(scale, p, groups), _columns(zero, p, groups), strict=True):
+            w = (probs * sg[None, :]).astype(dtype)
+            correction = jnp.sum(probs * zg[None, :] - 128 * w.astype(jnp.float32), axis=1)
+            out.append(dot_nn(w, lg) + correction[:, None])
+        return out
 
     pieces = tuple((h * half + j * group, group) for h in range(2) for j in range(n))
     return PageReader(pieces, 3, logits, values, prepare)
@@ -233,23 +266,35 @@ def kernel_leaves(pages: KVPages) -> list[Array]:
     return [first, *(widen_metadata(leaf) for leaf in meta)] if not isinstance(pages, jax.Array) else [first]
 
 
-def _mean_logits(
-    refs: Sequence[jax.Ref], page_size: int, dtype: jnp.dtype
-) -> Callable[[Array], Array]:
-    """``mean(start)``: ``q . rope(shift, pos)`` of a page whose first token sits at ``start``
-    (``[rows, page_size]``). With ``a``, ``b`` from :meth:`KeyCalibration.mean_products`, the angle
-    ``(start + i) f`` splits by angle addition: ``a'' = a cos(start f) + b sin(start f)``, ``b'' = b
-    cos(start f) - a sin(start f)``, then ``a'' @ cos(i f) + b'' @ sin(i f)`` over the page's offsets
-    ``i``, whose table is built once per program. The sink's gap is added at position 0."""
-    a_ref, b_ref, gap_ref, freq_ref = refs
-    a, b, gap, freq = a_ref[...], b_ref[...], gap_ref[...], freq_ref[...]
-    cos_off, sin_off = rope_cos_sin(jnp.arange(page_size), freq)  # [page, half]
+def _mean_logits(refs: Sequence[jax.Ref], page_size: int, dtype: jnp.dtype) -> Callable[[Array, Array], Array]:
+    """``mean(logical_page, start)``: ``q . rope(shift, pos)`` of a page whose first token sits at
+    ``start`` (``[rows, page_size]``). With ``a``, ``b`` from :meth:`KeyCalibration.mean_products`, the
+    angle ``(start + i) f`` splits by angle addition: ``a'' = a cos(start f) + b sin(start f)``, ``b'' =
+    b cos(start f) - a sin(start f)``, then ``a'' @ cos(i f) + b'' @ sin(i f)`` over the page's offsets
+    ``i``. The angles' cosines and sines come as tables or are computed here from the frequencies (see
+    ``_coding_inputs``). The sink's gap is added at position 0."""
+    a, b, gap = (ref[...] for ref in refs[:3])
+    if len(refs) == 4:  # frequencies: the offsets' table once per program, the page start's per page
+        freq = refs[3][...]
+        cos_off, sin_off = (x.astype(dtype) for x in rope_cos_sin(jnp.arange(page_size), freq))  # [page, half]
 
-    def mean(start: Array) -> Array:
-        cos_start, sin_start = rope_cos_sin(start, freq)
-        a_page = a * cos_start[None, :] + b * sin_start[None, :]
-        b_page = b * cos_start[None, :] - a * sin_start[None, :]
-        out = dot_nt(a_page.astype(dtype), cos_off.astype(dtype)) + dot_nt(b_page.astype(dtype), sin_off.astype(dtype))
+        def start_angles(logical: Array, start: Array) -> tuple[Array, Array]:
+            del logical
+            return rope_cos_sin(start, freq)
+
+    else:  # tables at every page start and in-page offset
+        cos_start_ref, sin_start_ref, cos_off_ref, sin_off_ref = refs[3:]
+        cos_off, sin_off = cos_off_ref[...], sin_off_ref[...]
+
+        def start_angles(logical: Array, start: Array) -> tuple[Array, Array]:
+            del start
+            return cos_start_ref[logical], sin_start_ref[logical]
+
+    def mean(logical: Array, start: Array) -> Array:
+        cos_start, sin_start = (x[None, :] for x in start_angles(logical, start))
+        a_page = a * cos_start + b * sin_start
+        b_page = b * cos_start - a * sin_start
+        out = dot_nt(a_page.astype(dtype), cos_off) + dot_nt(b_page.astype(dtype), sin_off)
         first = (start + jnp.arange(page_size)) == 0
         return out + jnp.where(first[None, :], gap[:, None], 0.0)
 
@@ -262,7 +307,7 @@ def _kernel(
     *refs: jax.Ref,
     k_reader: PageReader,
     v_reader: PageReader,
-    coded: bool,
+    coding_inputs: int,
     page_size: int,
     pages_per_split: int,
     splits: int,
@@ -272,7 +317,7 @@ def _kernel(
 ) -> None:
     k_refs, refs = refs[: k_reader.num_refs], refs[k_reader.num_refs :]
     v_refs, refs = refs[: v_reader.num_refs], refs[v_reader.num_refs :]
-    coding_refs, refs = (refs[:4], refs[4:]) if coded else ((), refs)
+    coding_refs, refs = refs[:coding_inputs], refs[coding_inputs:]
     tables_ref, logical_ref, lo_ref, hi_ref, o_ref, lse_ref = refs
     split_start = (pl.program_id(2) % splits) * pages_per_split
     start = jnp.maximum(lo_ref[0], split_start)
@@ -281,16 +326,16 @@ def _kernel(
     rows = q_ref.shape[0]
     q_pieces = [q_ref[:, pl.ds(dim, width)] for dim, width in k_reader.pieces]
     prepared = k_reader.prepare(q_pieces)
-    mean = _mean_logits(coding_refs, page_size, q_ref.dtype) if coded else None
+    mean = _mean_logits(coding_refs, page_size, q_ref.dtype) if coding_refs else None
 
     def step(slot: Array, carry: tuple[Array, Array, list[Array]]) -> tuple[Array, Array, list[Array]]:
         m, l, acc = carry
-        page = tables_ref[slot]
-        first = logical_ref[slot] * page_size
+        page, logical = tables_ref[slot], logical_ref[slot]
+        first = logical * page_size
         pos = first + jnp.arange(page_size)
         s = k_reader.logits(k_refs, page, q_pieces, prepared)
         if mean is not None:
-            s = s + mean(first)
+            s = s + mean(logical, first)
         ok = visible(qpos, pos[None, :], qpos + 1, causal=True, window=window)
         s = jnp.where(ok, apply_soft_cap(s * scale, soft_cap), -jnp.inf)
         m, l, p, alpha = softmax_rescale(m, l, s)
@@ -321,16 +366,37 @@ def supports(k_pages: KVPages) -> bool:
 
 
 def _default_warps(k_pages: KVPages) -> int:
-    """Q3's select trees run 3.6x faster with 2 warps than with 4 on an H200 (32k, coded keys): with
-    N=16 value dots Triton puts every warp on the whole page. The other formats measured within run
-    noise of each other with 2 and 4 (fp8 better with 4)."""
-    return 2 if isinstance(k_pages, Q3Pages) else 4
+    """Quantized pages run best with 2 warps, bf16 with 4 (H200, 32k, fifth kernel run: fp8 0.225 vs
+    0.275 ms, q4 0.373 vs 0.397, coded q4 0.496 vs 0.515, coded q3 3.08 vs 3.24; bf16 0.283 vs 0.315):
+    with N=16 value dots Triton puts every warp on the whole page, so fewer warps dequantize it fewer
+    times."""
+    return 4 if isinstance(k_pages, jax.Array) else 2
 
 
 def _launch(num_queries: int, group: int) -> tuple[int, int]:
     """``(block_t, rows)``: one token's query group for decode, else up to 64 rows of tokens x group."""
     block_t = 1 if num_queries == 1 else min(next_pow2(num_queries), max(1, prev_pow2(64 // group)))
     return block_t, max(MIN_DOT, next_pow2(block_t * group))
+
+
+def _coding_inputs(
+    q_tiles: Float[Array, "b kvh blocks rows d"], calibration: KeyCalibration, k_pages: KVPages, pages_per_seq: int
+) -> tuple[Float[Array, "b kvh blocks rows d"], list[Array]]:
+    """The query folded into the coding, and what the centre's share of each logit needs: the
+    query-mean products ``a``, ``b`` and the sink's gap per query row, then the angles. Tables of the
+    cosines and sines at every page start ``[pages_per_seq, D/2]`` (f32) and in-page offset ``[page,
+    D/2]`` (dot dtype) keep sines out of the loop: coded q4 0.64 -> 0.48 ms at 32k on an H200 (fifth
+    kernel run). Q3, already at 255 registers with spills, ran 1.9x slower with them (1.69 -> 3.19 ms),
+    so its kernel gets the frequencies and computes the angles itself, as before."""
+    mean_a, mean_b, sink_gap = calibration.mean_products(q_tiles, head_axis=1)
+    folded = calibration.fold_into_queries(q_tiles, head_axis=1).astype(q_tiles.dtype)
+    if isinstance(k_pages, Q3Pages):
+        return folded, [mean_a, mean_b, sink_gap, calibration.inv_freq.astype(jnp.float32)]
+    page_size = leading_shape(k_pages)[2]
+    cos_start, sin_start = rope_cos_sin(jnp.arange(pages_per_seq) * page_size, calibration.inv_freq)
+    cos_off, sin_off = rope_cos_sin(jnp.arange(page_size), calibration.inv_freq)
+    dtype = q_tiles.dtype
+    return folded, [mean_a, mean_b, sink_gap, cos_start, sin_start, cos_off.astype(dtype), sin_off.astype(dtype)]
 
 
 def paged_attention(
@@ -370,15 +436,13 @@ def paged_attention(
     coding_inputs: list[Array] = []
     coding_specs: list[pl.BlockSpec] = []
     if key_calibration is not None:
-        # The query folded into the coding, and what the centre's share of each logit needs.
-        mean_a, mean_b, sink_gap = key_calibration.mean_products(q_tiles, head_axis=1)
-        q_tiles = key_calibration.fold_into_queries(q_tiles, head_axis=1).astype(q.dtype)
-        coding_inputs = [mean_a, mean_b, sink_gap, key_calibration.inv_freq.astype(jnp.float32)]
+        q_tiles, coding_inputs = _coding_inputs(q_tiles, key_calibration, k_pages, block_tables.shape[1])
+        whole = lambda x: pl.BlockSpec(x.shape, lambda b, h, i: (0,) * x.ndim)  # noqa: E731
         coding_specs = [
             per_query_tile(d // 2),
             per_query_tile(d // 2),
             pl.BlockSpec((None, None, None, rows), lambda b, h, i: (b, h, i // splits, 0)),
-            pl.BlockSpec((d // 2,), lambda b, h, i: (0,)),
+            *map(whole, coding_inputs[3:]),
         ]
     k_leaves = kernel_leaves(k_pages)
     v_leaves = kernel_leaves(v_pages)
@@ -386,7 +450,7 @@ def paged_attention(
         _kernel,
         k_reader=page_reader(k_pages, d, q.dtype),
         v_reader=page_reader(v_pages, d, q.dtype),
-        coded=key_calibration is not None,
+        coding_inputs=len(coding_inputs),
         page_size=page_size,
         pages_per_split=per_split,
         splits=splits,

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from zgen.numerics import matmul_precision
-from zgen.pallas.common import RUNNING_MAX_INIT, cdiv, finish_softmax, soft_cap as apply_soft_cap, softmax_rescale, visible
+from zgen.pallas.common import RUNNING_MAX_INIT, finish_softmax, soft_cap as apply_soft_cap, softmax_rescale, visible
+from zgen.shapes import cdiv
 from zgen.pallas.paged_attention.common import query_bounds
 from zgen.pallas.paged_attention.layouts import KeyCalibration, KVPages, dequantize, leading_shape, take_pages
 
