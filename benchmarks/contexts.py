@@ -2,8 +2,8 @@
 
 Each context gets its own prompt (``--prompt-tokens`` random ids) and generates ``--new-tokens``
 greedy tokens (no early stop). "sequential" runs the contexts' ``generate`` one by one on the same
-engine; "concurrent" runs them together through ``Engine.gather``, so every engine step serves all of
-them. Both are timed after a warm-up run of the same shapes (compilation excluded), in the same
+engine; "concurrent" runs them together through ``zgen.contexts.gather``, so every engine step serves
+all of them. Both are timed after a warm-up run of the same shapes (compilation excluded), in the same
 process; the outputs of the two modes are compared token for token.
 
     python benchmarks/contexts.py                                   # SmolLM2 (real weights), CPU
@@ -21,8 +21,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from zgen import Model, ModelConfig, load_model
-from zgen.engine import Context, Engine, EngineConfig, Sampler, stop
+from zgen import Context, Engine, Model, ModelConfig, Sampler, load_model, stop
+from zgen.cache.factory import paged_kv
+from zgen.contexts import gather
 from zgen.model import random_model
 
 from gpu_decode import SHAPES  # benchmarks/ is on sys.path when this script runs
@@ -31,7 +32,7 @@ def contexts(engine: Engine, n: int, prompt_tokens: int, seed: int) -> list[Cont
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(n):
-        ctx = engine.create_context()
+        ctx = Context(engine)
         ctx.fill_tokens(rng.integers(100, 20000, prompt_tokens).tolist())
         out.append(ctx)
     return out
@@ -44,7 +45,7 @@ def run(engine: Engine, n: int, prompt_tokens: int, new_tokens: int, concurrent:
     passes = engine.stats.forward_passes
     start = time.perf_counter()
     if concurrent:
-        results = engine.gather(*(c.generate_result_async(sampler, limit) for c in batch))
+        results = gather(*(c.generate_result_async(sampler, limit) for c in batch))
     else:
         results = [c.generate_result(sampler, limit) for c in batch]
     seconds = time.perf_counter() - start
@@ -69,7 +70,7 @@ def main() -> None:
         if args.random_weights
         else load_model("smollm2", dtype=args.dtype)
     )
-    engine = Engine(model, EngineConfig(max_memory_mb=args.max_memory_mb))
+    engine = Engine(model, paged_kv(args.max_memory_mb))
     rows: list[dict[str, Any]] = []
     device = jax.devices()[0].device_kind
     for n in args.n:

@@ -53,7 +53,7 @@ def main() -> None:
 
     zgen_decode_s()
     zgen_decode = statistics.median(zgen_decode_s() for _ in range(args.runs)) / n_new
-    zgen_prefill = median_time(lambda: model.logits(prompt)[-1], args.runs) / n_prompt
+    zgen_prefill = median_time(lambda: gen.logits(prompt)[-1], args.runs) / n_prompt
 
     path = builtin_model_path("smollm2")
     hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()

@@ -12,9 +12,14 @@ zgen's default dense cache attends through the Pallas kernels on the GPU (``--at
 side in one run and prints the ratio; a long ``--prompt-tokens`` makes attention matter (the buffer
 is the next power of two above prompt + new tokens).
 
+``--contexts`` also times one context alone (``zgen.Context`` on an engine with a paged cache, greedy,
+the same prompt and new tokens, same method) beside the Generator at batch 1 on the same shape, in a
+process of its own, and prints the context's speed as a fraction of the Generator's.
+
     python benchmarks/gpu_decode.py                 # both shapes, both frameworks, JSON at the end
     python benchmarks/gpu_decode.py --only zgen --shape smollm2
     python benchmarks/gpu_decode.py --no-hf --attention einsum triton --prompt-tokens 4000 --batch 8
+    python benchmarks/gpu_decode.py --no-hf --contexts --shape smollm2
 """
 
 from __future__ import annotations
@@ -27,7 +32,10 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    from zgen import GenerationResult, Model
 
 SHAPES: dict[str, dict[str, Any]] = {
     "smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -37,14 +45,22 @@ SHAPES: dict[str, dict[str, Any]] = {
                       num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,
                       max_position_embeddings=8192, tie_word_embeddings=False),
 }
-ATTENTION_PATHS = ("auto", "einsum", "xla", "triton")  # zgen.cache.tensor.DenseAttention
+# zgen.cache.tensor.DenseAttention, and "paged": the Generator on a paged cache (its paged kernel)
+ATTENTION_PATHS = ("auto", "einsum", "xla", "triton", "paged")
 
 
 def prompt_ids(tokens: int) -> list[int]:
     return [100 + i % 1000 for i in range(tokens)]
 
 
-def per_token_s(generate: Callable[[int], None], new_tokens: int, runs: int) -> float:
+def random_bf16_model(shape: str) -> Model:
+    from zgen import ModelConfig
+    from zgen.model import random_model
+
+    return random_model(ModelConfig.from_hf({**SHAPES[shape], "model_type": "llama", "rms_norm_eps": 1e-5}), dtype="bfloat16")
+
+
+def per_token_s(generate: Callable[[int], object], new_tokens: int, runs: int) -> float:
     def timed(n: int) -> float:
         start = time.perf_counter()
         generate(n)
@@ -59,18 +75,14 @@ def per_token_s(generate: Callable[[int], None], new_tokens: int, runs: int) -> 
 
 def bench_zgen(shape: str, new_tokens: int, runs: int, attention: str, prompt_tokens: int, batch: int) -> dict[str, Any]:
     import jax
-    import jax.numpy as jnp
 
-    from zgen import Generator, ModelConfig, SamplingConfig
-    from zgen.cache.tensor import DenseAttention, DenseBackend
-    from zgen.generator import Request
-    from zgen.model import random_model
+    from zgen import Generator, Request, SamplingConfig
+    from zgen.cache.factory import dense_attention, paged_kv
+    from zgen.cache.tensor import DenseAttention
 
-    config = ModelConfig.from_hf({**SHAPES[shape], "model_type": "llama", "rms_norm_eps": 1e-5})
-    model = random_model(config, dtype="bfloat16")
-    backend = DenseBackend(config.num_layers, config.num_kv_heads, config.head_dim, jnp.dtype(jnp.bfloat16),
-                           cast(DenseAttention, attention))
-    gen = Generator(model, kv_backend=backend, max_batch_size=batch)
+    model = random_bf16_model(shape)
+    cache = paged_kv(2048.0) if attention == "paged" else dense_attention(cast(DenseAttention, attention))
+    gen = Generator(model, cache, max_batch_size=batch)
     prompt = prompt_ids(prompt_tokens)
 
     def generate(n: int) -> Any:
@@ -81,6 +93,34 @@ def bench_zgen(shape: str, new_tokens: int, runs: int, attention: str, prompt_to
     prefill_s = statistics.median(generate(1).timings.prefill_s for _ in range(runs))
     return {"framework": "zgen", "attention": attention, "shape": shape, "device": jax.devices()[0].device_kind,
             "batch": batch, "prompt_tokens": prompt_tokens, "ms_per_token": seconds * 1e3, "tok_s": batch / seconds,
+            "prefill_ms": prefill_s * 1e3, "token_ids": generate(new_tokens).token_ids[:64]}
+
+
+def bench_context(shape: str, new_tokens: int, runs: int, prompt_tokens: int) -> dict[str, Any]:
+    """One context alone on an engine with a paged cache: fill the prompt, generate greedily, release."""
+    import jax
+
+    from zgen import Context, Engine, Sampler, stop
+    from zgen.cache.factory import paged_kv
+    from zgen.cache.formats import bytes_per_token_per_layer
+
+    model = random_bf16_model(shape)
+    c = model.config
+    page_size = 16
+    tokens = prompt_tokens + new_tokens + page_size  # one context's pages, with a page to spare
+    need_mb = tokens * c.num_layers * bytes_per_token_per_layer("bf16", c.num_kv_heads, c.head_dim, page_size) / 2**20
+    engine = Engine(model, paged_kv(max(512.0, 2 * need_mb), page_size))
+    prompt = prompt_ids(prompt_tokens)
+
+    def generate(n: int) -> GenerationResult:
+        with Context(engine) as ctx:
+            ctx.fill_tokens(prompt)
+            return ctx.generate_result(Sampler.greedy(), stop.max_len(n))  # no EOS stop
+
+    seconds = per_token_s(generate, new_tokens, runs)
+    prefill_s = statistics.median(generate(1).timings.prefill_s for _ in range(runs))
+    return {"framework": "zgen-context", "attention": "paged", "shape": shape, "device": jax.devices()[0].device_kind,
+            "batch": 1, "prompt_tokens": prompt_tokens, "ms_per_token": seconds * 1e3, "tok_s": 1 / seconds,
             "prefill_ms": prefill_s * 1e3, "token_ids": generate(new_tokens).token_ids[:64]}
 
 
@@ -109,28 +149,40 @@ def bench_hf(shape: str, new_tokens: int, runs: int, prompt_tokens: int, batch: 
             "batch": batch, "prompt_tokens": prompt_tokens, "ms_per_token": seconds * 1e3, "tok_s": batch / seconds}
 
 
+def agreement(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two outputs share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--only", choices=["zgen", "hf"])
+    parser.add_argument("--only", choices=["zgen", "context", "hf"])
     parser.add_argument("--shape", choices=list(SHAPES))
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--attention", nargs="+", choices=ATTENTION_PATHS, default=["auto"],
-                        help="zgen dense-cache attention paths to time (einsum: the old XLA path; triton: the kernels)")
+                        help="zgen attention paths to time (dense cache: einsum = XLA, triton = the kernels; paged: a paged cache)")
     parser.add_argument("--prompt-tokens", type=int, default=16)
     parser.add_argument("--batch", type=int, default=1, help="rows decoded together (copies of the prompt)")
     parser.add_argument("--no-hf", action="store_true", help="time zgen only")
+    parser.add_argument("--contexts", action="store_true",
+                        help="also time one context alone (paged cache) beside the Generator at batch 1")
     args = parser.parse_args()
+    if (args.contexts or args.only == "context") and args.batch != 1:
+        parser.error("one context alone is compared with the Generator at batch 1: leave --batch at 1")
     if args.only:
         if args.only == "zgen":
             result = bench_zgen(args.shape, args.new_tokens, args.runs, args.attention[0], args.prompt_tokens, args.batch)
+        elif args.only == "context":
+            result = bench_context(args.shape, args.new_tokens, args.runs, args.prompt_tokens)
         else:
             result = bench_hf(args.shape, args.new_tokens, args.runs, args.prompt_tokens, args.batch)
         print("RESULT " + json.dumps(result), flush=True)
         return
     results = []
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
-    runs = [("zgen", path) for path in args.attention] + ([] if args.no_hf else [("hf", "")])
+    runs = [("zgen", path) for path in args.attention] + ([("context", "")] if args.contexts else [])
+    runs += [] if args.no_hf else [("hf", "")]
     for shape in [args.shape] if args.shape else list(SHAPES):
         for framework, attention in runs:
             cmd = [sys.executable, __file__, "--only", framework, "--shape", shape,
@@ -157,10 +209,18 @@ def main() -> None:
         old = next((r for r in zgen if r["attention"] == "einsum"), None)
         for new in (r for r in zgen if old and r is not old):
             assert old is not None
-            agree = next((i for i, (a, b) in enumerate(zip(old["token_ids"], new["token_ids"])) if a != b),
-                         min(len(old["token_ids"]), len(new["token_ids"])))
+            agree = agreement(old["token_ids"], new["token_ids"])
             print(f"{shape} {new['attention']} vs einsum: decode speedup {old['ms_per_token'] / new['ms_per_token']:.2f}x, "
                   f"prefill speedup {old['prefill_ms'] / new['prefill_ms']:.2f}x; greedy tokens agree for the first {agree}")
+        context = next((r for r in timed if r["framework"] == "zgen-context"), None)
+        generator = next((r for r in zgen if r["attention"] == "auto"), zgen[0] if zgen else None)
+        if context:
+            line = f"{shape} one context (paged): {context['tok_s']:.1f} tok/s, {context['ms_per_token']:.3f} ms/step"
+            if generator:
+                line += (f"; Generator[{generator['attention']}] at batch 1 {generator['tok_s']:.1f} tok/s: the context "
+                         f"decodes at {context['tok_s'] / generator['tok_s']:.2f}x its speed; greedy tokens agree for "
+                         f"the first {agreement(generator['token_ids'], context['token_ids'])}")
+            print(line)
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, "gpu_decode.json"), "w") as handle:

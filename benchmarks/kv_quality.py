@@ -5,14 +5,15 @@ For each storage kind, the perplexity of `docs/eval/english.txt` (the method of
 bytes one token takes per layer (measured from the cache's real arrays) and the greedy decode speed
 on this machine (batch 1, a 512-token prompt from the text, median of several rounds that interleave
 the kinds, after a warm-up; prefill excluded). The coded formats (q4, q3) run twice: with the key calibration of
-`zgen.cache.paged.calibrate_keys` (random calibration tokens: nothing of the text is seen) and without
+`zgen.runtime.calibration.key_calibration` (random calibration tokens: nothing of the text is seen) and without
 one (Hadamard rotation only). Writes the table to stdout (markdown) and the plot to
 docs/kv_quantization.png.
 
     python benchmarks/kv_quality.py [--window 512] [--chunk 64] [--decode-tokens 64] [--fit-levels]
 
 ``--fit-levels`` also refits the Q3 levels by sensitivity-weighted k-means on the calibration tokens
-(see `zgen.pallas.paged_attention.layouts`) and prints them next to ``Q3_LEVELS``.
+(see `zgen.pallas.paged_attention.layouts`) and prints them next to ``Q3_LEVELS``. ``--text-tokens N``
+scores only the first N tokens of the text (a quick check, not the study).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +31,11 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from zgen import Generator, SamplingConfig, load_model
-from zgen.cache.base import CacheBackend
-from zgen.cache.block_pool import BlockPool
-from zgen.cache.compressed import CompressedBackend
-from zgen.cache.paged import PagedBackend, PagedConfig, bytes_per_token_per_layer, calibrate_keys, q3_group_size
+from zgen import Engine, EngineConfig, load_model, stop
+from zgen.cache.compressed import CompressedKVState
+from zgen.cache.factory import CacheOption, compressed_kv, kv_dtype, paged_kv
+from zgen.cache.formats import bytes_per_token_per_layer, q3_group_size
+from zgen.cache.slots import SlotKVManager
 from zgen.cache.tensor import causal_attention
 from zgen.evaluation import perplexity
 from zgen.graph.core import ForwardContext
@@ -40,45 +43,90 @@ from zgen.graph.decoder import LOGIT_ROWS, POSITIONS, TOKENS
 from zgen.graph.nodes import rotary
 from zgen.model import Model
 from zgen.pallas.paged_attention.layouts import Q3_LEVELS, KeyCalibration, hadamard
+from zgen.runtime import ForwardRequest
+from zgen.runtime.calibration import key_calibration
 
 ROOT = Path(__file__).resolve().parent.parent
 POOL_MB = 256.0
+PAGE_SIZE = 16
 
 
-def state_bytes_per_token_per_layer(backend: CacheBackend[Any], model: Model, tokens: int) -> float:
-    """Device bytes of one layer's K/V state holding ``tokens`` tokens, divided by ``tokens``."""
-    if isinstance(backend, PagedBackend):  # its state holds the whole pool: count one token's page slots
-        c = backend.config
-        return bytes_per_token_per_layer(c.kv_dtype, c.kv_heads, c.head_dim, c.page_size)
-    state = backend.allocate(1, tokens)
-    leaves = jax.tree_util.tree_leaves(state)
-    total = sum(leaf.nbytes for leaf in leaves if leaf.ndim > 2)  # per-layer arrays, not block tables
-    backend.release(state)
-    return total / model.config.num_layers / tokens
+@dataclass(frozen=True)
+class Kind:
+    """One storage kind of the study: its cache options and, for the coded formats, the key calibration."""
+
+    options: tuple[CacheOption, ...]
+    calibration: tuple[KeyCalibration, ...] | None = None
+    page_format: str | None = None  # the paged cache's kv dtype; None: the compressed cache
 
 
-def paged_backend(model: Model, kv_dtype: str, calibration: tuple[KeyCalibration, ...] | None) -> PagedBackend:
+def paged(name: str, calibration: tuple[KeyCalibration, ...] | None = None) -> Kind:
+    return Kind((paged_kv(POOL_MB, PAGE_SIZE), kv_dtype(name)), calibration, page_format=name)
+
+
+def uncalibrated(model: Model) -> tuple[KeyCalibration, ...]:
+    """Identity key calibrations: the coded formats then only rotate keys (Hadamard)."""
     c = model.config
-    config = PagedConfig(c.num_layers, c.num_kv_heads, c.head_dim, 16, kv_dtype, "float32", key_calibration=calibration)
-    pool = BlockPool.from_memory_budget(
-        POOL_MB, num_layers=c.num_layers, kv_heads=c.num_kv_heads, head_dim=c.head_dim, page_size=16, kv_dtype=kv_dtype
+    return tuple(KeyCalibration.identity(c.num_kv_heads, c.head_dim) for _ in range(c.num_layers))
+
+
+def engine_for(model: Model, kind: Kind, config: EngineConfig) -> Engine:
+    return Engine(model, *kind.options, config=config, key_calibration=kind.calibration)
+
+
+def state_bytes_per_token_per_layer(model: Model, kind: Kind, prefill_chunk: int, tokens: int) -> float:
+    """Device bytes of one layer's K/V holding ``tokens`` tokens, divided by ``tokens``.
+
+    Paged kinds: one token's page slots (the pool holds whole pages of every sequence). The compressed
+    cache: its pooled sums and raw ring in a state of one row sized to ``tokens`` positions, with the
+    ring the engine of the perplexity run gives it (its size depends on the prefill chunk).
+    """
+    c = model.config
+    if kind.page_format is not None:
+        return bytes_per_token_per_layer(kind.page_format, c.num_kv_heads, c.head_dim, PAGE_SIZE)
+    engine = engine_for(model, kind, EngineConfig(max_batch=1, prefill_chunk=prefill_chunk))
+    manager = engine.kv
+    assert isinstance(manager, SlotKVManager)
+    seq = engine.new_sequence()
+    seq.kv.reserve(1)  # the row is allocated at its first reservation
+    state = manager.state
+    assert isinstance(state, CompressedKVState)
+    engine.release(seq)
+    shapes = jax.eval_shape(
+        lambda: CompressedKVState.zeros(
+            c.num_layers, 1, tokens, c.num_kv_heads, c.head_dim, model.dtype, chunk_size=state.chunk_size, raw_slots=state.raw_slots
+        )
     )
-    return PagedBackend(config, pool, prefix_cache=False)
+    leaves = jax.tree_util.tree_leaves(shapes)
+    total = sum(leaf.size * leaf.dtype.itemsize for leaf in leaves if leaf.ndim > 2)  # K/V arrays, not counts or positions
+    return total / c.num_layers / tokens
+
+
+def decode_seconds(engine: Engine, prompt: Sequence[int], new_tokens: int) -> float:
+    """Seconds from the first generated token to the last of a greedy generation (EOS ignored)."""
+    seq = engine.new_sequence(prompt)
+    try:
+        last = len(prompt) - 1
+        request = ForwardRequest(end=len(prompt), sample_at=(last,), generate=stop.max_len(new_tokens))
+        return engine.wait(engine.submit(seq, request)).decode_s
+    finally:
+        engine.release(seq)
 
 
 def decode_tokens_per_s(
-    model: Model, backends: dict[str, CacheBackend[Any]], prompt: list[int], new_tokens: int, rounds: int
+    model: Model, kinds: dict[str, Kind], prompt: list[int], new_tokens: int, rounds: int
 ) -> dict[str, float]:
-    """Greedy decode speed per backend; the rounds interleave the kinds, so load from other processes
-    on a shared machine spreads over all of them rather than landing on one."""
-    generators = {name: Generator(model, kv_backend=backend) for name, backend in backends.items()}
-    sampling = SamplingConfig(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
-    seconds: dict[str, list[float]] = {name: [] for name in generators}
-    for generator in generators.values():
-        generator.generate(prompt, sampling)  # warm-up: compilation
+    """Greedy decode speed per kind at batch 1, the prompt fed in one step; the rounds interleave the
+    kinds, so load from other processes on a shared machine spreads over all of them rather than
+    landing on one."""
+    config = EngineConfig(max_batch=1, prefill_chunk=len(prompt))
+    engines = {name: engine_for(model, kind, config) for name, kind in kinds.items()}
+    seconds: dict[str, list[float]] = {name: [] for name in engines}
+    for engine in engines.values():
+        decode_seconds(engine, prompt, new_tokens)  # warm-up: compilation
     for _ in range(rounds):
-        for name, generator in generators.items():
-            seconds[name].append(generator.generate(prompt, sampling).timings.decode_s)
+        for name, engine in engines.items():
+            seconds[name].append(decode_seconds(engine, prompt, new_tokens))
     return {name: new_tokens / statistics.median(times) for name, times in seconds.items()}
 
 
@@ -182,45 +230,38 @@ def main() -> None:
     parser.add_argument("--decode-rounds", type=int, default=5)
     parser.add_argument("--fit-levels", action="store_true")
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "kv_quantization.png")
-    parser.add_argument("--kinds", nargs="*", help="only these kinds (e.g. fp32 q4 q3); default: all, and the plot")
+    parser.add_argument("--kinds", nargs="*", help="only these kinds (e.g. fp32 q4 q3 compressed); default: all, and the plot")
+    parser.add_argument("--text-tokens", type=int, help="score only the text's first N tokens (default: all)")
     args = parser.parse_args()
 
     model = load_model("smollm2", dtype="float32")
     ids = model.tokenizer.encode((ROOT / "docs" / "eval" / "english.txt").read_text(), add_special_tokens=False)
-    c = model.config
-    calibration = calibrate_keys(model)
+    ids = ids[: args.text_tokens]
+    calibration = key_calibration(model)
     if args.fit_levels:
         print(json.dumps({"q3_levels_fit": fit_q3_levels(model, calibration), "Q3_LEVELS": Q3_LEVELS}), flush=True)
-    kinds: dict[str, CacheBackend[Any]] = {name: paged_backend(model, name, None) for name in ("fp32", "fp16", "bf16", "fp8")}
+    kinds: dict[str, Kind] = {name: paged(name) for name in ("fp32", "fp16", "bf16", "fp8")}
     for name in ("q4", "q3"):
-        kinds[name] = paged_backend(model, name, calibration)
-        kinds[f"{name}, no calibration"] = paged_backend(model, name, None)
-    # Raw ring of 4 chunks: bounded memory, and room for a prefill chunk of `args.chunk` tokens.
-    ring = max(4 * args.compressed_chunk, args.chunk + args.compressed_chunk)
+        kinds[name] = paged(name, calibration)
+        kinds[f"{name}, no calibration"] = paged(name, uncalibrated(model))
     compressed = f"compressed (chunk {args.compressed_chunk})"
-    kinds[compressed] = CompressedBackend(c.num_layers, c.num_kv_heads, c.head_dim, args.compressed_chunk, model.dtype, raw_slots=ring)
-    # Generation prefills its prompt in one write: the speed run's ring spans the whole cache.
-    decode_backends = {
-        **kinds,
-        compressed: CompressedBackend(c.num_layers, c.num_kv_heads, c.head_dim, args.compressed_chunk, model.dtype),
-    }
+    kinds[compressed] = Kind((compressed_kv(args.compressed_chunk),))
     if args.kinds:
-        kinds = {name: kinds[name] for name in kinds if name.split(",")[0] in args.kinds}
-        decode_backends = {name: decode_backends[name] for name in kinds}
+        kinds = {name: kind for name, kind in kinds.items() if name.split(",")[0].split(" ")[0] in args.kinds}
     rows: list[dict[str, Any]] = []
-    for name, backend in kinds.items():
-        result = perplexity(model, ids, window=args.window, chunk=args.chunk, backend=backend)
+    for name, kind in kinds.items():
+        result = perplexity(model, ids, *kind.options, window=args.window, chunk=args.chunk, key_calibration=kind.calibration)
         rows.append(
             {
                 "kind": name,
                 "ppl": result.ppl,
                 "nll": result.nll,
                 "tokens": result.tokens_scored,
-                "bytes_per_token_per_layer": state_bytes_per_token_per_layer(backend, model, args.window),
+                "bytes_per_token_per_layer": state_bytes_per_token_per_layer(model, kind, args.chunk, args.window),
             }
         )
         print(json.dumps(rows[-1]), flush=True)
-    speeds = decode_tokens_per_s(model, decode_backends, ids[: args.window], args.decode_tokens, args.decode_rounds)
+    speeds = decode_tokens_per_s(model, kinds, ids[: args.window], args.decode_tokens, args.decode_rounds)
     for row in rows:
         row["decode_tokens_per_s"] = speeds[row["kind"]]
     print(json.dumps({"decode_tokens_per_s": speeds}), flush=True)

@@ -13,7 +13,7 @@ import json
 import platform
 
 from zgen import Generator, SamplingConfig, load_model
-from zgen.cache.options import paged_kv, prefix_cache
+from zgen.cache.factory import paged_kv, prefix_cache
 
 SYSTEM = " ".join(
     f"Policy {i}: the assistant answers questions about the city's tram network, quotes timetables "

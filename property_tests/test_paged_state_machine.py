@@ -17,6 +17,15 @@ After every step, every live cache's ``get(layer)`` is checked against its refer
 Invariants: the pool never leaks (free + used == total, reference counts equal the number of tables
 naming each block), each cache holds exactly ceil(seq_len / page_size) blocks per row, forks never see
 each other's writes (each is read against its own reference), and a failed allocation changes nothing.
+
+A second machine drives a :class:`~zgen.cache.paged_manager.PagedKVManager` with its prefix cache, as the
+runtime does: sequences of tokens from a tiny alphabet start from ``match_prefix``, are fed (K/V that
+are a function of the whole token prefix, as a model's are), extended, truncated, forked, committed
+with ``commit_prefix`` and released, while the pool reclaims cached blocks when it runs short. Checked
+after every step: ``match_prefix`` reuses exactly the longest cached run of whole blocks (never the
+last token), every handle reads the K/V of its own tokens, every block the prefix cache holds still
+holds the K/V of its token prefix in the pages (copy-on-write protects it from the sequences sharing
+it), and reference counts equal the handles' tables plus the tree.
 """
 
 from __future__ import annotations
@@ -31,13 +40,17 @@ from hypothesis import event, strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, precondition, rule
 
 from zgen.cache.block_pool import BlockPool, blocks_for
-from zgen.cache.paged import CODED_KV_DTYPES, KV_DTYPES, PagedConfig, PagedKVCache, PageStore, q3_group_size, q4_group_size
+from zgen.cache.formats import KV_DTYPES, kv_format, q3_group_size, q4_group_size
+from zgen.cache.page_store import PagedConfig, PageStore
+from zgen.cache.paged import PagedKVCache
+from zgen.cache.paged_manager import PagedKVManager
 from zgen.cache.tensor import causal_attention
 from zgen.errors import CacheError, PoolExhaustedError
 from zgen.pallas.paged_attention.layouts import Q3_LEVELS, KeyCalibration
 
 LAYERS, BATCH, KVH, HEADS, D, PS, MAX_LEN, BLOCKS = 2, 2, 2, 4, 16, 4, 24, 15
 MAX_CACHES = 4
+CODED_KV_DTYPES = tuple(name for name in KV_DTYPES if kv_format(name).coded)
 
 
 def _round(x: np.ndarray, kv_dtype: str) -> np.ndarray:
@@ -347,3 +360,156 @@ class PagedCacheMachine(RuleBasedStateMachine):
 
 
 TestPagedCache = PagedCacheMachine.TestCase
+
+
+# -- the manager: prefix reuse over the shared pool ----------------------------------------------------
+
+M_LAYERS, M_KVH, M_D, M_PS, M_BLOCKS, M_MAX_LEN, M_HANDLES = 2, 1, 4, 2, 10, 12, 4
+prompt_strategy = st.lists(st.integers(0, 2), min_size=1, max_size=8)
+
+
+def kv_of(tokens: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """K and V ``[layers, 1, len, kv_heads, head_dim]`` of ``tokens``: position p's depend on tokens[:p+1]."""
+    k = np.zeros((M_LAYERS, 1, len(tokens), M_KVH, M_D), np.float32)
+    v = np.zeros_like(k)
+    for p in range(len(tokens)):
+        rng = np.random.default_rng([p + 1, *tokens[: p + 1]])
+        k[:, 0, p], v[:, 0, p] = rng.standard_normal((2, M_LAYERS, M_KVH, M_D)).astype(np.float32)
+    return k, v
+
+
+class LiveSequence:
+    """A live handle and the tokens whose K/V it holds."""
+
+    def __init__(self, handle: PagedKVCache, tokens: tuple[int, ...]) -> None:
+        self.handle, self.tokens = handle, tokens
+
+    def __repr__(self) -> str:
+        return f"LiveSequence({list(self.tokens)})"
+
+
+class PagedManagerMachine(RuleBasedStateMachine):
+    sequences = Bundle("sequences")
+
+    def __init__(self) -> None:
+        super().__init__()
+        config = PagedConfig(M_LAYERS, M_KVH, M_D, M_PS, "fp32")
+        self.manager = PagedKVManager(PageStore(config, BlockPool(M_BLOCKS, M_PS)), max_len=M_MAX_LEN, prefix_cache=True)
+        radix = self.manager.radix
+        assert radix is not None and self.manager.pool.reclaim == radix.reclaim
+        self.radix = radix
+        self.live: list[LiveSequence] = []
+        self.prompts: list[tuple[int, ...]] = []  # recent prompts, whose prefixes later ones reuse
+
+    def _feed(self, seq: LiveSequence, tokens: tuple[int, ...]) -> bool:
+        """Append ``tokens`` to every layer; False (and nothing changed) when the pool has no room."""
+        handle, start = seq.handle, seq.handle.seq_len
+        if not tokens:
+            return True
+        k, v = kv_of(seq.tokens + tokens)
+        pool = self.manager.pool
+        before = (handle.block_table, handle.seq_len, pool.refcounts(), self.radix.num_blocks)
+        try:
+            handle.update(0, jnp.asarray(k[0, :, start:]), jnp.asarray(v[0, :, start:]))
+        except PoolExhaustedError:
+            event("feeding hit an exhausted pool")
+            after = (handle.block_table, handle.seq_len, pool.refcounts(), self.radix.num_blocks)
+            np.testing.assert_array_equal(after[0], before[0])
+            np.testing.assert_array_equal(after[2], before[2])
+            assert after[1] == before[1] and after[3] == before[3], "a refused allocation changed something"
+            return False
+        for layer in range(1, M_LAYERS):
+            handle.update(layer, jnp.asarray(k[layer, :, start:]), jnp.asarray(v[layer, :, start:]))
+        seq.tokens += tokens
+        return True
+
+    @precondition(lambda self: len(self.live) < M_HANDLES)
+    @rule(target=sequences, tokens=prompt_strategy, base=st.integers(0, 3), repeat=st.booleans())
+    def start(self, tokens: list[int], base: int, repeat: bool) -> LiveSequence:
+        # Often a recent prompt again, or its first blocks and more: prefixes are shared.
+        recent = self.prompts[-base] if 0 < base <= len(self.prompts) else ()
+        prompt = recent if recent and repeat else (recent[: 2 * M_PS] + tuple(tokens))[:M_MAX_LEN]
+        self.prompts = [*self.prompts[-3:], prompt]
+        cached = {entry for entry, _ in self.radix.entries()}
+        expected = 0
+        while expected + M_PS <= len(prompt) - 1 and prompt[: expected + M_PS] in cached:
+            expected += M_PS
+        handle = self.manager.new_handle()
+        reused = self.manager.match_prefix(handle, prompt)
+        assert reused == expected and handle.seq_len == reused, "match_prefix did not reuse the longest cached prefix"
+        event("start reused cached blocks" if reused else "start missed")
+        seq = LiveSequence(handle, prompt[:reused])
+        self.live.append(seq)
+        evicted = self.radix.stats.evicted_blocks
+        if self._feed(seq, prompt[reused:]) and self.radix.stats.evicted_blocks > evicted:
+            event("the pool reclaimed prefix blocks")
+        return seq
+
+    @rule(seq=sequences, tokens=st.lists(st.integers(0, 2), min_size=1, max_size=4))
+    def extend(self, seq: LiveSequence, tokens: list[int]) -> None:
+        if seq.handle.seq_len + len(tokens) <= M_MAX_LEN:
+            self._feed(seq, tuple(tokens))
+
+    @rule(seq=sequences)
+    def commit(self, seq: LiveSequence) -> None:
+        self.manager.commit_prefix(seq.handle, seq.tokens)
+        cached = {entry for entry, _ in self.radix.entries()}
+        for end in range(M_PS, len(seq.tokens) + 1, M_PS):
+            assert seq.tokens[:end] in cached, "a committed full block is not in the prefix cache"
+
+    @rule(seq=sequences, fraction=st.floats(0.0, 1.0))
+    def truncate(self, seq: LiveSequence, fraction: float) -> None:
+        n = int(fraction * seq.handle.seq_len)
+        seq.handle.truncate(n)
+        seq.tokens = seq.tokens[:n]
+
+    @precondition(lambda self: len(self.live) < M_HANDLES)
+    @rule(target=sequences, seq=sequences)
+    def fork(self, seq: LiveSequence) -> LiveSequence:
+        twin = LiveSequence(seq.handle.fork(), seq.tokens)
+        self.live.append(twin)
+        return twin
+
+    @rule(seq=consumes(sequences))
+    def release(self, seq: LiveSequence) -> None:
+        seq.handle.release()
+        self.live.remove(seq)
+
+    @invariant()
+    def handles_read_their_own_tokens(self) -> None:
+        for seq in self.live:
+            assert seq.handle.seq_len == len(seq.tokens)
+            k, v = kv_of(seq.tokens)
+            for layer in range(M_LAYERS):
+                got = seq.handle.get(layer)
+                np.testing.assert_array_equal(np.asarray(got.k), k[layer])
+                np.testing.assert_array_equal(np.asarray(got.v), v[layer])
+
+    @invariant()
+    def cached_blocks_hold_their_prefixes(self) -> None:
+        entries = self.radix.entries()
+        if not entries:
+            return
+        table = np.full((1, M_BLOCKS), -1, np.int32)  # one shape: one compiled read
+        table[0, : len(entries)] = [block for _, block in entries]
+        for layer in range(M_LAYERS):
+            pages_k, pages_v = (np.asarray(x) for x in self.manager.store.view(layer, table))
+            for i, (prefix, _) in enumerate(entries):
+                k, v = kv_of(prefix)
+                np.testing.assert_array_equal(pages_k[0, i * M_PS : (i + 1) * M_PS], k[layer, 0, -M_PS:])
+                np.testing.assert_array_equal(pages_v[0, i * M_PS : (i + 1) * M_PS], v[layer, 0, -M_PS:])
+
+    @invariant()
+    def pool_counts_every_owner(self) -> None:
+        self.manager.pool.check_invariants(owners=[s.handle.owned_blocks() for s in self.live] + [self.radix.blocks()])
+        stats = self.radix.stats
+        assert stats.inserted_blocks - stats.evicted_blocks == self.radix.num_blocks
+
+    def teardown(self) -> None:
+        for seq in self.live:
+            seq.handle.release()
+        self.radix.clear()
+        assert self.manager.pool.num_free == M_BLOCKS, "blocks leaked after every sequence was released"
+
+
+TestPagedManager = PagedManagerMachine.TestCase

@@ -1,8 +1,9 @@
 """Stateful property test of RadixCache over a BlockPool.
 
 Sequences of tokens from a tiny alphabet (so prefixes are shared often) start (matching cached blocks
-and sharing them, allocating the rest), finish (optionally inserting their full blocks) and are matched
-and evicted in random orders, on a pool small enough to run out.
+and sharing them, allocating the rest), finish (optionally inserting their full blocks) and are matched,
+evicted and reclaimed in random orders, on a pool small enough to run out. In half the runs the pool
+asks the tree to reclaim blocks when it is short (as a paged KV manager's pool does).
 
 Ground truth: every allocated block is labelled with the exact token prefix whose KV it would hold
 (all tokens up to the end of the block — KV depends on the whole prefix). Checked:
@@ -10,6 +11,8 @@ Ground truth: every allocated block is labelled with the exact token prefix whos
 * ``match`` never returns a block whose label differs from the query's prefix, and returns the
   longest cached run of whole blocks;
 * eviction never frees a block that a live sequence still holds; only unused leaves go;
+* reclaim is all or nothing: it frees exactly what is asked when that many blocks are evictable, else
+  none; a pool that reclaims allocates exactly when its free blocks plus the evictable ones suffice;
 * reference counts always equal (live sequences naming the block) + (1 if the tree holds it);
   free + used == total; every tree entry's block carries the entry's prefix;
 * hit/miss/eviction stats add up.
@@ -18,7 +21,7 @@ Ground truth: every allocated block is labelled with the exact token prefix whos
 from __future__ import annotations
 
 from hypothesis import event, settings, strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, precondition, rule
 
 from zgen.cache.block_pool import BlockPool, blocks_for
 from zgen.cache.radix import RadixCache, block_hashes
@@ -48,6 +51,19 @@ class RadixMachine(RuleBasedStateMachine):
         self.live: list[Seq] = []
         self.lookups = 0
         self.evicted = 0
+        self.reclaiming = False
+
+    @initialize(reclaiming=st.booleans())
+    def hook(self, reclaiming: bool) -> None:
+        """Whether the pool asks the tree for blocks when an allocation is short."""
+        self.reclaiming = reclaiming
+        if reclaiming:
+            self.pool.reclaim = self.radix.reclaim
+
+    def _forget_freed_blocks(self) -> None:
+        for b in range(BLOCKS):
+            if self.pool.refcount(b) == 0:
+                self.label.pop(b, None)
 
     def _check_match(self, tokens: tuple[int, ...]) -> tuple[list[int], int]:
         blocks, n = self.radix.match(tokens)
@@ -70,15 +86,27 @@ class RadixMachine(RuleBasedStateMachine):
         event("start reused cached blocks" if n else "start missed")
         self.pool.share(blocks)
         need = blocks_for(len(full), PS) - len(blocks)
+        short = need - self.pool.num_free
+        can_reclaim = self.reclaiming and self.radix.evictable_blocks() >= short
+        evicted_before = self.radix.stats.evicted_blocks
         try:
             fresh = self.pool.allocate(need)
         except PoolExhaustedError:
             event("pool exhausted")
+            assert short > 0 and not can_reclaim, "the pool refused blocks it had or could reclaim"
+            assert self.radix.stats.evicted_blocks == evicted_before, "a refused allocation evicted blocks"
             self.pool.free(blocks)
             return Seq((), [])  # a sequence that holds nothing
+        if short > 0:
+            event("the pool reclaimed prefix blocks")
+            assert can_reclaim and self.radix.stats.evicted_blocks - evicted_before == short
+            self.evicted += short
+        else:
+            assert self.radix.stats.evicted_blocks == evicted_before, "the pool reclaimed blocks it did not need"
         for j, b in enumerate(fresh):
             i = len(blocks) + j
             self.label[b] = full[: min((i + 1) * PS, len(full))]
+        self._forget_freed_blocks()  # blocks the pool reclaimed and did not hand out again
         seq = Seq(full, blocks + fresh)
         self.live.append(seq)
         return seq
@@ -108,11 +136,21 @@ class RadixMachine(RuleBasedStateMachine):
         for b, count in held.items():
             assert self.pool.refcount(b) >= 1 and b in self.label, f"eviction freed block {b} a live sequence holds"
             assert self.pool.refcount(b) in (count, count - 1)
-        for b in range(BLOCKS):
-            if self.pool.refcount(b) == 0:
-                self.label.pop(b, None)
+        self._forget_freed_blocks()
         if freed:
             event("evicted")
+
+    @precondition(lambda self: self.radix.num_blocks > 0)
+    @rule(n=st.integers(1, 4))
+    def reclaim(self, n: int) -> None:
+        held = {b: self.pool.refcount(b) for s in self.live for b in s.blocks}
+        evictable = self.radix.evictable_blocks()
+        freed = self.radix.reclaim(n)
+        self.evicted += freed
+        assert freed == (n if evictable >= n else 0), "reclaim is not all or nothing"
+        for b, count in held.items():
+            assert self.pool.refcount(b) == count, f"reclaim took block {b} a live sequence holds"
+        self._forget_freed_blocks()
 
     @invariant()
     def consistent(self) -> None:

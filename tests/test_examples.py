@@ -1,4 +1,5 @@
-"""Every example script runs to completion on the real model."""
+"""Every top-level example script runs to completion on the real model (the context examples and
+their claims: tests/contexts/test_context_examples.py)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,14 @@
-"""Generator behaviour on the real SmolLM2: batching, streaming, seeds, stop conditions, sessions."""
+"""Generator behaviour on the real SmolLM2 that contexts have no twin of: streams, sessions, threads.
+(What both front ends share is checked through both in tests/test_scenarios.py.)"""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
-from zgen import Generator, Request, SamplingConfig
+from zgen import Generator, SamplingConfig
+from zgen.cache.factory import CacheOption, paged_kv
 from zgen.model import Model
 
 GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=24)
@@ -15,16 +19,6 @@ def gen(smollm2: Model) -> Generator:
     return Generator(smollm2)
 
 
-def test_batch_equals_single(gen: Generator) -> None:
-    prompts = ["The capital of France is", "1, 2, 3, 4,", "Once upon a time in a small village far away, there"]
-    singles = [gen.generate(p, GREEDY) for p in prompts]
-    batched = gen.batch_generate([Request(p, GREEDY) for p in prompts])
-    for one, many in zip(singles, batched, strict=True):
-        assert one.token_ids == many.token_ids
-        assert one.text == many.text
-        assert one.logprobs == pytest.approx(many.logprobs, abs=1e-4)
-
-
 def test_stream_equals_generate(gen: Generator) -> None:
     sampling = SamplingConfig(temperature=0.8, top_p=0.9, seed=7, max_new_tokens=40)
     prompt = [{"role": "user", "content": "Write a haiku about autumn."}]
@@ -33,31 +27,12 @@ def test_stream_equals_generate(gen: Generator) -> None:
     assert "".join(pieces) == gen.generate(prompt, sampling).text
 
 
-def test_same_seed_same_output_alone_or_batched(gen: Generator) -> None:
-    sampling = SamplingConfig(temperature=1.0, top_k=50, seed=1234, max_new_tokens=20)
-    first = gen.generate("My favourite food is", sampling)
-    second = gen.generate("My favourite food is", sampling)
-    other = SamplingConfig(temperature=0.7, seed=99, max_new_tokens=30)
-    batched = gen.batch_generate([Request("Hello there,", other), Request("My favourite food is", sampling)])
-    assert first.token_ids == second.token_ids == batched[1].token_ids
-    different = gen.generate("My favourite food is", SamplingConfig(temperature=1.0, top_k=50, seed=4321, max_new_tokens=20))
-    assert different.token_ids != first.token_ids
-
-
 def test_max_new_tokens_and_usage(gen: Generator) -> None:
     result = gen.generate("Count: one, two,", SamplingConfig(temperature=0.0, max_new_tokens=5, ignore_eos=True))
     assert len(result.token_ids) == 5
     assert result.finish_reason == "length"
     assert result.usage.completion_tokens == 5
     assert result.usage.prompt_tokens == len(result.prompt_token_ids)
-
-
-def test_stop_token_ends_generation(gen: Generator, smollm2: Model) -> None:
-    chat = [{"role": "user", "content": "Say hi."}]
-    result = gen.generate(chat, SamplingConfig(temperature=0.0, max_new_tokens=200))
-    assert result.finish_reason == "stop"
-    assert result.token_ids[-1] in smollm2.eos_token_ids
-    assert "<|im_end|>" not in result.text
 
 
 def test_stop_string_spanning_tokens(gen: Generator, smollm2: Model) -> None:
@@ -75,11 +50,32 @@ def test_stop_string_spanning_tokens(gen: Generator, smollm2: Model) -> None:
     assert free.token_ids[: len(stopped.token_ids)] == stopped.token_ids
 
 
-def test_session_reuses_prefix_and_matches_fresh_generation(gen: Generator) -> None:
+@pytest.mark.parametrize("options", [(), (paged_kv(64),)], ids=["tensor", "paged"])
+def test_session_keeps_its_kv_between_turns(smollm2: Model, options: tuple[CacheOption, ...]) -> None:
+    gen = Generator(smollm2, *options)
     session = gen.new_session()
     turn1 = [{"role": "user", "content": "What is 2 + 2?"}]
     first = session.generate(turn1, GREEDY)
     turn2 = [*turn1, {"role": "assistant", "content": first.text}, {"role": "user", "content": "And 3 + 3?"}]
     second = session.generate(turn2, GREEDY)
-    fresh = gen.generate(turn2, GREEDY)
-    assert second.token_ids == fresh.token_ids
+    assert second.usage.cached_prompt_tokens >= len(first.prompt_token_ids)  # the first turn is not prefilled again
+    assert second.token_ids == gen.generate(turn2, GREEDY).token_ids
+    session.reset()
+
+
+def test_an_abandoned_stream_frees_its_row(smollm2: Model) -> None:
+    gen = Generator(smollm2, max_batch_size=1)
+    stream = gen.generate_stream("Once upon a time", SamplingConfig(temperature=0.0, max_new_tokens=64, ignore_eos=True))
+    assert next(stream)
+    stream.close()  # the one row goes back at once, not at garbage collection
+    assert len(gen.generate("Hi", SamplingConfig(temperature=0.0, max_new_tokens=3, ignore_eos=True)).token_ids) == 3
+
+
+def test_threads_share_one_generator(smollm2: Model) -> None:
+    gen = Generator(smollm2, paged_kv(64), max_batch_size=4)
+    prompts = ["Red", "Green", "Blue", "Yellow"]
+    sampling = SamplingConfig(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+    alone = [gen.generate(p, sampling).token_ids for p in prompts]
+    with ThreadPoolExecutor(4) as pool:
+        threaded = list(pool.map(lambda p: gen.generate(p, sampling).token_ids, prompts))
+    assert threaded == alone

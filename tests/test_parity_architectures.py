@@ -26,7 +26,7 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
 def test_logits_match_transformers(pair: tuple[Model, Any]) -> None:
     model, hf = pair
-    ours = model.logits(IDS)
+    ours = Generator(model).logits(IDS)
     ref = hf_logits(hf, IDS)
     assert np.abs(ours - ref).max() <= 1e-4
 
@@ -45,17 +45,18 @@ def test_prefill_then_decode_equals_one_prefill(pair: tuple[Model, Any]) -> None
 
     from zgen.cache.tensor import DenseKVState
 
+    from zgen.runtime.runner import runner_for
+
     model, _ = pair
     c = model.config
     n, k = 12, 6
+    runner = runner_for(model)
     cache = DenseKVState.zeros(c.num_layers, 1, 128, c.num_kv_heads, c.head_dim, model.dtype)
     positions = jnp.arange(n, dtype=jnp.int32)[None]
-    logits, cache = model.plan.prefill(model.params, cache, jnp.asarray([IDS[:n]]), positions, positions[:, -1:])
+    logits, cache = runner.forward(cache, jnp.asarray([IDS[:n]]), positions, positions[:, -1:])
     stepped = [np.asarray(logits[0, 0])]
     for pos in range(n, n + k):
-        step_logits, cache = model.plan.prefill(
-            model.params, cache, jnp.asarray([[IDS[pos]]]), jnp.asarray([[pos]]), jnp.zeros((1, 1), jnp.int32)
-        )
+        step_logits, cache = runner.forward(cache, jnp.asarray([[IDS[pos]]]), jnp.asarray([[pos]]), jnp.zeros((1, 1), jnp.int32))
         stepped.append(np.asarray(step_logits[0, 0]))
-    full = model.logits(IDS[: n + k])
+    full = Generator(model).logits(IDS[: n + k])
     np.testing.assert_allclose(np.stack(stepped), full[n - 1 : n + k], atol=2e-5)

@@ -44,7 +44,7 @@ def test_long_prompt_is_long(model: Model) -> None:
 def test_prefill_logits_match_hf(model: Model, hf_model: Any) -> None:
     gen = Generator(model)
     ids = gen.encode_prompt(PROMPTS["digits"])
-    ours = model.logits(ids)
+    ours = gen.logits(ids)
     ref = hf_logits(hf_model, ids)
     assert np.abs(ours - ref).max() < 5e-4
 

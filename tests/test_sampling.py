@@ -1,4 +1,4 @@
-"""Tests of zgen.sampling: filters keep exactly the right tokens, distributions are right, runs are
+"""Tests of zgen.runtime.sampling: filters keep exactly the right tokens, distributions are right, runs are
 reproducible and independent of the batch, penalties follow their formulas."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from zgen.errors import ConfigError
-from zgen.sampling import (
+from zgen.runtime.sampling import (
     TOP_K_CANDIDATE_LIMIT,
     PenaltyState,
     SamplingConfig,
@@ -524,7 +524,7 @@ def test_filter_logits_and_host_sampler() -> None:
 
 @pytest.mark.parametrize("ways", [2, 4, 16])
 def test_threshold_search_is_exact(ways: int) -> None:
-    from zgen.sampling import _search_ways
+    from zgen.runtime.sampling import _search_ways
 
     rng = np.random.default_rng(ways)
     target = rng.integers(0, 2**32 - 1, size=64, dtype=np.uint64).astype(np.uint32)
@@ -537,7 +537,7 @@ def test_threshold_search_is_exact(ways: int) -> None:
 
 def test_accelerator_search_gives_the_same_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     """The 16-ary threshold search (GPU/TPU) picks the same tokens as the binary one (CPU)."""
-    import zgen.sampling as zs
+    import zgen.runtime.sampling as zs
 
     vocab = 100
     configs = [SamplingConfig(top_p=0.7, seed=1), SamplingConfig(top_k=30, top_p=0.95, seed=2), SamplingConfig(top_k=3)]
@@ -556,7 +556,7 @@ def test_accelerator_search_gives_the_same_tokens(monkeypatch: pytest.MonkeyPatc
 
 
 def test_step_key_is_jax_fold_in() -> None:
-    from zgen.sampling import _step_words
+    from zgen.runtime.sampling import _step_words
 
     keys = make_row_keys([3, 2**33 + 5, None], default_seed=1)
     steps = jnp.asarray([0, 7, 2**31 + 9], jnp.uint32)
@@ -568,7 +568,7 @@ def test_step_key_is_jax_fold_in() -> None:
 def test_threefry_matches_jax() -> None:
     from jax.extend.random import threefry_2x32
 
-    from zgen.sampling import _threefry2x32
+    from zgen.runtime.sampling import _threefry2x32
 
     rng = np.random.default_rng(0)
     key = rng.integers(0, 2**32, size=2, dtype=np.uint64).astype(np.uint32)

@@ -7,8 +7,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zgen.errors import ConfigError
-from zgen.sampling import SamplingConfig
-from zgen.stopping import MaxNewTokens, StopCriteria, StopStringMatcher, StopStrings, StopTokens
+from zgen.runtime import stop
+from zgen.runtime.sampling import SamplingConfig
+from zgen.runtime.stop import StopCondition, StopStringMatcher, TextStream
+from zgen.tokenizer import Tokenizer
 
 
 def reference_cut(text: str, stops: list[str]) -> tuple[str, str | None]:
@@ -129,28 +131,31 @@ def test_matcher_rejects_empty_stop_string() -> None:
 
 
 def test_composition_with_or() -> None:
-    c = MaxNewTokens(10) | StopTokens([1, 2]) | StopStrings(["x", "y"])
-    assert c == StopCriteria(max_new_tokens=10, token_ids=frozenset({1, 2}), strings=("x", "y"))
-    assert (StopStrings("x") | StopTokens(3)).max_new_tokens is None
-    assert (MaxNewTokens(10) | MaxNewTokens(4)).max_new_tokens == 4  # whichever comes first
-    a = StopTokens([1]) | StopStrings(["x"])
-    b = StopTokens([1, 5]) | StopStrings(["y", "x"])
-    assert (a | b) == StopCriteria(token_ids=frozenset({1, 5}), strings=("x", "y"))
-    assert ((a | b) | MaxNewTokens(3)) == (a | (b | MaxNewTokens(3)))  # associative
-    assert StopTokens([4]).criteria() == StopCriteria(token_ids=frozenset({4}))
-    assert c.matcher().stops == ("x", "y")
+    c = stop.max_len(10) | stop.ends_with_any([1, 2]) | stop.ends_with_text("x") | stop.ends_with_text("y")
+    assert c == StopCondition(max_tokens=10, sequences=((1,), (2,)), strings=("x", "y"))
+    assert (stop.ends_with_text("x") | stop.ends_with(3)).max_tokens is None
+    assert (stop.max_len(10) | stop.max_len(4)).max_tokens == 4  # whichever comes first
+    a = stop.ends_with(1) | stop.ends_with_text("x")
+    b = stop.ends_with_any([1, [5, 6]]) | stop.ends_with_text("y") | stop.ends_with_text("x")
+    assert (a | b) == StopCondition(sequences=((1,), (5, 6)), strings=("x", "y"))  # duplicates merged
+    assert ((a | b) | stop.max_len(3)) == (a | (b | stop.max_len(3)))  # associative
+    assert (a | b).device_token_ids == (1,) and (a | b).needs_host
+    assert not stop.ends_with_any([4, 5]).needs_host
     hash(c)
 
 
 @pytest.mark.parametrize(
     "make",
     [
-        lambda: MaxNewTokens(0),
-        lambda: MaxNewTokens(True),
-        lambda: StopTokens([-1]),
-        lambda: StopTokens(["3"]),  # type: ignore[list-item]
-        lambda: StopStrings([""]),
-        lambda: StopCriteria(max_new_tokens=-2),
+        lambda: stop.max_len(0),
+        lambda: stop.max_len(True),  # type: ignore[arg-type]
+        lambda: stop.ends_with(-1),
+        lambda: stop.ends_with(2**40),  # ids live in int32 on the device
+        lambda: stop.ends_with(["3"]),  # type: ignore[list-item]
+        lambda: stop.ends_with([]),
+        lambda: stop.ends_with_any([]),
+        lambda: stop.ends_with_text(""),
+        lambda: StopCondition(max_tokens=-2),
     ],
 )
 def test_invalid_stop_conditions_raise(make) -> None:
@@ -158,10 +163,85 @@ def test_invalid_stop_conditions_raise(make) -> None:
         make()
 
 
-def test_criteria_from_sampling_config() -> None:
+def test_condition_from_sampling_config() -> None:
     eos = [2, 7]
-    c = StopCriteria.from_sampling_config(SamplingConfig(max_new_tokens=12, stop=("##",)), eos)
-    assert c == StopCriteria(max_new_tokens=12, token_ids=frozenset(eos), strings=("##",))
-    assert StopCriteria.from_sampling_config(SamplingConfig(ignore_eos=True), eos).token_ids == frozenset()
-    c = StopCriteria.from_sampling_config(SamplingConfig(stop_token_ids=(9,), ignore_eos=True), eos)
-    assert c.token_ids == frozenset({9})
+    c = StopCondition.from_sampling(SamplingConfig(max_new_tokens=12, stop=("##",)), eos)
+    assert c == StopCondition(max_tokens=12, sequences=((2,), (7,)), strings=("##",))
+    assert StopCondition.from_sampling(SamplingConfig(ignore_eos=True), eos).sequences == ()
+    c = StopCondition.from_sampling(SamplingConfig(stop_token_ids=(9,), ignore_eos=True), eos)
+    assert c.device_token_ids == (9,)
+
+
+# -- TextStream: the tokens and text one generation emits -------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def letters() -> Tokenizer:
+    """A word-level tokenizer whose token i decodes to one letter (so text positions are token positions)."""
+    import tokenizers
+    from tokenizers.models import WordLevel
+
+    vocab = {chr(ord("a") + i): i for i in range(26)}
+    backend = tokenizers.Tokenizer(WordLevel(vocab, unk_token="a"))
+    backend.decoder = tokenizers.decoders.Fuse()
+    return Tokenizer(backend=backend, bos_id=None, eos_ids=(25,))
+
+
+def _run(tokenizer: Tokenizer, condition: StopCondition, tokens: list[int], incremental: bool = True) -> tuple[TextStream, str]:
+    """Push ``tokens`` one by one until the stream stops; the text pieces it released, joined."""
+    text = TextStream(tokenizer, condition, incremental=incremental)
+    out = ""
+    for token in tokens:
+        out += text.push(token)
+        if text.done:
+            break
+    out += text.finish()
+    return text, out
+
+
+def test_text_stream_cuts_token_sequences_and_strings(letters: Tokenizer) -> None:
+    abc = [0, 1, 2, 3, 4]  # "abcde"
+    text, out = _run(letters, stop.ends_with([2, 3]), abc)
+    assert (text.tokens, out, text.text, text.finish_reason) == ([0, 1, 2, 3], "ab", "ab", "stop")
+    text, out = _run(letters, stop.ends_with_text("cd"), abc)
+    assert (text.tokens, out, text.finish_reason) == ([0, 1, 2, 3], "ab", "stop")
+    text, out = _run(letters, stop.max_len(3), abc)
+    assert (text.tokens, out, text.finish_reason) == ([0, 1, 2], "abc", "length")
+    # A false start of a sequence is released once the next token decides it.
+    text, out = _run(letters, stop.ends_with([2, 9]), abc)
+    assert (out, text.finish_reason) == ("abcde", "length")
+    # Tokens held for one sequence are released when another sequence completes after them.
+    text, out = _run(letters, stop.ends_with([0, 9]) | stop.ends_with(1), abc)
+    assert (text.tokens, out, text.finish_reason) == ([0, 1], "a", "stop")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 5), min_size=1, max_size=12),
+    sequences=st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=3), max_size=2),
+    strings=st.lists(st.text(alphabet="abcdef", min_size=1, max_size=3), max_size=2),
+)
+def test_text_stream_equals_the_text_of_the_kept_tokens(tokens: list[int], sequences: list[list[int]], strings: list[str]) -> None:
+    """Whatever the stops, the streamed text is the decoded kept tokens, minus a completed sequence,
+    cut before the first stop string."""
+    import tokenizers
+    from tokenizers.models import WordLevel
+
+    backend = tokenizers.Tokenizer(WordLevel({chr(ord("a") + i): i for i in range(26)}, unk_token="a"))
+    backend.decoder = tokenizers.decoders.Fuse()
+    tokenizer = Tokenizer(backend=backend, bos_id=None, eos_ids=())
+    condition = StopCondition(sequences=tuple(tuple(s) for s in sequences), strings=tuple(strings))
+    text, out = _run(tokenizer, condition, tokens)
+    kept = text.tokens
+    assert kept == tokens[: len(kept)]
+    body = kept
+    matched = next((s for s in condition.sequences if tuple(kept[-len(s) :]) == s and len(kept) >= len(s)), None)
+    if matched is not None and text.finish_reason == "stop":
+        body = kept[: len(kept) - len(matched)]
+    decoded = "".join(chr(ord("a") + t) for t in body)
+    # The first string completed wins (earliest end, the longest at a tie); the text stops before it.
+    ends = [(decoded.index(s) + len(s), -len(s)) for s in strings if s in decoded]
+    cut = min(ends)[0] + min(ends)[1] if ends else len(decoded)
+    assert out == text.text == decoded[:cut]
+    once, _ = _run(tokenizer, condition, tokens, incremental=False)  # decoded once at the end instead
+    assert (once.tokens, once.text, once.finish_reason) == (text.tokens, text.text, text.finish_reason)

@@ -1,29 +1,42 @@
 """zgen: LLM text generation in JAX.
 
-The path of one token: tokenizer (``zgen.tokenizer``) → typed graph compiled to an execution plan
-(``zgen.graph``) → prefill and on-device decode loop over a KV cache (``zgen.cache``, ``zgen.pallas``)
-→ sampler (``zgen.sampling``) → detokenizer and stop conditions (``zgen.stopping``).
+The path of one token (``docs/architecture.md``): tokenizer (``zgen.tokenizer``) → a front end
+(``Generator``, ``Context``, the CLI) → the runtime's engine (``zgen.runtime``: scheduler, one compiled
+step, sampler, stop rules) → the model's typed graph (``zgen.graph``) over a KV cache (``zgen.cache``)
+and attention kernels (``zgen.pallas``) → text.
 """
 
 from zgen.config import ModelConfig
+from zgen.contexts import Context
 from zgen.errors import ZgenError
-from zgen.generator import GenerationResult, Generator, Request, Session, TokenUsage
+from zgen.generator import Generator, Request, Session
 from zgen.model import Model, load_model
-from zgen.sampling import SamplingConfig
-from zgen.stopping import MaxNewTokens, StopStrings, StopTokens
+from zgen.runtime import (
+    Engine,
+    EngineConfig,
+    GenerationResult,
+    Sampler,
+    SamplingConfig,
+    StopCondition,
+    TokenUsage,
+    stop,
+)
 
 __all__ = [
+    "Context",
+    "Engine",
+    "EngineConfig",
     "GenerationResult",
     "Generator",
-    "MaxNewTokens",
     "Model",
     "ModelConfig",
     "Request",
+    "Sampler",
     "SamplingConfig",
     "Session",
-    "StopStrings",
-    "StopTokens",
+    "StopCondition",
     "TokenUsage",
     "ZgenError",
     "load_model",
+    "stop",
 ]

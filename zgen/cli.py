@@ -5,21 +5,20 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
 
-from zgen.cache.options import CACHE_KINDS, CacheOption, kv_dtype, prefix_cache
-from zgen.cache.paged import KV_DTYPES
+from zgen.cache.factory import CACHE_KINDS, CacheOption, cache_kind, kv_dtype, prefix_cache
+from zgen.cache.formats import KV_DTYPES
 from zgen.errors import ZgenError
 from zgen.evaluation import perplexity
 from zgen.generator import Generator
 from zgen.loading.builtin import DEFAULT_MODEL
 from zgen.model import DTYPES, load_model
-from zgen.sampling import SamplingConfig
+from zgen.runtime.sampling import SamplingConfig
 
 app = typer.Typer(help="LLM text generation in JAX.", no_args_is_help=True, pretty_exceptions_enable=False)
 err_console = Console(stderr=True)
@@ -35,7 +34,10 @@ RepetitionOption = Annotated[float, typer.Option(help="Penalty on tokens already
 SeedOption = Annotated[int | None, typer.Option(help="Random seed; the same seed gives the same output.")]
 StopOption = Annotated[list[str] | None, typer.Option("--stop", help="Stop string (repeatable).")]
 IgnoreEosOption = Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at the model's EOS tokens.")]
-KVCacheOption = Annotated[str, typer.Option("--kv-cache", help=f"KV cache kind: {', '.join(CACHE_KINDS)}.")]
+KVCacheOption = Annotated[
+    str | None,
+    typer.Option("--kv-cache", help=f"KV cache kind: {', '.join(CACHE_KINDS)} (default: tensor; paged for fp8/q4/q3)."),
+]
 KVDtypeOption = Annotated[str | None, typer.Option("--kv-dtype", help=f"KV storage dtype: {', '.join(KV_DTYPES)} (default: the model dtype).")]
 PrefixCacheOption = Annotated[
     bool,
@@ -47,8 +49,8 @@ PrefixCacheOption = Annotated[
 ]
 
 
-def _cache_options(kind: str, dtype: str | None, prefix: bool) -> list[CacheOption]:
-    options: list[CacheOption] = [lambda o: replace(o, kind=kind)]
+def _cache_options(kind: str | None, dtype: str | None, prefix: bool) -> list[CacheOption]:
+    options: list[CacheOption] = [] if kind is None else [cache_kind(kind)]
     if dtype is not None:
         options.append(kv_dtype(dtype))
     if prefix:
@@ -100,7 +102,7 @@ def generate(
     stop: StopOption = None,
     ignore_eos: IgnoreEosOption = False,
     dtype: DtypeOption = "float32",
-    kv_cache: KVCacheOption = "tensor",
+    kv_cache: KVCacheOption = None,
     kv_dtype_name: KVDtypeOption = None,
     use_prefix_cache: PrefixCacheOption = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of streaming text.")] = False,
@@ -160,7 +162,7 @@ def chat(
     repetition_penalty: RepetitionOption = 1.0,
     seed: SeedOption = None,
     dtype: DtypeOption = "float32",
-    kv_cache: KVCacheOption = "tensor",
+    kv_cache: KVCacheOption = None,
     kv_dtype_name: KVDtypeOption = None,
     use_prefix_cache: PrefixCacheOption = False,
 ) -> None:
@@ -203,7 +205,7 @@ def eval_ppl(
     model: ModelOption = DEFAULT_MODEL,
     window: Annotated[int, typer.Option(help="Tokens per window; each window starts from an empty cache.")] = 512,
     chunk: Annotated[int, typer.Option(help="Tokens fed per step within a window (1 = pure decode).")] = 64,
-    kv_cache: KVCacheOption = "tensor",
+    kv_cache: KVCacheOption = None,
     kv_dtype_name: KVDtypeOption = None,
     dtype: DtypeOption = "float32",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
@@ -217,8 +219,7 @@ def eval_ppl(
     try:
         loaded = load_model(model, dtype=dtype)
         ids = loaded.tokenizer.encode(text, add_special_tokens=False)
-        with Generator(loaded, *_cache_options(kv_cache, kv_dtype_name, False)) as generator:
-            result = perplexity(loaded, ids, window=window, chunk=chunk, backend=generator.kv_backend)
+        result = perplexity(loaded, ids, *_cache_options(kv_cache, kv_dtype_name, False), window=window, chunk=chunk)
     except ZgenError as err:
         raise _fail(err) from None
     fields = {"ppl": result.ppl, "nll": result.nll, "tokens_scored": result.tokens_scored, "windows": result.windows}

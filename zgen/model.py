@@ -1,15 +1,18 @@
-"""A loaded model: config, tokenizer, typed graph, device parameters and its execution plan."""
+"""A loaded model: config, tokenizer, typed graph and device parameters — data, running nothing.
+
+The runtime (:mod:`zgen.runtime`) compiles and runs it; this layer knows nothing about caches,
+engines or front ends.
+"""
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TypeVar, cast
 
 import gguf
 import jax
@@ -17,22 +20,17 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from zgen.cache.tensor import DenseKVState
 from zgen.config import ModelConfig
 from zgen.errors import CheckpointError, ConfigError, ModelNotFoundError
 from zgen.graph.core import Graph
 from zgen.graph.decoder import build_decoder
-from zgen.graph.plan import ExecutionPlan
 from zgen.loading.builtin import BUILTIN_MODELS, builtin_model_path
 from zgen.loading.gguf_file import config_from_gguf, open_gguf, params_from_gguf
 from zgen.loading.params import HostParams
 from zgen.loading.safetensors_dir import config_from_dir, params_from_dir
 from zgen.tokenizer import Tokenizer
 
-if TYPE_CHECKING:
-    from zgen.engine import Context, Engine
-    from zgen.pallas.paged_attention.layouts import KeyCalibration
-
+T = TypeVar("T")
 DTYPES: dict[str, jnp.dtype] = {
     "float32": jnp.dtype(jnp.float32),
     "bfloat16": jnp.dtype(jnp.bfloat16),
@@ -49,7 +47,7 @@ class LoadTimings:
     to_device_s: float
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity
 class Model:
     config: ModelConfig
     tokenizer: Tokenizer
@@ -58,49 +56,22 @@ class Model:
     dtype: jnp.dtype
     source: Path | None  # None for weights built in memory (benchmarks, tests)
     load_timings: LoadTimings
-    plan: ExecutionPlan = field(init=False)
-    _engine: Engine | None = field(default=None, init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        pad = self.config.eos_token_ids[0] if self.config.eos_token_ids else 0
-        self.plan = ExecutionPlan(self.graph, self.config.sliding_window, pad_id=pad)
-
-    @property
-    def engine(self) -> Engine:
-        """This model's default :class:`~zgen.engine.Engine` (made on first use, default settings)."""
-        if self._engine is None:
-            from zgen.engine import Engine
-
-            self._engine = Engine(self)
-        return self._engine
-
-    @functools.cached_property
-    def key_calibration(self) -> tuple[KeyCalibration, ...]:
-        """Per-layer key statistics the q4/q3 KV formats code keys with (one calibration pass, cached)."""
-        from zgen.cache.paged import calibrate_keys
-
-        return calibrate_keys(self)
-
-    def create_context(self, *, seed: int | None = None) -> Context:
-        """An empty context on the default engine (Pie's ``model.create_context()``)."""
-        return self.engine.create_context(seed=seed)
-
-    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
-        """Next-token logits [len(token_ids), vocab] after every prefix, in float32, from one prefill."""
-        c = self.config
-        length = len(token_ids)
-        capacity = 128 * -(-length // 128)
-        cache = DenseKVState.zeros(c.num_layers, 1, capacity, c.num_kv_heads, c.head_dim, self.dtype)
-        positions = jnp.arange(length, dtype=jnp.int32)[None]
-        ids = jnp.asarray([list(token_ids)], jnp.int32)
-        logits, _ = self.plan.prefill(self.params, cache, ids, positions, positions)
-        return np.asarray(logits[0])
+    # What higher layers derive from this model once and keep with it (its compiled steps, its key
+    # calibration, the default engine of its contexts; see `attached`). The model never reads it.
+    attachments: dict[str, object] = field(default_factory=lambda: {}, repr=False)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         ids = list(self.config.eos_token_ids)
         ids += [i for i in self.tokenizer.eos_ids if i not in ids]
         return tuple(ids)
+
+
+def attached(model: Model, name: str, make: Callable[[], T]) -> T:
+    """``make()`` computed once per model and kept with it under ``name`` (``Model.attachments``)."""
+    if name not in model.attachments:
+        model.attachments[name] = make()
+    return cast(T, model.attachments[name])
 
 
 def default_cache_dir() -> Path:

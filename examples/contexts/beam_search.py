@@ -8,8 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from zgen import Model, load_model
-from zgen.engine import Context, Engine, Sampler, stop
+from zgen import Context, Model, Sampler, load_model, stop
+from zgen.contexts import gather
 
 
 @dataclass
@@ -19,12 +19,12 @@ class Beam:
     tokens: list[int]
 
 
-def beam_search(engine: Engine, prompt: str, width: int, steps: int) -> list[Beam]:
-    root = engine.create_context()
+def beam_search(model: Model, prompt: str, width: int, steps: int) -> list[Beam]:
+    root = Context(model)
     root.fill(prompt)
     beams = [Beam(root, 0.0, [])]
     for _ in range(steps):
-        dists = engine.gather(*(b.ctx.decode_step_dist_async() for b in beams))
+        dists = gather(*(b.ctx.decode_step_dist_async() for b in beams))
         candidates = [
             (beam.logprob + math.log(float(p)), beam, int(token))
             for beam, dist in zip(beams, dists)
@@ -45,13 +45,13 @@ def beam_search(engine: Engine, prompt: str, width: int, steps: int) -> list[Bea
 def main(model: Model | None = None, width: int = 3, steps: int = 8) -> list[Beam]:
     model = model or load_model("smollm2")
     prompt = "The most important invention of the 20th century was"
-    beams = beam_search(model.engine, prompt, width, steps)
+    beams = beam_search(model, prompt, width, steps)
     for beam in beams:
         print(f"{beam.logprob:7.3f}  {model.tokenizer.decode(beam.tokens)!r}")
-    greedy = model.create_context()
+    greedy = Context(model)
     greedy.fill(prompt)
     expected = greedy.generate_result(Sampler.greedy(), stop.max_len(steps)).token_ids
-    assert beam_search(model.engine, prompt, 1, steps)[0].tokens == expected, "width 1 must be greedy"
+    assert beam_search(model, prompt, 1, steps)[0].tokens == expected, "width 1 must be greedy"
     return beams
 
 

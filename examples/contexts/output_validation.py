@@ -1,14 +1,14 @@
 """Output validation with the next-token distribution: answer only with an allowed option.
 
-Instead of sampling free text and parsing it, read ``decode_step_dist`` and pick the most probable of
-the allowed first tokens, then let the model finish that option.
+Instead of sampling free text and parsing it, read ``decode_step_dist``, pick the option whose first
+token is the most probable, and fill that option into the context as the answer.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zgen import Model, load_model
+from zgen import Context, Model, load_model
 
 
 @dataclass
@@ -21,7 +21,7 @@ def main(model: Model | None = None) -> ValidationResult:
     model = model or load_model("smollm2")
     tokenizer = model.tokenizer
     options = ["Paris", "London", "Rome", "Madrid"]
-    ctx = model.create_context()
+    ctx = Context(model)
     ctx.fill_user(f"What is the capital of France? Answer with one of: {', '.join(options)}.")
     dist = ctx.decode_step_dist()
     prob_of = dict(zip(dist.ids.tolist(), dist.probs.tolist()))

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zgen import Model, load_model
-from zgen.engine import NgramDrafter, Sampler, stop
+from zgen import Context, Model, Sampler, load_model, stop
+from zgen.contexts import NgramDrafter
 
 PROMPT = "Repeat the list exactly.\nList: apple, banana, cherry, date, elderberry, fig, grape.\nRepeat: apple, banana,"
 
@@ -22,16 +22,16 @@ class SpeculativeResult:
 
 def main(model: Model | None = None) -> SpeculativeResult:
     model = model or load_model("smollm2")
-    engine = model.engine
     limit = stop.max_len(24) | stop.ends_with_any(model.eos_token_ids)
 
-    plain = model.create_context()
+    plain = Context(model)
     plain.fill(PROMPT)
+    engine = plain.engine
     before = engine.stats.forward_passes
     expected = plain.generate_result(Sampler.greedy(), limit)
     plain_passes = engine.stats.forward_passes - before
 
-    drafted = model.create_context()
+    drafted = Context(model)
     drafted.fill(PROMPT)
     before = engine.stats.forward_passes
     result = drafted.generate_with_drafter(NgramDrafter(max_draft=8), Sampler.greedy(), limit)

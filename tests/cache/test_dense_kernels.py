@@ -15,8 +15,10 @@ import pytest
 
 from tests.hf_reference import save_random_checkpoint, small_configs
 from zgen import Generator, SamplingConfig, load_model
-from zgen.cache.tensor import DenseAttention, DenseBackend, DenseKVState, causal_attention
+from zgen.cache.factory import dense_attention
+from zgen.cache.tensor import DenseAttention, DenseKVState, causal_attention
 from zgen.model import Model
+from zgen.runtime.runner import runner_for
 
 KERNEL_PATHS = ("xla", "triton")
 IDS = [1, 17, 42, 5, 88, 3, 60, 61, 9, 33, 70, 12, 45, 90, 4, 27, 8, 15, 64, 31]
@@ -41,6 +43,7 @@ def _chunked_logits(model: Model, attention: DenseAttention) -> np.ndarray:
     padding at continuing positions, as the generator pads), a 5-token chunk after it and three
     one-token steps (the Triton decode kernel)."""
     c = model.config
+    runner = runner_for(model)
     state = DenseKVState.zeros(c.num_layers, 2, 128, c.num_kv_heads, c.head_dim, model.dtype, attention)
     chunks = [(0, 40), (40, 5), (45, 1), (46, 1), (47, 1)]
     starts = np.asarray([0, 3], np.int32)  # row 1 runs three tokens behind row 0
@@ -49,9 +52,7 @@ def _chunked_logits(model: Model, attention: DenseAttention) -> np.ndarray:
         positions = starts[:, None] + begin + np.arange(size, dtype=np.int32)
         tokens = np.asarray(IDS, np.int32)[positions % len(IDS)]
         rows = np.broadcast_to(np.arange(size, dtype=np.int32), (2, size))
-        logits, state = model.plan.prefill(
-            model.params, state, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(rows)
-        )
+        logits, state = runner.forward(state, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(rows))
         out.append(np.asarray(logits))
     return np.concatenate(out, axis=1)
 
@@ -63,13 +64,14 @@ def test_kernel_path_logits_match_einsum(model: Model, attention: DenseAttention
 
 
 def test_greedy_generation_matches_einsum(model: Model) -> None:
-    """The generator's own prefill (bucketed) and on-device decode loop (one token per step)."""
-    c = model.config
+    """The generator's own prefill (bucketed) and on-device decode loop (one token per step), on the
+    dense rows of the default (tensor) cache."""
     sampling = SamplingConfig(temperature=0.0, max_new_tokens=12, ignore_eos=True)
     results = {}
     for attention in ("einsum", "triton"):
-        backend = DenseBackend(c.num_layers, c.num_kv_heads, c.head_dim, model.dtype, attention)
-        results[attention] = Generator(model, kv_backend=backend).generate(IDS[:7], sampling)
+        generator = Generator(model, dense_attention(attention))
+        assert generator.engine.kv.kind == "tensor"
+        results[attention] = generator.generate(IDS[:7], sampling)
     assert results["triton"].token_ids == results["einsum"].token_ids
     np.testing.assert_allclose(results["triton"].logprobs, results["einsum"].logprobs, atol=1e-4)
 

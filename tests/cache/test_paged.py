@@ -1,11 +1,15 @@
-"""Unit tests of the paged KV cache family: BlockPool, PagedKVState, PagedKVCache, RadixCache, PagedBackend.
+"""Unit tests of the paged KV cache family: BlockPool, the KV formats, PagedKVState, PagedKVCache,
+RadixCache and PagedKVManager.
 
-The end-to-end checks run a tiny random Llama through ``ExecutionPlan.prefill`` with a paged state and a
-dense state and compare the logits (prefill, prefill from an offset after a reused prefix, decode steps).
+The end-to-end checks run a tiny random Llama through :func:`zgen.runtime.step.forward` (compiled,
+the state donated as the runtime's runner does) with a paged state and a dense state and compare the
+logits (prefill, prefill from an offset after a reused prefix, decode steps).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
 
 import jax
@@ -13,27 +17,23 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from zgen.cache.base import KVState, StepRow
 from zgen.cache.block_pool import BlockPool
-from zgen.cache.paged import (
-    KV_DTYPES,
-    PagedBackend,
-    PagedConfig,
-    PagedKVCache,
-    PagedKVState,
-    PageStore,
-    bytes_per_token_per_layer,
-    calibrate_keys,
-    empty_pages,
-)
+from zgen.cache.formats import KV_DTYPES, bytes_per_token_per_layer, empty_pages, kv_format
+from zgen.cache.page_store import PagedConfig, PageStore
+from zgen.cache.paged import PagedKVCache
+from zgen.cache.paged_manager import PagedKVManager
+from zgen.cache.paged_state import PagedKVState
 from zgen.cache.radix import RadixCache, block_hashes
 from zgen.cache.tensor import DenseKVState, causal_attention
 from zgen.config import ModelConfig
 from zgen.errors import CacheError, ConfigError, PoolExhaustedError
 from zgen.graph.decoder import build_decoder
 from zgen.graph.nodes import rotary
-from zgen.graph.plan import ExecutionPlan, _CacheContext
 from zgen.model import random_model
 from zgen.pallas.paged_attention.layouts import KeyCalibration, hadamard
+from zgen.runtime.calibration import calibrate_keys
+from zgen.runtime.step import ModelSpec, _CacheContext, forward
 
 # -- BlockPool ---------------------------------------------------------------------------------------
 
@@ -74,15 +74,39 @@ def test_pool_fragmentation_ratio() -> None:
     assert pool.fragmentation_ratio == pytest.approx(1 - 5 / 8)
 
 
+def test_pool_asks_its_reclaim_callback_for_the_shortfall_only_when_short() -> None:
+    pool = BlockPool(4, page_size=2)
+    held = pool.allocate(3)
+    asked: list[int] = []
+
+    def reclaim(n: int) -> int:
+        asked.append(n)
+        return len(pool.free(held[:n])) if n <= 2 else 0  # can free 2 of its blocks at most
+
+    pool.reclaim = reclaim
+    assert len(pool.allocate(1)) == 1 and asked == []  # not short: not asked
+    with pytest.raises(PoolExhaustedError):
+        pool.allocate(3)  # short by 3: the callback frees nothing, so the pool raises and changes nothing
+    assert asked == [3] and pool.num_free == 0
+    assert len(pool.allocate(2)) == 2  # short by 2: freed by the callback, then allocated
+    assert asked == [3, 2] and pool.num_free == 0
+    pool.check_invariants()
+
+
 def test_pool_from_memory_budget_counts_real_bytes() -> None:
-    kw = dict(num_layers=2, kv_heads=3, head_dim=64, page_size=16)
+    def block_bytes(kv_dtype: str) -> int:
+        return PagedConfig(num_layers=2, kv_heads=3, head_dim=64, page_size=16, kv_dtype=kv_dtype).bytes_per_token * 16
+
     per_block_bf16 = bytes_per_token_per_layer("bf16", 3, 64, 16) * 16 * 2
-    pool = BlockPool.from_memory_budget(1.0, kv_dtype="bf16", **kw)
-    assert pool.num_blocks == 2**20 // per_block_bf16
-    q4 = BlockPool.from_memory_budget(1.0, kv_dtype="q4", **kw)
+    assert block_bytes("bf16") == per_block_bf16
+    pool = BlockPool.from_memory_budget(1.0, block_bytes("bf16"), 16)
+    assert pool.num_blocks == 2**20 // per_block_bf16 and pool.page_size == 16
+    q4 = BlockPool.from_memory_budget(1.0, block_bytes("q4"), 16)
     assert q4.num_blocks > 3 * pool.num_blocks
     with pytest.raises(ConfigError, match="holds no block"):
-        BlockPool.from_memory_budget(0.001, kv_dtype="fp32", **kw)
+        BlockPool.from_memory_budget(0.001, block_bytes("fp32"), 16)
+    store = PageStore.with_budget(PagedConfig(2, 3, 64, 16, "q4"), 1.0)
+    assert store.pool.num_blocks == q4.num_blocks
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
@@ -91,6 +115,7 @@ def test_bytes_per_token_matches_the_store(kv_dtype: str) -> None:
     store = PageStore(config, BlockPool(5, 8))
     per_token = bytes_per_token_per_layer(kv_dtype, 3, 64, 8)
     assert store.nbytes == per_token * 5 * 8 * 2
+    assert config.bytes_per_token == per_token * 2
 
 
 def test_memory_per_token_really_shrinks() -> None:
@@ -99,10 +124,11 @@ def test_memory_per_token_really_shrinks() -> None:
     assert sizes == {"fp32": 1536, "bf16": 768, "fp16": 768, "fp8": 408, "q4": 240, "q3": 192}
     assert sizes["q3"] < sizes["q4"] < sizes["fp8"] < sizes["bf16"]
     assert bytes_per_token_per_layer("q3", 8, 128, 16) / bytes_per_token_per_layer("bf16", 8, 128, 16) == 0.25
+    assert [name for name in KV_DTYPES if kv_format(name).coded] == ["q4", "q3"]
 
 
 def test_unknown_kv_dtype_and_bad_head_dim() -> None:
-    with pytest.raises(ConfigError, match="unknown kv_dtype"):
+    with pytest.raises(ConfigError, match="unknown kv dtype"):
         PagedConfig(1, 1, 16, kv_dtype="int8")
     with pytest.raises(ConfigError, match="head_dim % 8"):
         empty_pages("q3", 1, 1, 4, 12)
@@ -118,12 +144,12 @@ def _rand(key: int, *shape: int) -> jax.Array:
 
 
 @jax.jit
-def _write(state: PagedKVState | DenseKVState, k: jax.Array, v: jax.Array, pos: jax.Array):  # type: ignore[no-untyped-def]
+def _write(state: KVState, k: jax.Array, v: jax.Array, pos: jax.Array) -> KVState:
     return state.write(0, k, v, pos)
 
 
 @partial(jax.jit, static_argnums=3)
-def _attend(state: PagedKVState | DenseKVState, q: jax.Array, pos: jax.Array, window: int | None) -> jax.Array:
+def _attend(state: KVState, q: jax.Array, pos: jax.Array, window: int | None) -> jax.Array:
     return state.attend(0, q, pos, sliding_window=window)
 
 
@@ -145,8 +171,8 @@ def _shuffled_state(kv_dtype: str, capacity: int, num_layers: int = 1, seed: int
 @pytest.mark.parametrize("window", [None, 5])
 def test_paged_state_prefill_offset_and_decode_match_dense(window: int | None) -> None:
     cap = 16
-    paged = _shuffled_state("fp32", cap)
-    dense = DenseKVState.zeros(1, B, cap, KVH, D, jnp.float32)
+    paged: KVState = _shuffled_state("fp32", cap)
+    dense: KVState = DenseKVState.zeros(1, B, cap, KVH, D, jnp.float32)
     # Prefill 6 tokens, then 5 more from offset 6 (a cached prefix), then 3 single-token decode steps.
     steps = [(0, 6), (6, 5), (11, 1), (12, 1), (13, 1)]
     for i, (start, n) in enumerate(steps):
@@ -156,6 +182,7 @@ def test_paged_state_prefill_offset_and_decode_match_dense(window: int | None) -
         out_p, out_d = _attend(paged, q, pos, window), _attend(dense, q, pos, window)
         np.testing.assert_allclose(out_p, out_d, rtol=1e-5, atol=1e-5)
     end = steps[-1][0] + 1
+    assert isinstance(paged, PagedKVState) and isinstance(dense, DenseKVState)
     np.testing.assert_array_equal(_view(paged)[0][:, :end], dense.k[0][:, :end])
 
 
@@ -175,14 +202,15 @@ def test_quantized_state_attends_like_its_dequantized_view(kv_dtype: str) -> Non
     cap = 12
     state = _shuffled_state(kv_dtype, cap, seed=1)
     pos = jnp.broadcast_to(jnp.arange(0, 9, dtype=jnp.int32), (B, 9))
-    state = _write(state, _rand(1, B, 9, KVH, D), _rand(2, B, 9, KVH, D), pos)
-    vk, vv = _view(state)
+    written = _write(state, _rand(1, B, 9, KVH, D), _rand(2, B, 9, KVH, D), pos)
+    assert isinstance(written, PagedKVState)
+    vk, vv = _view(written)
     dense = DenseKVState((vk,), (vv,))
     q_pos = jnp.asarray([[8], [5]], jnp.int32)  # rows at different lengths
     q = _rand(3, B, 1, H, D)
-    np.testing.assert_allclose(_attend(state, q, q_pos, None), _attend(dense, q, q_pos, None), rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(_attend(written, q, q_pos, None), _attend(dense, q, q_pos, None), rtol=2e-2, atol=2e-2)
     qp = _rand(4, B, 9, H, D)
-    np.testing.assert_allclose(_attend(state, qp, pos, 4), _attend(dense, qp, pos, 4), rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(_attend(written, qp, pos, 4), _attend(dense, qp, pos, 4), rtol=2e-2, atol=2e-2)
 
 
 INV_FREQ = jnp.asarray(10_000.0 ** (-np.arange(0, D, 2) / D), jnp.float32)
@@ -190,7 +218,7 @@ INV_FREQ = jnp.asarray(10_000.0 ** (-np.arange(0, D, 2) / D), jnp.float32)
 
 @jax.jit
 def _write_and_attend(state: PagedKVState, q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array) -> tuple[jax.Array, PagedKVState]:
-    """What an Attention node does through the plan's cache context: q rotated, k not."""
+    """What an Attention node does through the step's cache context: q rotated, k not."""
     ctx = _CacheContext(state, None)
     out = ctx.write_and_attend(0, q, k, v, pos, INV_FREQ)
     return out, ctx.state
@@ -208,7 +236,7 @@ def _context_step(state: PagedKVState, start: int, n: int, seed: int) -> tuple[j
 
 @pytest.mark.parametrize("kv_dtype", ["q4", "q3"])
 def test_coded_formats_attend_like_their_decoded_keys(kv_dtype: str) -> None:
-    """Through the plan's cache context: the coded keys decode to the rotated keys (within the
+    """Through the step's cache context: the coded keys decode to the rotated keys (within the
     quantization error), and prefill (T > 1) and decode (T == 1) attention -- which never decode a
     key -- equal attention over the decoded keys."""
     state = _shuffled_state(kv_dtype, 12, seed=2)
@@ -249,6 +277,93 @@ def test_key_calibration_centres_each_key_on_its_rotated_mean() -> None:
     np.testing.assert_allclose(rotated, hadamard(rotary(centred, pos[..., 0], INV_FREQ)), rtol=1e-5, atol=1e-5)
 
 
+# -- a tiny random model through the compiled step -----------------------------------------------------
+
+CONFIG = ModelConfig(
+    architecture="llama",
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    max_position_embeddings=64,
+)
+
+Forward = Callable[[dict[str, jax.Array], KVState, jax.Array, jax.Array, jax.Array], tuple[jax.Array, KVState]]
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    """A tiny random Llama's parameters and its step, compiled with the state donated (as a Runner does)."""
+
+    params: dict[str, jax.Array]
+    forward: Forward
+
+
+@pytest.fixture(scope="module")
+def tiny_model() -> TinyModel:
+    graph = build_decoder(CONFIG)
+    rng = np.random.default_rng(0)
+    params = {
+        name: jnp.asarray(rng.standard_normal(shape) * (0.3 if len(shape) > 1 else 1.0), jnp.float32)
+        for name, shape in graph.param_shapes().items()
+    }
+    return TinyModel(params, jax.jit(partial(forward, ModelSpec(graph, None)), donate_argnums=(1,)))
+
+
+def _run(
+    model: TinyModel,
+    state: KVState,
+    rows: Sequence[Sequence[int]],
+    offsets: Sequence[int],
+    *,
+    width: int | None = None,
+    index: Sequence[int] | None = None,
+) -> tuple[np.ndarray, KVState]:
+    """Feed row ``i``'s tokens at ``offsets[i]``.. in batch row ``index[i]`` of one step of ``width``
+    rows (padding at position -1, as the runtime pads); the last-token logits of each given row (in
+    the order given) and the returned state."""
+    width = width or len(rows)
+    index = list(index or range(len(rows)))
+    length = max(len(r) for r in rows)
+    tokens = np.zeros((width, length), np.int32)
+    positions = np.full((width, length), -1, np.int32)
+    last = np.zeros((width, 1), np.int32)
+    for i, row, offset in zip(index, rows, offsets, strict=True):
+        tokens[i, : len(row)] = row
+        positions[i, : len(row)] = np.arange(offset, offset + len(row))
+        last[i] = len(row) - 1
+    logits, state = model.forward(model.params, state, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(last))
+    return np.asarray(logits[np.asarray(index), 0]), state
+
+
+def _feed(model: TinyModel, manager: PagedKVManager, handles: Sequence[PagedKVCache], rows: Sequence[Sequence[int]]) -> np.ndarray:
+    """One step as the runtime runs it: each handle reserves its row's tokens after what it holds, the
+    manager lays out the step's state, the step writes it, the manager takes it back. Last-token logits."""
+    starts = [handle.seq_len for handle in handles]
+    for handle, row in zip(handles, rows, strict=True):
+        handle.reserve(len(row))
+    width, index = manager.layout(handles)
+    step_rows = [StepRow(handle, start, len(row)) for handle, start, row in zip(handles, starts, rows, strict=True)]
+    state = manager.step_state(step_rows, width, max(len(r) for r in rows))
+    logits, state = _run(model, state, rows, starts, width=width, index=index)
+    manager.absorb(state)
+    return logits
+
+
+def _model_pages(kv_dtype: str = "fp32", key_calibration: tuple[KeyCalibration, ...] | None = None) -> PagedConfig:
+    """Pages shaped for the tiny model."""
+    return PagedConfig(CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.head_dim, 4, kv_dtype, key_calibration=key_calibration)
+
+
+def _manager(num_blocks: int, config: PagedConfig | None = None, *, max_len: int = 16, prefix_cache: bool = True) -> PagedKVManager:
+    """A manager on a fresh pool of ``num_blocks`` pages of 4 tokens (by default one small layer: bookkeeping only)."""
+    store = PageStore(config or PagedConfig(1, 1, 8, 4, "fp32"), BlockPool(num_blocks, 4))
+    return PagedKVManager(store, max_len=max_len, prefix_cache=prefix_cache)
+
+
 def test_calibrate_keys_measures_centres_sinks_and_sensitivity() -> None:
     model = random_model(CONFIG, dtype="float32")
     calibration = calibrate_keys(model, windows=3, window=16)
@@ -269,19 +384,17 @@ def test_calibrate_keys_measures_centres_sinks_and_sensitivity() -> None:
     np.testing.assert_allclose(calibration[0].sink, keys.mean(0), rtol=1e-4, atol=1e-4)
 
 
-def test_calibrated_backend_serves_states_again_after_a_plan_donated_them(tiny_model) -> None:  # type: ignore[no-untyped-def]
+def test_calibrated_manager_serves_states_again_after_a_step_donated_them(tiny_model: TinyModel) -> None:
     """The store hands each state fresh calibration arrays: a donated state does not kill the next one."""
-    plan, params = tiny_model
     calibration = calibrate_keys(random_model(CONFIG, dtype="float32"), windows=2, window=8)
-    config = PagedConfig(CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.head_dim, 4, "q3", key_calibration=calibration)
-    backend = PagedBackend(config, BlockPool(16, 4), prefix_cache=False)
+    manager = _manager(16, _model_pages("q3", calibration), max_len=12, prefix_cache=False)
     logits = []
     for _ in range(2):
-        state = backend.allocate(1, 12)
-        out, state = _run(plan, params, state, [[3, 1, 4, 1, 5, 9]], [0])
-        backend.release(state)
-        logits.append(out)
+        handle = manager.new_handle()
+        logits.append(_feed(tiny_model, manager, [handle], [[3, 1, 4, 1, 5, 9]]))
+        handle.release()
     np.testing.assert_array_equal(logits[0], logits[1])
+    assert manager.pool.num_free == 16
 
 
 def test_calibration_must_match_the_cache_shape() -> None:
@@ -299,51 +412,12 @@ def test_contiguous_state_is_the_dense_layout_with_any_storage_dtype() -> None:
     assert state.num_pages == 9
 
 
-# -- end to end: a tiny random model through ExecutionPlan ---------------------------------------------
-
-CONFIG = ModelConfig(
-    architecture="llama",
-    vocab_size=97,
-    hidden_size=32,
-    intermediate_size=48,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    max_position_embeddings=64,
-)
-
-
-@pytest.fixture(scope="module")
-def tiny_model() -> tuple[ExecutionPlan, dict[str, jax.Array]]:
-    graph = build_decoder(CONFIG)
-    rng = np.random.default_rng(0)
-    params = {
-        name: jnp.asarray(rng.standard_normal(shape) * (0.3 if len(shape) > 1 else 1.0), jnp.float32)
-        for name, shape in graph.param_shapes().items()
-    }
-    return ExecutionPlan(graph, None), params
-
-
-def _run(plan: ExecutionPlan, params: dict[str, jax.Array], state, rows: list[list[int]], offsets: list[int]):  # type: ignore[no-untyped-def]
-    """Feed each row's tokens at offset..offset+len (padded to a common width); last-token logits."""
-    width = max(len(r) for r in rows)
-    tokens = np.zeros((len(rows), width), np.int32)
-    for i, r in enumerate(rows):
-        tokens[i, : len(r)] = r
-    positions = np.asarray(offsets, np.int32)[:, None] + np.arange(width, dtype=np.int32)
-    last = np.asarray([[len(r) - 1] for r in rows], np.int32)
-    logits, state = plan.prefill(params, state, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(last))
-    return np.asarray(logits[:, 0]), state
-
-
 @pytest.mark.parametrize("kv_dtype", ["fp32", "q4"])
-def test_tiny_model_prefill_and_decode_logits_paged_equal_dense(tiny_model, kv_dtype: str) -> None:  # type: ignore[no-untyped-def]
-    plan, params = tiny_model
-    backend = PagedBackend(PagedConfig(CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.head_dim, 4, kv_dtype), BlockPool(40, 4))
-    backend.pool.allocate(5)  # the state's blocks do not start at block 0
-    paged = backend.allocate(2, 24)
-    dense = DenseKVState.zeros(CONFIG.num_layers, 2, 24, CONFIG.num_kv_heads, CONFIG.head_dim, jnp.float32)
+def test_tiny_model_prefill_and_decode_logits_paged_equal_dense(tiny_model: TinyModel, kv_dtype: str) -> None:
+    manager = _manager(40, _model_pages(kv_dtype), max_len=24, prefix_cache=False)
+    manager.pool.allocate(5)  # the handles' blocks do not start at block 0
+    handles = [manager.new_handle(), manager.new_handle()]
+    dense: KVState = DenseKVState.zeros(CONFIG.num_layers, 2, 24, CONFIG.num_kv_heads, CONFIG.head_dim, jnp.float32)
     prompts = [[5, 17, 3, 88, 42, 9, 1, 60, 33], [7, 7, 21, 14, 2, 96, 50, 11, 4]]
 
     def check(lp: np.ndarray, ld: np.ndarray, what: str) -> None:
@@ -353,95 +427,162 @@ def test_tiny_model_prefill_and_decode_logits_paged_equal_dense(tiny_model, kv_d
             rel = float(np.linalg.norm(lp - ld) / np.linalg.norm(ld))
             assert rel < 0.35, f"{what}: relative logit error {rel:.3f}"
 
-    lp, paged = _run(plan, params, paged, prompts, [0, 0])
-    ld, dense = _run(plan, params, dense, prompts, [0, 0])
+    lp = _feed(tiny_model, manager, handles, prompts)
+    ld, dense = _run(tiny_model, dense, prompts, [0, 0])
     check(lp, ld, "prefill")
     pos = [9, 9]
     for step in range(4):  # T == 1: the paged decode kernel
         tok = [[int(np.argmax(ld[i]))] for i in range(2)]
-        lp, paged = _run(plan, params, paged, tok, pos)
-        ld, dense = _run(plan, params, dense, tok, pos)
+        lp = _feed(tiny_model, manager, handles, tok)
+        ld, dense = _run(tiny_model, dense, tok, pos)
         check(lp, ld, f"decode step {step}")
         pos = [p + 1 for p in pos]
-    backend.release(paged)
-    assert backend.pool.num_free == 35
+    assert [h.seq_len for h in handles] == [13, 13] and manager.pool.num_free == 40 - 5 - 2 * 4
+    for handle in handles:
+        handle.release()
+    assert manager.pool.num_free == 35
 
 
-def test_prefix_reuse_gives_the_same_logits_as_a_full_prefill(tiny_model) -> None:  # type: ignore[no-untyped-def]
-    plan, params = tiny_model
-    backend = PagedBackend(PagedConfig(CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.head_dim, 4, "fp32"), BlockPool(24, 4))
+def test_prefix_reuse_gives_the_same_logits_as_a_full_prefill(tiny_model: TinyModel) -> None:
+    manager = _manager(24, _model_pages())
+    radix = manager.radix
+    assert radix is not None
     shared = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
     first = shared + [30, 31]
-    state, reused = backend.allocate_with_prefix([first], 16)
-    assert reused == [0] and backend.radix is not None and backend.radix.stats.misses == 1
-    full_logits, state = _run(plan, params, state, [first], [0])
-    assert backend.commit_prefix(state, 0, first) == 3  # 12 tokens = 3 full blocks
-    backend.release(state)
-    assert backend.pool.num_used == 3  # the radix tree keeps the committed blocks
+    handle = manager.new_handle()
+    assert manager.match_prefix(handle, first) == 0 and radix.stats.misses == 1
+    full_logits = _feed(tiny_model, manager, [handle], [first])
+    manager.commit_prefix(handle, first)
+    assert radix.num_blocks == 3 and radix.stats.inserted_blocks == 3  # 12 tokens = 3 full blocks
+    handle.release()
+    assert manager.pool.num_used == 3  # the radix tree keeps the committed blocks
 
     second = shared + [40, 41, 42]  # shares 10 tokens = 2 full blocks
-    state, reused = backend.allocate_with_prefix([second, first], 16)
+    handles = [manager.new_handle(), manager.new_handle()]
+    reused = [manager.match_prefix(h, p) for h, p in zip(handles, [second, first], strict=True)]
     assert reused == [8, 8]  # `first` could reuse 12 but must feed its last token: 8 = largest block multiple <= 11
-    table = np.asarray(state.block_tables)
-    assert table[0, 0] == table[1, 0] and backend.pool.refcount(int(table[0, 0])) == 3  # shared, not copied
-    logits, state = _run(plan, params, state, [second[8:], first[8:]], reused)
-    backend.release(state)
-    fresh = DenseKVState.zeros(CONFIG.num_layers, 2, 16, CONFIG.num_kv_heads, CONFIG.head_dim, jnp.float32)
-    ref, _ = _run(plan, params, fresh, [second, first], [0, 0])
+    assert [h.seq_len for h in handles] == reused
+    table = [h.block_table for h in handles]
+    assert table[0][0, 0] == table[1][0, 0] and manager.pool.refcount(int(table[0][0, 0])) == 3  # shared, not copied
+    logits = _feed(tiny_model, manager, handles, [second[8:], first[8:]])
+    for h in handles:
+        h.release()
+    fresh: KVState = DenseKVState.zeros(CONFIG.num_layers, 2, 16, CONFIG.num_kv_heads, CONFIG.head_dim, jnp.float32)
+    ref, _ = _run(tiny_model, fresh, [second, first], [0, 0])
     np.testing.assert_allclose(logits, ref, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(logits[1], full_logits[0], rtol=1e-4, atol=1e-4)
 
 
-# -- PagedBackend bookkeeping -----------------------------------------------------------------------
+def test_a_failed_step_that_donated_the_pages_is_reported_until_they_are_reset(tiny_model: TinyModel) -> None:
+    """A step that donated the store's pages and never handed its result back leaves every sequence on
+    the pool without K/V: each use says so (CacheError) instead of reading freed buffers; the block
+    bookkeeping is intact, and ``reset_pages`` starts over with zeroed pages."""
+    manager = _manager(8, _model_pages())
+    handle = manager.new_handle()
+    handle.reserve(5)
+    row = StepRow(handle, 0, 5)
+    given = manager.step_state([row], 1, 5)
+    assert isinstance(given, PagedKVState)
+    _run(tiny_model, given, [[1, 2, 3, 4, 5]], [0])  # the returned state is lost: the step "failed"
+    assert all(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(given.k))
+    for use in (lambda: handle.get(0), lambda: manager.step_state([row], 1, 5), lambda: handle.state):
+        with pytest.raises(CacheError, match="donated"):
+            use()
+    assert manager.pool.num_used == 2 and handle.seq_len == 5
+    manager.store.reset_pages()
+    np.testing.assert_array_equal(handle.get(0).k, np.zeros((1, 5, CONFIG.num_kv_heads, CONFIG.head_dim), np.float32))
+    handle.reset()
+    _feed(tiny_model, manager, [handle], [[1, 2, 3, 4, 5]])  # the manager serves steps again
+    assert float(jnp.abs(handle.get(0).k).max()) > 0
+    handle.release()
+    assert manager.pool.num_free == 8
 
 
-def _backend(num_blocks: int = 10, prefix: bool = True) -> PagedBackend:
-    return PagedBackend(PagedConfig(1, 1, 8, 4, "fp32"), BlockPool(num_blocks, 4), prefix_cache=prefix)
+# -- PagedKVManager bookkeeping -----------------------------------------------------------------------
 
 
-def test_backend_allocate_release_and_exhaustion() -> None:
-    backend = _backend(10)
-    state = backend.allocate(2, 13)  # ceil(13/4) = 4 blocks per row
-    assert state.block_tables.shape == (2, 4) and backend.pool.num_free == 2
-    with pytest.raises(CacheError, match="one batch at a time"):
-        backend.allocate(1, 4)
-    backend.release(state)
-    assert backend.pool.num_free == 10
+def test_manager_reserve_layout_release_and_exhaustion() -> None:
+    manager = _manager(10, max_len=16)
+    assert manager.kind == "paged" and manager.pages
+    a, b = manager.new_handle(), manager.new_handle()
+    a.reserve(13)
+    b.reserve(13)  # ceil(13/4) = 4 blocks per handle
+    assert manager.pool.num_free == 2
+    width, index = manager.layout([a, b])
+    assert (width, index) == (2, [0, 1])
+    state = manager.step_state([StepRow(a, 0, 13), StepRow(b, 0, 13)], width, 13)
+    assert isinstance(state, PagedKVState) and state.block_tables.shape == (2, 8)  # at least 8 pages: fewer compiles
+    np.testing.assert_array_equal(np.asarray(state.block_tables)[:, :4], np.concatenate([a.block_table, b.block_table])[:, :4])
+    assert (np.asarray(state.block_tables)[:, 4:] == -1).all()
+    manager.absorb(state)
+    c = manager.new_handle()
     with pytest.raises(PoolExhaustedError):
-        backend.allocate(3, 16)  # 12 blocks > 10
-    assert backend.pool.num_free == 10 and not backend.store.checked_out
-    with pytest.raises(CacheError, match="already released"):
-        backend.release(state)
+        c.reserve(12)  # 3 blocks > 2 free
+    assert c.seq_len == 0 and manager.pool.num_free == 2  # nothing changed
+    with pytest.raises(CacheError, match="cannot reserve"):
+        c.reserve(17)  # past the manager's max_len
+    a.release()
+    b.release()
+    assert manager.pool.num_free == 10
+    c.reserve(12)
+    c.release()
+    assert manager.pool.num_free == 10
+    with pytest.raises(CacheError, match="released"):
+        a.reserve(1)
 
 
-def test_backend_evicts_unused_prefix_blocks_only_when_that_suffices() -> None:
-    backend = _backend(6)
-    assert backend.radix is not None
-    state, _ = backend.allocate_with_prefix([list(range(9))], 12)
-    backend.commit_prefix(state, 0, list(range(9)))  # 2 full blocks
-    backend.release(state)
-    assert backend.pool.num_free == 4 and backend.radix.num_blocks == 2
+def test_manager_reclaims_unused_prefix_blocks_only_when_that_suffices() -> None:
+    manager = _manager(6, max_len=32)
+    radix = manager.radix
+    assert radix is not None and manager.pool.reclaim == radix.reclaim
+    tokens = list(range(9))
+    handle = manager.new_handle()
+    assert manager.match_prefix(handle, tokens) == 0
+    handle.reserve(9)
+    manager.commit_prefix(handle, tokens)  # 2 full blocks
+    handle.release()
+    assert manager.pool.num_free == 4 and radix.num_blocks == 2
+    big = manager.new_handle()
     with pytest.raises(PoolExhaustedError):
-        backend.allocate(7, 4)  # 7 > 4 free + 2 evictable: nothing is evicted
-    assert backend.radix.num_blocks == 2
-    state = backend.allocate(1, 24)  # 6 blocks: evicts both cached blocks
-    assert backend.radix.num_blocks == 0 and backend.radix.stats.evicted_blocks == 2
-    backend.release(state)
+        big.reserve(28)  # 7 blocks > 4 free + 2 evictable: nothing is evicted
+    assert radix.num_blocks == 2 and big.seq_len == 0 and manager.pool.num_free == 4
+
+    reader = manager.new_handle()
+    assert manager.match_prefix(reader, tokens) == 8  # the cached blocks are in use now
+    with pytest.raises(PoolExhaustedError):
+        big.reserve(24)  # 6 blocks > 4 free, and no cached block may go
+    assert radix.num_blocks == 2
+    reader.release()
+    big.reserve(24)  # 6 blocks: the pool reclaims both cached blocks
+    assert radix.num_blocks == 0 and radix.stats.evicted_blocks == 2
+    big.release()
+    assert manager.pool.num_free == 6
 
 
-def test_release_of_a_donated_state_recovers_and_warns(tiny_model) -> None:  # type: ignore[no-untyped-def]
-    plan, params = tiny_model
-    backend = PagedBackend(PagedConfig(CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.head_dim, 4, "fp32"), BlockPool(8, 4))
-    given = backend.allocate(1, 16)
-    _, returned = _run(plan, params, given, [[1, 2, 3, 4, 5]], [0])
-    backend.commit_prefix(returned, 0, [1, 2, 3, 4, 5])
-    assert backend.radix is not None and backend.radix.num_blocks == 1
-    if not any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(given.k)):
-        pytest.skip("this platform did not donate the state's buffers")
-    with pytest.warns(RuntimeWarning, match="donated"):
-        backend.release(given)  # the wrong (pre-plan) state: pages are lost, bookkeeping is not
-    assert backend.pool.num_free == 8 and backend.radix.num_blocks == 0 and not backend.store.checked_out
-    backend.release(backend.allocate(2, 16))
+def test_manager_prefix_rules() -> None:
+    manager = _manager(8, max_len=16)
+    radix = manager.radix
+    assert radix is not None
+    tokens = list(range(12))
+    handle = manager.new_handle()
+    assert manager.match_prefix(handle, tokens[:1]) == 0  # a one-token prompt must feed its token: no lookup
+    assert radix.stats.lookups == 0
+    handle.reserve(12)
+    with pytest.raises(CacheError, match="empty sequence"):
+        manager.match_prefix(handle, tokens)
+    handle.drop_blocks([1])  # a masked page (a context's): only the pages before it are offered
+    manager.commit_prefix(handle, tokens)
+    assert radix.entries() == [(tuple(tokens[:4]), int(handle.block_table[0, 0]))]
+    manager.commit_prefix(handle, tokens[:3])  # no full block: nothing offered
+    assert radix.num_blocks == 1
+    handle.release()
+    without = _manager(8, prefix_cache=False)
+    other = without.new_handle()
+    assert without.radix is None and without.pool.reclaim is None and without.match_prefix(other, tokens) == 0
+    other.reserve(12)
+    without.commit_prefix(other, tokens)
+    other.release()
+    assert without.pool.num_free == 8
 
 
 # -- PagedKVCache host handle --------------------------------------------------------------------------
@@ -543,3 +684,14 @@ def test_radix_match_insert_share_and_lru_eviction() -> None:
     s = radix.stats
     assert (s.lookups, s.hits, s.misses, s.inserted_blocks, s.evicted_blocks) == (4, 3, 1, 4, 2)
     assert len(block_hashes([1, 2, 8, 8], 2)) == 2 and radix.contains_hash(block_hashes([1, 2, 8, 8], 2)[1])
+
+
+def test_radix_reclaim_is_all_or_nothing() -> None:
+    pool = BlockPool(4, page_size=2)
+    radix = RadixCache(pool)
+    blocks = pool.allocate(3)
+    radix.insert([1, 2, 3, 4, 5, 6], blocks)
+    pool.free(blocks[1:])  # the sequence keeps only its first block
+    assert radix.evictable_blocks() == 2
+    assert radix.reclaim(3) == 0 and radix.num_blocks == 3  # 3 > 2 evictable: nothing goes
+    assert radix.reclaim(2) == 2 and radix.num_blocks == 1 and pool.num_free == 3

@@ -2,7 +2,7 @@
 
 A block (a "page") holds ``page_size`` consecutive token slots of one sequence, for every layer, K and
 V. The pool only does bookkeeping — which block ids are free, how many owners each used block has, how
-many of its slots hold tokens — the device arrays live in :class:`~zgen.cache.paged.PageStore`.
+many of its slots hold tokens — the device arrays live in :class:`~zgen.cache.page_store.PageStore`.
 
 Rules every caller relies on (and the property tests check):
 
@@ -17,7 +17,7 @@ Rules every caller relies on (and the property tests check):
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,31 +51,24 @@ class BlockPool:
         self._filled = np.zeros(num_blocks, np.int32)
         # Pop from the end: low ids are handed out first, which keeps tests and dumps readable.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        # Frees up to n blocks held only by a cache of this pool (a prefix cache); asked when short.
+        self.reclaim: Callable[[int], int] | None = None
 
     @classmethod
-    def from_memory_budget(
-        cls,
-        max_memory_mb: float,
-        *,
-        num_layers: int,
-        kv_heads: int,
-        head_dim: int,
-        page_size: int = 16,
-        kv_dtype: str = "bf16",
-    ) -> BlockPool:
-        """As many blocks as fit ``max_memory_mb`` MiB of K and V pages (all layers), in ``kv_dtype``.
+    def from_memory_budget(cls, max_memory_mb: float, block_bytes: int, page_size: int) -> BlockPool:
+        """As many blocks of ``block_bytes`` (K and V pages of every layer) as fit ``max_memory_mb`` MiB.
 
-        The size of a block comes from the real page arrays
-        (:func:`~zgen.cache.paged.bytes_per_token_per_layer`), so quantized kinds really get more blocks.
+        ``block_bytes`` comes from the real page arrays (:meth:`PagedConfig.bytes_per_token
+        <zgen.cache.page_store.PagedConfig.bytes_per_token>` x ``page_size``), so quantized formats
+        really get more blocks.
         """
-        from zgen.cache.paged import bytes_per_token_per_layer
-
-        per_block = bytes_per_token_per_layer(kv_dtype, kv_heads, head_dim, page_size) * page_size * num_layers
-        num_blocks = int(max_memory_mb * 2**20 // per_block)
+        if not (isinstance(max_memory_mb, (int, float)) and max_memory_mb > 0):
+            raise ConfigError(f"max_memory_mb must be a positive number, got {max_memory_mb!r}")
+        num_blocks = int(max_memory_mb * 2**20 // block_bytes)
         if num_blocks < 1:
             raise ConfigError(
                 f"max_memory_mb={max_memory_mb} holds no block: one block of {page_size} tokens takes "
-                f"{per_block} bytes over {num_layers} layers in {kv_dtype}; raise the budget or lower page_size"
+                f"{block_bytes} bytes; raise the budget or lower page_size"
             )
         return cls(num_blocks, page_size)
 
@@ -109,7 +102,7 @@ class BlockPool:
         """Share of the used blocks' token slots that hold no token (internal fragmentation), in [0, 1].
 
         Fixed-size blocks have no external fragmentation; what is lost is the unfilled tail of each
-        sequence's last block (and of blocks reserved ahead, as ``PagedBackend.allocate`` does).
+        sequence's last block (a slot reserved for a token a step will write counts as filled).
         0.0 for an empty pool.
         """
         used = self._refcount > 0
@@ -131,9 +124,14 @@ class BlockPool:
     # -- mutations --------------------------------------------------------------------------------
 
     def allocate(self, n: int) -> list[int]:
-        """``n`` fresh blocks (reference count 1, no slot filled), or PoolExhaustedError and no change."""
+        """``n`` fresh blocks (reference count 1, no slot filled), or PoolExhaustedError and no change.
+
+        When short, :attr:`reclaim` (if set) is asked to free the difference first, and only if it can.
+        """
         if n < 0:
             raise CacheError(f"cannot allocate a negative number of blocks ({n})")
+        if n > len(self._free) and self.reclaim is not None:
+            self.reclaim(n - len(self._free))
         if n > len(self._free):
             raise PoolExhaustedError(
                 f"the KV block pool needs {n} free blocks but has {len(self._free)} of {self.num_blocks} "

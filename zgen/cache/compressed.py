@@ -1,4 +1,4 @@
-"""CompressedKVCache: chunk-wise mean pooling, with the most recent chunk kept raw.
+"""The compressed cache: chunk-wise mean pooling of older K/V, the most recent chunk kept raw.
 
 Positions are grouped into chunks of ``chunk_size`` tokens: chunk ``c`` covers ``[c*C, (c+1)*C)``.
 The chunk holding the newest token is the *recent* chunk and is stored raw, token by token. Once a
@@ -12,13 +12,13 @@ of its own chunk up to itself (``p // C * C <= j <= p``). Under a sliding window
 required to lie inside the window by its position (``pos > p - w``). For the query at the newest
 position this is exactly "every stored entry".
 
-Truncation is lossy where it must be (the raw tokens of a pooled chunk are gone). ``truncate(n)``:
+Truncation is lossy where it must be (the raw tokens of a pooled chunk are gone). Cutting a row to ``n``:
 
 - keeps every pooled chunk that lies wholly before ``n`` (``(c+1)*C <= n``);
 - keeps the raw tokens before ``n``;
 - drops a pooled chunk that ``n`` cuts (``c*C < n < (c+1)*C``) as a whole. Its tokens before ``n``
-  are lost: :attr:`CompressedKVCache.seq_len` still reports ``n`` (the logical length, where the
-  next token goes), while :meth:`CompressedKVCache.stats` says what is stored (``compressed_tokens``
+  are lost: the handle's ``seq_len`` still reports ``n`` (the logical length, where the next token
+  goes), while :meth:`CompressedKVState.stats` says what is stored (``compressed_tokens``
   folded into pooled entries, ``raw_tokens``, ``stored_entries`` and ``lost_tokens``).
 
 A chunk with lost tokens is refilled by later tokens and, when pooled, is the mean of the tokens it
@@ -38,9 +38,8 @@ of that size), checked when the plan is traced.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
-from typing import Self
+from typing import ClassVar, Self
 
 import jax
 import jax.numpy as jnp
@@ -48,28 +47,8 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from zgen.cache.base import LayerKV, replace_layer
+from zgen.cache.tensor import masked_attention
 from zgen.errors import CacheError
-from zgen.numerics import matmul_precision
-
-
-def masked_attention(
-    q: Float[Array, "B T H D"],
-    k: Float[Array, "B S KVH D"],
-    v: Float[Array, "B S KVH D"],
-    visible: Bool[Array, "B T S"],
-) -> Float[Array, "B T H D"]:
-    """Grouped-query attention of ``q`` over the keys ``visible`` marks; a query that sees none gets 0."""
-    batch, seq, heads, dim = q.shape
-    kv_heads = k.shape[2]
-    grouped = q.reshape(batch, seq, kv_heads, heads // kv_heads, dim)
-    qk_precision, pv_precision = matmul_precision(q.dtype, k.dtype), matmul_precision(v.dtype)
-    scores = jnp.einsum("btkgd,bskd->bkgts", grouped, k, preferred_element_type=jnp.float32, precision=qk_precision)
-    scores = scores / math.sqrt(dim)
-    mask = visible[:, None, None]
-    scores = jnp.where(mask, scores, -1e30)
-    weights = (jax.nn.softmax(scores, axis=-1) * mask).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", weights, v, preferred_element_type=jnp.float32, precision=pv_precision)
-    return out.reshape(batch, seq, heads, dim).astype(q.dtype)
 
 
 @jax.tree_util.register_dataclass
@@ -85,6 +64,7 @@ class CompressedKVState:
     ring_pos: tuple[jax.Array, ...]  # [B, R] int32, -1 = empty
     chunk_size: int = field(metadata=dict(static=True))
     max_len: int = field(metadata=dict(static=True))
+    positional: ClassVar[bool] = False  # truncation rebuilds chunk sums on the device
 
     @classmethod
     def zeros(
@@ -251,12 +231,12 @@ class CompressedKVState:
             jnp.concatenate([pooled.v, self.ring_v[layer]], axis=1),
         )
 
-    def truncate(self, n: int | Int[Array, ""], lengths: Int[Array, " L"] | tuple[int, ...]) -> CompressedKVState:
-        """The state after cutting every row from ``lengths[layer]`` tokens to ``n`` (the module's lossy rule).
+    def truncate(self, n: Int[Array, " B"], lengths: Int[Array, "L B"]) -> CompressedKVState:
+        """The state after cutting each row ``b`` from ``lengths[layer, b]`` tokens to ``n[b]`` (the
+        module's lossy rule; ``n[b] == lengths[layer, b]`` changes nothing).
 
-        ``lengths`` holds what each layer's rows hold (the host handle knows it); ``n`` must not exceed
-        any of them. Traceable: ``n`` and ``lengths`` may be traced scalars, so one compilation serves
-        every cut. Where ``n`` cuts the raw recent chunk, its sum is rebuilt from the ring.
+        ``lengths`` holds what each layer's rows hold (the host handle knows it). Traceable, so one
+        compilation serves every cut. Where ``n`` cuts the raw recent chunk, its sum is rebuilt from the ring.
         """
         lengths = jnp.asarray(lengths, jnp.int32)
         n = jnp.asarray(n, jnp.int32)
@@ -269,49 +249,107 @@ class CompressedKVState:
             ring_pos=tuple(p[3] for p in parts),
         )
 
+    def truncate_rows(self, keep: Int[Array, " B"], lengths: Int[Array, " B"]) -> CompressedKVState:
+        """:meth:`truncate` of rows whose layers all hold ``lengths`` tokens."""
+        return self.truncate(keep, jnp.broadcast_to(lengths, (len(self.count), lengths.shape[0])))
+
+    def grown(self, batch: int, capacity: int) -> CompressedKVState:
+        """The same rows plus empty ones up to ``batch`` (the capacity is fixed at creation)."""
+        if capacity != self.max_len:
+            raise CacheError(f"a compressed cache keeps its capacity ({self.max_len}); got {capacity}")
+        extra = batch - self.count[0].shape[0]
+
+        def pad(x: jax.Array, value: int = 0) -> jax.Array:
+            return jnp.pad(x, ((0, extra),) + ((0, 0),) * (x.ndim - 1), constant_values=value)
+
+        return replace(
+            self,
+            sum_k=tuple(pad(x) for x in self.sum_k),
+            sum_v=tuple(pad(x) for x in self.sum_v),
+            count=tuple(pad(x) for x in self.count),
+            ring_k=tuple(pad(x) for x in self.ring_k),
+            ring_v=tuple(pad(x) for x in self.ring_v),
+            ring_pos=tuple(pad(x, -1) for x in self.ring_pos),
+        )
+
     def _truncate_layer(
-        self, layer: int, n: Int[Array, ""], length: Int[Array, ""]
+        self, layer: int, n: Int[Array, " B"], length: Int[Array, " B"]
     ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
         size = self.chunk_size
-        recent = jnp.maximum(length - 1, 0) // size  # the chunks before it are pooled
+        rows = jnp.arange(n.shape[0])
+        recent = (jnp.maximum(length - 1, 0) // size)[:, None]  # the chunks before it are pooled
         cut = n // size
-        keep_chunk = (jnp.arange(self.num_chunks) < cut)[None, :]
+        keep_chunk = jnp.arange(self.num_chunks)[None, :] < cut[:, None]
         pos = self.ring_pos[layer]
-        keep_raw = (pos >= 0) & (pos < n) & (pos // size >= recent)  # raw tokens of the recent chunk, before n
+        keep_raw = (pos >= 0) & (pos < n[:, None]) & (pos // size >= recent)  # raw tokens of the recent chunk, before n
         sum_k = jnp.where(keep_chunk[:, :, None, None], self.sum_k[layer], 0.0)
         sum_v = jnp.where(keep_chunk[:, :, None, None], self.sum_v[layer], 0.0)
         count = jnp.where(keep_chunk, self.count[layer], 0)
         # Where n cuts the raw recent chunk, its sum and count are rebuilt from the head it keeps.
-        head = keep_raw & (pos // size == cut) & (n % size != 0) & (cut >= recent)
+        rebuild = (n % size != 0) & (cut[:, None] >= recent)[:, 0]
+        head = keep_raw & (pos // size == cut[:, None]) & rebuild[:, None]
         wide = head[:, :, None, None]
         rebuilt_k = jnp.sum(jnp.where(wide, self.ring_k[layer].astype(jnp.float32), 0.0), axis=1)
         rebuilt_v = jnp.sum(jnp.where(wide, self.ring_v[layer].astype(jnp.float32), 0.0), axis=1)
-        rebuild = (n % size != 0) & (cut >= recent)
         index = jnp.minimum(cut, self.num_chunks - 1)
-        sum_k = jnp.where(rebuild, sum_k.at[:, index].set(rebuilt_k), sum_k)
-        sum_v = jnp.where(rebuild, sum_v.at[:, index].set(rebuilt_v), sum_v)
-        count = jnp.where(rebuild, count.at[:, index].set(jnp.sum(head, axis=1, dtype=jnp.int32)), count)
+        sum_k = sum_k.at[rows, index].set(jnp.where(rebuild[:, None, None], rebuilt_k, sum_k[rows, index]))
+        sum_v = sum_v.at[rows, index].set(jnp.where(rebuild[:, None, None], rebuilt_v, sum_v[rows, index]))
+        count = count.at[rows, index].set(jnp.where(rebuild, jnp.sum(head, axis=1, dtype=jnp.int32), count[rows, index]))
         return sum_k, sum_v, count, jnp.where(keep_raw, pos, -1)
 
+    # -- host-side inspection of one row (tests, stats) ----------------------------------------------
 
-def _write_one(
-    one: CompressedKVState,
-    k: Float[Array, "B T KVH D"],
-    v: Float[Array, "B T KVH D"],
-    positions: Int[Array, "B T"],
-) -> CompressedKVState:
-    return one.write(0, k, v, positions)
+    def _row_layout(self, layer: int, row: int, length: int) -> tuple[list[int], list[int], np.ndarray]:
+        """(pooled chunk ids, ring slots of raw tokens in position order, counts) of one row."""
+        if length == 0:
+            return [], [], np.zeros(0, np.int32)
+        size = self.chunk_size
+        recent = (length - 1) // size
+        count = np.asarray(self.count[layer])[row]
+        pos = np.asarray(self.ring_pos[layer])[row]
+        slots = [int(s) for s in np.nonzero((pos >= 0) & (pos // size == recent) & (pos < length))[0]]
+        slots.sort(key=lambda s: int(pos[s]))
+        chunks = [c for c in range(recent) if count[c] > 0]
+        if not slots and count[recent] > 0:  # a pooled chunk left newest by a truncate at its end
+            chunks.append(recent)
+        return chunks, slots, count
 
+    def stored(self, layer: int, row: int, length: int) -> LayerKV:
+        """Stored K/V of one row in position order: pooled means, then raw recent tokens ([1, E, ...])."""
+        chunks, slots, _ = self._row_layout(layer, row, length)
+        dtype = self.ring_k[layer].dtype
+        count = np.maximum(np.asarray(self.count[layer])[row, chunks], 1).astype(np.float32)[:, None, None]
 
-# Host-handle entry points, compiled once per shape (eager op-by-op dispatch would compile each op);
-# writes go through a one-layer state, so every layer shares one executable.
-_jit_write = jax.jit(_write_one)
-_jit_truncate = jax.jit(CompressedKVState.truncate)
+        def entries(sums: jax.Array, ring: jax.Array) -> jax.Array:
+            pooled = (np.asarray(sums)[row, chunks] / count).astype(dtype)
+            return jnp.asarray(np.concatenate([pooled, np.asarray(ring)[row, slots]], axis=0)[None])
+
+        return LayerKV(entries(self.sum_k[layer], self.ring_k[layer]), entries(self.sum_v[layer], self.ring_v[layer]))
+
+    def stored_positions(self, layer: int, row: int, length: int) -> list[int]:
+        """Position of each entry :meth:`stored` returns (a pooled entry: its chunk's last token)."""
+        chunks, slots, _ = self._row_layout(layer, row, length)
+        ring_pos = np.asarray(self.ring_pos[layer])[row]
+        size = self.chunk_size
+        return [c * size + size - 1 for c in chunks] + [int(ring_pos[s]) for s in slots]
+
+    def stats(self, layer: int, row: int, length: int) -> CompressionStats:
+        """What ``layer`` of one row of logical length ``length`` stores."""
+        chunks, slots, count = self._row_layout(layer, row, length)
+        folded = int(sum(int(count[c]) for c in chunks))
+        return CompressionStats(
+            seq_len=length,
+            compressed_chunks=len(chunks),
+            compressed_tokens=folded,
+            raw_tokens=len(slots),
+            stored_entries=len(chunks) + len(slots),
+            lost_tokens=length - folded - len(slots),
+        )
 
 
 @dataclass(frozen=True)
 class CompressionStats:
-    """What one layer of a :class:`CompressedKVCache` stores."""
+    """What one layer of one row of a :class:`CompressedKVState` stores."""
 
     seq_len: int  # logical length: where the next token goes
     compressed_chunks: int  # pooled entries
@@ -321,204 +359,4 @@ class CompressionStats:
     lost_tokens: int  # seq_len - compressed_tokens - raw_tokens (dropped by lossy truncates)
 
 
-@dataclass(frozen=True)
-class CompressedBackend:
-    """:class:`~zgen.cache.base.CacheBackend` handing out :class:`CompressedKVState` for a Generator batch."""
-
-    num_layers: int
-    kv_heads: int
-    head_dim: int
-    chunk_size: int
-    dtype: jnp.dtype = jnp.dtype(jnp.float32)
-    raw_slots: int | None = None  # None: capacity (no limit on prefill length)
-
-    def allocate(self, batch: int, capacity: int) -> CompressedKVState:
-        return CompressedKVState.zeros(
-            self.num_layers, batch, capacity, self.kv_heads, self.head_dim, self.dtype,
-            chunk_size=self.chunk_size, raw_slots=self.raw_slots,
-        )
-
-    def release(self, state: CompressedKVState) -> None:
-        del state
-
-
-class CompressedKVCache:
-    """Host handle over a :class:`CompressedKVState`; all rows of the batch share one length.
-
-    ``get(layer)`` returns the stored entries in position order (pooled means, then the raw recent
-    tokens): ``stats(layer).stored_entries`` of them, not ``seq_len``. It is a copy assembled on the host.
-    ``fork()`` is O(1): the state is immutable, so both handles share it until either writes.
-    """
-
-    def __init__(self, state: CompressedKVState) -> None:
-        self._state = state
-        self._lengths = [0] * len(state.count)
-
-    @classmethod
-    def allocate(
-        cls,
-        num_layers: int,
-        batch: int,
-        max_len: int,
-        kv_heads: int,
-        head_dim: int,
-        dtype: jnp.dtype = jnp.dtype(jnp.float32),
-        *,
-        chunk_size: int,
-        raw_slots: int | None = None,
-    ) -> CompressedKVCache:
-        return cls(
-            CompressedKVState.zeros(
-                num_layers, batch, max_len, kv_heads, head_dim, dtype, chunk_size=chunk_size, raw_slots=raw_slots
-            )
-        )
-
-    @property
-    def state(self) -> CompressedKVState:
-        return self._state
-
-    @state.setter
-    def state(self, value: CompressedKVState) -> None:
-        self._state = value
-
-    @property
-    def num_layers(self) -> int:
-        return len(self._state.count)
-
-    @property
-    def chunk_size(self) -> int:
-        return self._state.chunk_size
-
-    @property
-    def capacity(self) -> int:
-        return self._state.capacity
-
-    @property
-    def seq_len(self) -> int:
-        """Logical length every layer has reached (stored entries may be fewer: see :meth:`stats`)."""
-        return min(self._lengths)
-
-    def set_seq_len(self, n: int) -> None:
-        """Record that a compiled plan wrote positions ``[seq_len, n)`` of every layer, in order."""
-        if not self.seq_len <= n <= self.capacity:
-            raise CacheError(f"sequence length {n} outside [{self.seq_len}, {self.capacity}]")
-        self._lengths = [n] * self.num_layers
-
-    def update(self, layer: int, k: Float[Array, "B T KVH D"], v: Float[Array, "B T KVH D"]) -> None:
-        """Append ``k``/``v`` [batch, new, kv_heads, head_dim] to ``layer``; finished chunks are pooled."""
-        layer = self._check_layer(layer)
-        ring = self._state.ring_k[layer]
-        new = k.shape[1] if k.ndim == 4 else -1
-        expected = (ring.shape[0], new, ring.shape[2], ring.shape[3])
-        if tuple(k.shape) != expected or tuple(v.shape) != expected:
-            raise CacheError(
-                f"update of layer {layer}: k {tuple(k.shape)} and v {tuple(v.shape)} must both be "
-                f"[batch={ring.shape[0]}, new, kv_heads={ring.shape[2]}, head_dim={ring.shape[3]}]"
-            )
-        start = self._lengths[layer]
-        if start + new > self.capacity:
-            raise CacheError(
-                f"cannot append {new} tokens to layer {layer} at length {start} of {self.capacity}; "
-                "allocate a larger cache or truncate first"
-            )
-        if new == 0:
-            return
-        positions = np.broadcast_to(np.arange(start, start + new, dtype=np.int32), (ring.shape[0], new))
-        one = _jit_write(self._state.select(layer), k, v, positions)
-        self._state = self._state.merge(layer, one)
-        self._lengths[layer] = start + new
-
-    def _layout(self, layer: int) -> tuple[list[int], list[int], np.ndarray]:
-        """(pooled chunk ids, ring slots of raw tokens in position order, counts) of row 0."""
-        n = self._lengths[layer]
-        if n == 0:
-            return [], [], np.zeros(0, np.int32)
-        size = self.chunk_size
-        recent = (n - 1) // size
-        count = np.asarray(self._state.count[layer])[0]
-        pos = np.asarray(self._state.ring_pos[layer])[0]
-        slots = [int(s) for s in np.nonzero((pos >= 0) & (pos // size == recent) & (pos < n))[0]]
-        slots.sort(key=lambda s: int(pos[s]))
-        chunks = [c for c in range(recent) if count[c] > 0]
-        if not slots and count[recent] > 0:  # a pooled chunk left newest by a truncate at its end
-            chunks.append(recent)
-        return chunks, slots, count
-
-    def get(self, layer: int) -> LayerKV:
-        """Stored K/V of ``layer`` in position order: pooled means, then raw recent tokens (a host-side copy)."""
-        layer = self._check_layer(layer)
-        chunks, slots, _ = self._layout(layer)
-        state = self._state
-        dtype = state.ring_k[layer].dtype
-        # Assembled in numpy (np.asarray of a CPU array shares its memory): no per-shape compilation.
-        count = np.maximum(np.asarray(state.count[layer])[:, chunks], 1).astype(np.float32)[:, :, None, None]
-
-        def stored(sums: jax.Array, ring: jax.Array) -> jax.Array:
-            pooled = (np.asarray(sums)[:, chunks] / count).astype(dtype)
-            return jax.device_put(np.concatenate([pooled, np.asarray(ring)[:, slots]], axis=1))
-
-        return LayerKV(stored(state.sum_k[layer], state.ring_k[layer]), stored(state.sum_v[layer], state.ring_v[layer]))
-
-    def positions(self, layer: int) -> list[int]:
-        """Position of each entry :meth:`get` returns (a pooled entry: its chunk's last token)."""
-        layer = self._check_layer(layer)
-        chunks, slots, _ = self._layout(layer)
-        ring_pos = np.asarray(self._state.ring_pos[layer])[0]
-        size = self.chunk_size
-        return [c * size + size - 1 for c in chunks] + [int(ring_pos[s]) for s in slots]
-
-    def stats(self, layer: int | None = None) -> CompressionStats:
-        """What ``layer`` (default: the last) stores."""
-        layer = self._check_layer(self.num_layers - 1 if layer is None else layer)
-        chunks, slots, count = self._layout(layer)
-        folded = int(sum(int(count[c]) for c in chunks))
-        n = self._lengths[layer]
-        return CompressionStats(
-            seq_len=n,
-            compressed_chunks=len(chunks),
-            compressed_tokens=folded,
-            raw_tokens=len(slots),
-            stored_entries=len(chunks) + len(slots),
-            lost_tokens=n - folded - len(slots),
-        )
-
-    @property
-    def compressed_tokens(self) -> int:
-        return self.stats().compressed_tokens
-
-    @property
-    def stored_entries(self) -> int:
-        return self.stats().stored_entries
-
-    def reset(self) -> None:
-        state = self._state
-        layers = self.num_layers
-        batch, _, kv_heads, head_dim = state.ring_k[0].shape
-        self._state = CompressedKVState.zeros(
-            layers, batch, state.capacity, kv_heads, head_dim, state.ring_k[0].dtype,
-            chunk_size=state.chunk_size, raw_slots=state.raw_slots,
-        )
-        self._lengths = [0] * layers
-
-    def truncate(self, n: int) -> None:
-        """Cut to logical length ``n`` (lossy inside a pooled chunk: see the module docstring)."""
-        if not 0 <= n <= self.seq_len:
-            raise CacheError(
-                f"cannot truncate a CompressedKVCache of {self.seq_len} tokens to {n}; n must lie in [0, {self.seq_len}]"
-            )
-        self._state = _jit_truncate(self._state, np.int32(n), np.asarray(self._lengths, np.int32))
-        self._lengths = [n] * self.num_layers
-
-    def fork(self) -> CompressedKVCache:
-        """A second handle on the same (immutable) state: O(1), the two diverge on their next writes."""
-        twin = CompressedKVCache(self._state)
-        twin._lengths = list(self._lengths)
-        return twin
-
-    def _check_layer(self, layer: int) -> int:
-        if not 0 <= layer < self.num_layers:
-            raise CacheError(f"layer {layer} out of range; this cache has layers 0..{self.num_layers - 1}")
-        return layer
-
-
-__all__ = ["CompressedBackend", "CompressedKVCache", "CompressedKVState", "CompressionStats", "masked_attention"]
+__all__ = ["CompressedKVState", "CompressionStats"]

@@ -233,6 +233,10 @@ class RadixCache:
             )
         return len(evicted)
 
+    def reclaim(self, n_blocks: int) -> int:
+        """Evict ``n_blocks`` blocks if that many can be (all or nothing); the pool asks when short."""
+        return self.evict(n_blocks) if self.evictable_blocks() >= n_blocks else 0
+
     def clear(self) -> int:
         """Drop every node not in use (as ``evict`` would); returns the blocks freed."""
         return self.evict(self.num_blocks)

@@ -1,6 +1,6 @@
-"""TensorCache: fixed-shape device buffers [batch, capacity, kv_heads, head_dim] per layer.
+"""The dense ("tensor") cache's device state: buffers [batch, capacity, kv_heads, head_dim] per layer.
 
-The default cache. Token at position p lives in slot p, so visibility is a pure function of
+The default cache kind (each sequence holds one row, see :mod:`zgen.cache.slots`). Token at position p lives in slot p, so visibility is a pure function of
 positions (slot j is visible to a query at position p iff j <= p, within the sliding window), and
 the state needs no lengths: slots past a sequence's end hold stale values that no query can see
 before they are overwritten.
@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Literal, Self
+from typing import ClassVar, Literal, Self
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from zgen.cache.base import LayerKV, replace_layer
-from zgen.errors import CacheError
 from zgen.numerics import matmul_precision
 from zgen.pallas import flash_attention
 from zgen.pallas.common import platform
@@ -33,6 +32,27 @@ from zgen.pallas.common import platform
 DenseAttention = Literal["auto", "einsum", "reference", "xla", "triton"]
 
 
+def masked_attention(
+    q: Float[Array, "B T H D"],
+    k: Float[Array, "B S KVH D"],
+    v: Float[Array, "B S KVH D"],
+    visible: Bool[Array, "B T S"],
+) -> Float[Array, "B T H D"]:
+    """Grouped-query attention of ``q`` over the keys ``visible`` marks, materialized in XLA (the
+    dense, compressed and masked-paged caches all attend through it); a query that sees no key gets 0."""
+    batch, seq, heads, dim = q.shape
+    kv_heads = k.shape[2]
+    grouped = q.reshape(batch, seq, kv_heads, heads // kv_heads, dim)
+    qk_precision, pv_precision = matmul_precision(q.dtype, k.dtype), matmul_precision(v.dtype)
+    scores = jnp.einsum("btkgd,bskd->bkgts", grouped, k, preferred_element_type=jnp.float32, precision=qk_precision)
+    scores = scores / math.sqrt(dim)
+    mask = visible[:, None, None]
+    weights = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)
+    weights = jnp.where(jnp.any(mask, axis=-1, keepdims=True), weights, 0.0).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", weights, v, preferred_element_type=jnp.float32, precision=pv_precision)
+    return out.reshape(batch, seq, heads, dim).astype(q.dtype)
+
+
 def causal_attention(
     q: Float[Array, "B T H D"],
     k: Float[Array, "B S KVH D"],
@@ -41,21 +61,13 @@ def causal_attention(
     *,
     sliding_window: int | None,
 ) -> Float[Array, "B T H D"]:
-    """Grouped-query attention where key slot j is visible to a query at position p iff j <= p."""
-    batch, seq, heads, dim = q.shape
-    kv_heads = k.shape[2]
-    grouped = q.reshape(batch, seq, kv_heads, heads // kv_heads, dim)
-    qk_precision, pv_precision = matmul_precision(q.dtype, k.dtype), matmul_precision(v.dtype)
-    scores = jnp.einsum("btkgd,bskd->bkgts", grouped, k, preferred_element_type=jnp.float32, precision=qk_precision)
-    scores = scores / math.sqrt(dim)
+    """:func:`masked_attention` where key slot j is visible to a query at position p iff j <= p
+    (and j > p - sliding_window)."""
     slots = jnp.arange(k.shape[1])
     visible = slots[None, None, :] <= q_positions[:, :, None]  # [B, T, S]
     if sliding_window is not None:
         visible &= slots[None, None, :] > q_positions[:, :, None] - sliding_window
-    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
-    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", weights, v, preferred_element_type=jnp.float32, precision=pv_precision)
-    return out.reshape(batch, seq, heads, dim).astype(q.dtype)
+    return masked_attention(q, k, v, visible)
 
 
 @jax.tree_util.register_dataclass
@@ -69,6 +81,7 @@ class DenseKVState:
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
     attention: DenseAttention = field(default="auto", metadata=dict(static=True))
+    positional: ClassVar[bool] = True  # slot j is visible to position p iff j <= p: truncation is bookkeeping
 
     @classmethod
     def zeros(
@@ -132,81 +145,18 @@ class DenseKVState:
     def layer_view(self, layer: int) -> LayerKV:
         return LayerKV(self.k[layer], self.v[layer])
 
+    def stored(self, layer: int, row: int, length: int) -> LayerKV:
+        """One row's first ``length`` slots of ``layer``, ``[1, length, kv_heads, head_dim]``."""
+        return LayerKV(self.k[layer][row : row + 1, :length], self.v[layer][row : row + 1, :length])
 
-class TensorCache:
-    """Host handle over a :class:`DenseKVState` with one shared sequence length for the batch."""
+    def grown(self, batch: int, capacity: int) -> DenseKVState:
+        """The same contents in buffers of ``batch`` rows and ``capacity`` slots (zero-padded)."""
+        def pad(x: jax.Array) -> jax.Array:
+            return jnp.pad(x, ((0, batch - x.shape[0]), (0, capacity - x.shape[1]), (0, 0), (0, 0)))
 
-    def __init__(self, state: DenseKVState) -> None:
-        self._state = state
-        self._seq_len = 0
+        return replace(self, k=tuple(pad(x) for x in self.k), v=tuple(pad(x) for x in self.v))
 
-    @classmethod
-    def allocate(
-        cls, num_layers: int, batch: int, capacity: int, kv_heads: int, head_dim: int, dtype: jnp.dtype
-    ) -> TensorCache:
-        return cls(DenseKVState.zeros(num_layers, batch, capacity, kv_heads, head_dim, dtype))
-
-    @property
-    def state(self) -> DenseKVState:
-        return self._state
-
-    @state.setter
-    def state(self, value: DenseKVState) -> None:
-        self._state = value
-
-    @property
-    def num_layers(self) -> int:
-        return len(self._state.k)
-
-    @property
-    def seq_len(self) -> int:
-        return self._seq_len
-
-    def set_seq_len(self, n: int) -> None:
-        """Record that the compiled plan wrote tokens up to ``n``."""
-        if not 0 <= n <= self._state.capacity:
-            raise CacheError(f"sequence length {n} outside [0, {self._state.capacity}]")
-        self._seq_len = n
-
-    def update(self, layer: int, k: jax.Array, v: jax.Array) -> None:
-        new = k.shape[1]
-        if self._seq_len + new > self._state.capacity:
-            raise CacheError(
-                f"cannot append {new} tokens to a cache holding {self._seq_len} of {self._state.capacity}; "
-                "allocate a larger cache"
-            )
-        positions = jnp.broadcast_to(jnp.arange(self._seq_len, self._seq_len + new), k.shape[:2])
-        self._state = self._state.write(layer, k, v, positions)
-        if layer == self.num_layers - 1:
-            self._seq_len += new
-
-    def get(self, layer: int) -> LayerKV:
-        view = self._state.layer_view(layer)
-        return LayerKV(view.k[:, : self._seq_len], view.v[:, : self._seq_len])
-
-    def reset(self) -> None:
-        self._seq_len = 0
-
-    def truncate(self, n: int) -> None:
-        if not 0 <= n <= self._seq_len:
-            raise CacheError(f"cannot truncate a cache of {self._seq_len} tokens to {n}")
-        self._seq_len = n
-
-
-@dataclass(frozen=True)
-class DenseBackend:
-    """Fresh :class:`DenseKVState` buffers per batch; released buffers are simply dropped."""
-
-    num_layers: int
-    kv_heads: int
-    head_dim: int
-    dtype: jnp.dtype
-    attention: DenseAttention = "auto"
-
-    def allocate(self, batch: int, capacity: int) -> DenseKVState:
-        return DenseKVState.zeros(
-            self.num_layers, batch, capacity, self.kv_heads, self.head_dim, self.dtype, self.attention
-        )
-
-    def release(self, state: DenseKVState) -> None:
-        del state  # device buffers are freed when the last reference goes
+    def truncate_rows(self, keep: Int[Array, " B"], lengths: Int[Array, " B"]) -> DenseKVState:
+        """Nothing to do (``positional``): a slot past a row's length is never visible before it is written again."""
+        del keep, lengths
+        return self

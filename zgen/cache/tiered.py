@@ -20,9 +20,9 @@ loads blocks from disk on a thread pool and returns futures. The store is a cont
 :meth:`TieredKVStore.close` waits for prefetches, deletes every file it wrote, and removes the cold
 directory if the store created it (a directory it was given is left in place).
 
-:class:`TieredPagedBackend` puts the store under a paged cache's radix prefix cache: blocks the device
+:class:`TieredKVManager` puts the store under a paged cache's radix prefix cache: blocks the device
 pool evicts go to host RAM and disk, and come back for prompts that start with them (``tiered_kv`` in
-:mod:`zgen.cache.options`, ``--kv-cache tiered`` on the command line).
+:mod:`zgen.cache.factory`, ``--kv-cache tiered`` on the command line).
 """
 
 from __future__ import annotations
@@ -48,11 +48,13 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from zgen.cache.block_pool import BlockPool
-from zgen.cache.paged import PagedBackend, PagedConfig, PagedKVState, PageStore, _bucket
+from zgen.cache.base import KVHandle
+from zgen.cache.page_store import PageStore
+from zgen.cache.paged_manager import PagedKVManager
 from zgen.cache.radix import block_hashes
 from zgen.errors import CacheError, ConfigError
 from zgen.pallas.paged_attention.layouts import KVPages
+from zgen.shapes import next_pow2
 
 Tier = Literal["hot", "warm", "cold"]
 WarmFormat = Literal["exact", "float16", "int8"]
@@ -499,74 +501,67 @@ class TieredKVStore:
 # -- the tiers under a paged prefix cache -----------------------------------------------------------
 
 
-class TieredPagedBackend(PagedBackend):
-    """A :class:`~zgen.cache.paged.PagedBackend` whose prefix cache goes on below the device pool.
+class TieredKVManager(PagedKVManager):
+    """A :class:`~zgen.cache.paged_manager.PagedKVManager` whose prefix cache goes on below the device pool.
 
     When the radix prefix cache evicts a block, its pages (every layer, K and V, in the pool's storage
     format) are put into a :class:`TieredKVStore`'s warm tier under the block's chained token hash,
     instead of being dropped; the store moves them between host RAM and disk by its own policy (and
-    up to a device-resident hot copy when they are read often). When a prompt's blocks miss on the
-    device but are in the store, ``allocate_with_prefix`` takes fresh blocks, copies the pages in
-    (cold blocks are read from disk on the store's threads while the blocks are found) and inserts
-    them into the radix tree: the prompt skips their prefill, as on a device hit.
+    up to a device-resident hot copy when they are read often). When a sequence's prefix misses on the
+    device but is in the store, :meth:`match_prefix` takes fresh blocks, copies the pages in (cold
+    blocks are read from disk on the store's threads while the blocks are found) and inserts them into
+    the radix tree: the sequence skips their prefill, as on a device hit.
 
     The store keeps a restored block's copy, so evicting it again copies nothing. The warm format
     decides fidelity: ``"exact"`` gives back the evicted bits, so outputs equal a prefill's;
     ``"float16"``/``"int8"`` shrink host RAM and disk but restored K/V differ by up to
     :func:`warm_error_bound` (so may the tokens that follow), and they need a float pool (a quantized
     ``kv_dtype`` is already compressed: quantizing its bytes again would corrupt them).
-    :meth:`close` (also run when the backend is garbage collected) closes the store, deleting its
+    :meth:`close` (also run when the manager is garbage collected) closes the store, deleting its
     files and the temporary cold directory.
     """
 
-    def __init__(
-        self, config: PagedConfig, pool: BlockPool, tiers: TieredConfig, *, max_prefix_blocks: int | None = None
-    ) -> None:
-        super().__init__(config, pool, prefix_cache=True, max_prefix_blocks=max_prefix_blocks)
-        float_pages = isinstance(self.store.k[0], jax.Array)  # quantized formats are pytrees of packed parts
+    def __init__(self, store: PageStore, tiers: TieredConfig, *, max_len: int, max_prefix_blocks: int | None = None) -> None:
+        super().__init__(store, max_len=max_len, prefix_cache=True, max_prefix_blocks=max_prefix_blocks)
+        float_pages = isinstance(store.k[0], jax.Array)  # quantized formats are pytrees of packed parts
         if not float_pages and tiers.warm_format != "exact":
             raise ConfigError(
-                f"warm_format {tiers.warm_format!r} would quantize the bytes of kv_dtype {config.kv_dtype!r} pages; "
+                f"warm_format {tiers.warm_format!r} would quantize the bytes of kv_dtype {store.config.kv_dtype!r} pages; "
                 "use TieredConfig(warm_format='exact') with a quantized kv_dtype"
             )
         self.tiers = TieredKVStore(tiers)
         assert self.radix is not None
-        # A function of the store and tiers, not a method: the backend stays out of a reference cycle, so
+        # A function of the store and tiers, not a method: the manager stays out of a reference cycle, so
         # dropping it runs the finalizer below at once.
         self.radix.on_evict = partial(_demote, self.store, self.tiers)
         self._close_tiers = weakref.finalize(self, self.tiers.close)
 
+    @property
+    def kind(self) -> str:
+        return "tiered"
+
     def close(self) -> None:
-        """Close the tiered store (its files and temporary directory go); the backend is unusable after."""
+        """Close the tiered store (its files and temporary directory go); the manager is unusable after."""
         self._close_tiers()
 
-    def commit_prefix(self, state: PagedKVState, row: int, tokens: Sequence[int]) -> int:
-        # An insert past the tree's capacity evicts, and demotion reads the evicted pages: while the
-        # state is out its pages are the live ones (the store's were donated to the plan).
-        self._check_lease(state)
-        self.store.k, self.store.v = tuple(state.k), tuple(state.v)
-        return super().commit_prefix(state, row, tokens)
-
-    def _allocate(
-        self, prompts: Sequence[Sequence[int]], capacity: int, *, use_prefix: bool
-    ) -> tuple[PagedKVState, list[int]]:
+    def match_prefix(self, handle: KVHandle, tokens: Sequence[int]) -> int:
         if self.tiers.closed:
-            raise CacheError("this tiered KV cache was closed (Generator.close); create a new Generator to generate again")
-        return super()._allocate(prompts, capacity, use_prefix=use_prefix)
+            raise CacheError("this tiered KV cache was closed; create a new Generator or Engine to generate again")
+        return super().match_prefix(handle, tokens)
 
     def _restore_prefix(self, tokens: Sequence[int], cached: list[int]) -> list[int]:
         assert self.radix is not None
-        ps = self.config.page_size
+        ps = self.page_size
         keys = list(itertools.takewhile(lambda key: key in self.tiers, block_hashes(tokens, ps)[len(cached) :]))
         if not keys:
             return []
         # Disk reads run on the store's threads while blocks are found (which may evict and demote others).
         loading = self.tiers.prefetch([key for key in keys if self.tiers.tier_of(key) == "cold"])
-        fresh = self._take(len(keys))
+        fresh = self.pool.allocate(len(keys))
         try:
             wait(loading)
             blocks = [self.tiers[key] for key in keys]  # counts the tier hits
-            slots = _bucket(len(keys))
+            slots = next_pow2(len(keys))
             pad = ((0, slots - len(keys)),) + ((0, 0),) * (blocks[0].k.ndim)
             dst = np.full(slots, self.pool.num_blocks, np.int32)  # padding slots write nowhere
             dst[: len(keys)] = fresh
@@ -592,7 +587,7 @@ def _demote(store: PageStore, tiers: TieredKVStore, evicted: list[tuple[bytes, i
     pages = jax.tree_util.tree_leaves((store.k, store.v))
     if not new or tiers.closed or any(leaf.is_deleted() for leaf in pages):
         return  # nothing new, nowhere to put it, or the pages were donated to a plan and are gone
-    ids = np.zeros(_bucket(len(new)), np.int32)  # padding slots read block 0 and are dropped
+    ids = np.zeros(next_pow2(len(new)), np.int32)  # padding slots read block 0 and are dropped
     ids[: len(new)] = [block for _, block in new]
     k, v = jax.device_get(_read_blocks(store.k, store.v, jnp.asarray(ids)))
     for i, (key, _) in enumerate(new):
@@ -651,8 +646,8 @@ __all__ = [
     "BlockKey",
     "KVBlock",
     "TieredConfig",
+    "TieredKVManager",
     "TieredKVStore",
-    "TieredPagedBackend",
     "TieredStats",
     "warm_error_bound",
 ]

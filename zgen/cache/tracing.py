@@ -1,11 +1,12 @@
-"""TracingCacheProvider: a KV-state wrapper that records every write/attend while a plan is traced.
+"""TracingCacheProvider: a KV-state wrapper that records every write/attend while a step is traced.
 
 Wrap any device state (:class:`~zgen.cache.base.KVState`) and pass the wrapper where the state would
-go — ``ExecutionPlan.forward`` under ``jax.jit`` or ``jax.eval_shape``, ``prefill``, ``decode``. The
+go — :func:`zgen.runtime.step.forward` under ``jax.jit`` or ``jax.eval_shape``, or a
+:class:`~zgen.runtime.runner.Runner`'s compiled steps. The
 wrapper is a registered pytree whose only child is the wrapped state (so jit, donation and
 ``lax.while_loop`` carries see exactly the wrapped state's leaves) and whose static part is the
 :class:`CacheTrace` log. Recording happens in Python, at trace time: one entry per ``write``/``attend``
-the traced function performs (layer, shapes, dtypes, sliding window), so a compiled plan's attention
+the traced function performs (layer, shapes, dtypes, sliding window), so a compiled step's attention
 dataflow can be printed with :meth:`CacheTrace.describe`. A cached executable runs without tracing and
 records nothing; calls outside any trace are recorded too, marked ``traced=False``.
 
@@ -184,7 +185,7 @@ class TracingCacheProvider:
         return self.inner.layer_view(layer)
 
     def unwrap(self) -> KVState:
-        """The wrapped state (e.g. a plan's returned state, to hand back to its host handle)."""
+        """The wrapped state (e.g. a step's returned state, to hand back to its manager)."""
         return self.inner
 
     def describe(self) -> str:

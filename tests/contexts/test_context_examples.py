@@ -2,37 +2,42 @@
 
 from __future__ import annotations
 
+import os
 import runpy
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from zgen.cache.paged_manager import PagedKVManager
+from zgen.contexts import default_engine
 from zgen.model import Model
 
 EXAMPLES = Path(__file__).parents[2] / "examples" / "contexts"
-
-
-@pytest.fixture(autouse=True)
-def store_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("ZGEN_STORE_DIR", str(tmp_path / "store"))
 
 
 def run(name: str, model: Model, **kw: Any) -> Any:
     return runpy.run_path(str(EXAMPLES / f"{name}.py"))["main"](model, **kw)
 
 
-def test_prefix_caching(smollm2: Model) -> None:
+def test_prefix_caching(smollm2: Model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = tmp_path / "store"
+    monkeypatch.setenv("ZGEN_STORE_DIR", str(store))
     result = run("prefix_caching", smollm2)
     assert result.system_tokens > 80
     assert all(0 < fed < 30 for fed in result.fed_per_question)  # only the question, never the system prompt
     assert all(answer.strip() for answer in result.answers)
+    # It saved into a temporary store of its own, deleted afterwards, and left the user's setting alone.
+    assert os.environ["ZGEN_STORE_DIR"] == str(store) and not store.exists()
 
 
 def test_parallel_forks(smollm2: Model) -> None:
     result = run("parallel_forks", smollm2)
     assert len(set(result.texts)) == 3
     assert result.forward_passes <= 30  # three 24-token endings, decoded together
+    assert result.shared_pages == result.opening_pages >= 2  # every full page of the opening is shared
+    # The opening's pages are held once, not once per context (root + 3 forks).
+    assert result.pages_unshared - result.pages_held == 3 * result.opening_pages
 
 
 def test_best_of_n(smollm2: Model) -> None:
@@ -43,13 +48,16 @@ def test_best_of_n(smollm2: Model) -> None:
 
 
 def test_tree_of_thought(smollm2: Model) -> None:
-    free = smollm2.engine.pool.num_free
+    kv = default_engine(smollm2).kv
+    assert isinstance(kv, PagedKVManager)
+    pool = kv.pool
+    free = pool.num_free
     frontier = run("tree_of_thought", smollm2)
     assert len(frontier) == 2 and all(len(node.path) == 2 and all(node.path) for node in frontier)
     assert frontier[0].score >= frontier[1].score
     for node in frontier:
         node.ctx.release()
-    assert smollm2.engine.pool.num_free == free  # pruned and finished branches gave every page back
+    assert pool.num_free == free  # expanded, pruned and finished branches gave every page back
 
 
 def test_beam_search(smollm2: Model) -> None:
@@ -61,6 +69,7 @@ def test_beam_search(smollm2: Model) -> None:
 def test_attention_sink(smollm2: Model) -> None:
     result = run("attention_sink", smollm2)
     assert result.tokens >= 192 and result.max_pages <= result.bound_pages
+    assert result.text.strip() and "<|" not in result.text  # clean text, no chat-template tokens
 
 
 def test_output_validation(smollm2: Model) -> None:

@@ -6,34 +6,38 @@ from pathlib import Path
 
 import pytest
 
-from zgen.engine import Context, Engine, EngineConfig, Sampler, stop
+from zgen import Context, Engine, EngineConfig, Sampler, stop
+from zgen.cache.factory import CacheOptions, kv_dtype, paged_kv
+from zgen.contexts import gather
 from zgen.errors import ConfigError, InputError, PoolExhaustedError, SnapshotError
 
 
 def test_pool_exhaustion_is_typed_and_leaves_everything_intact(tiny_engine: Engine) -> None:
-    ctx = tiny_engine.create_context()
+    ctx = Context(tiny_engine)
     ctx.fill_tokens([3 + i % 90 for i in range(200)])  # 200 tokens: 13 pages, the pool has 8
-    free = tiny_engine.pool.num_free
+    free = tiny_engine.kv.pool.num_free
     with pytest.raises(PoolExhaustedError):
         ctx.flush()
-    assert ctx.kv_len == 0 and tiny_engine.pool.num_free == free
+    assert ctx.kv_len == 0 and tiny_engine.kv.pool.num_free == free
     ctx.release()
-    small = tiny_engine.create_context()
+    small = Context(tiny_engine)
     small.fill_tokens(range(3, 40))
     assert len(small.generate_result(Sampler.greedy(), stop.max_len(4)).token_ids) == 4
     small.release()
-    assert tiny_engine.pool.num_free == tiny_engine.pool.num_blocks
+    assert tiny_engine.kv.pool.num_free == tiny_engine.kv.pool.num_blocks
 
 
 def test_waiting_request_fails_when_nothing_can_free_pages(tiny_engine: Engine) -> None:
-    waiting = Engine(tiny_engine.model, EngineConfig(max_memory_mb=tiny_engine.config.max_memory_mb, on_pool_exhausted="wait"))
-    holder = waiting.create_context()
+    budget = tiny_engine.cache_options.max_memory_mb
+    assert budget is not None
+    waiting = Engine(tiny_engine.model, paged_kv(budget), config=EngineConfig(on_pool_exhausted="wait"))
+    holder = Context(waiting)
     holder.fill_tokens([3 + i % 90 for i in range(100)])
     holder.flush()  # 7 of 8 pages
-    other = waiting.create_context()
+    other = Context(waiting)
     other.fill_tokens([3 + i % 90 for i in range(40)])
-    with pytest.raises(PoolExhaustedError, match="no running context"):
-        waiting.gather(holder.generate_async(Sampler.greedy(), stop.max_len(2)), other.flush_async())
+    with pytest.raises(PoolExhaustedError, match="no running request"):
+        gather(holder.generate_async(Sampler.greedy(), stop.max_len(2)), other.flush_async())
     holder.release()
     other.flush()  # fits now
     assert other.kv_len == 39
@@ -43,14 +47,18 @@ def test_engine_config_is_validated() -> None:
     with pytest.raises(ConfigError):
         EngineConfig(max_batch=0)
     with pytest.raises(ConfigError):
-        EngineConfig(kv_dtype="int3")
+        EngineConfig(prefill_chunk=1.5)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError):
+        CacheOptions(kv_dtype="int3")
 
 
-@pytest.mark.parametrize("kv_dtype", ["fp8", "q4"])
-def test_quantized_pages_save_and_open_exactly(tiny_engine: Engine, kv_dtype: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("format", ["fp8", "q4"])
+def test_quantized_pages_save_and_open_exactly(tiny_engine: Engine, format: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ZGEN_STORE_DIR", str(tmp_path))
-    engine = Engine(tiny_engine.model, EngineConfig(max_memory_mb=tiny_engine.config.max_memory_mb, kv_dtype=kv_dtype))
-    ctx = engine.create_context()
+    budget = tiny_engine.cache_options.max_memory_mb
+    assert budget is not None
+    engine = Engine(tiny_engine.model, paged_kv(budget), kv_dtype(format))
+    ctx = Context(engine)
     ctx.fill_tokens([3 + i % 50 for i in range(37)])
     ctx.generate(Sampler.greedy(), stop.max_len(3))
     ctx.save("quantized")
@@ -63,12 +71,12 @@ def test_quantized_pages_save_and_open_exactly(tiny_engine: Engine, kv_dtype: st
 
 
 def test_a_context_runs_one_call_at_a_time(tiny_engine: Engine) -> None:
-    ctx = tiny_engine.create_context()
+    ctx = Context(tiny_engine)
     ctx.fill_tokens(range(3, 20))
     with pytest.raises(InputError, match="already has a call running"):
-        tiny_engine.gather(ctx.generate_async(Sampler.greedy(), stop.max_len(2)), ctx.generate_async(Sampler.greedy(), stop.max_len(2)))
+        gather(ctx.generate_async(Sampler.greedy(), stop.max_len(2)), ctx.generate_async(Sampler.greedy(), stop.max_len(2)))
     ctx.release()
-    again = tiny_engine.create_context()  # the engine serves the next event loop normally
+    again = Context(tiny_engine)  # the engine serves the next event loop normally
     again.fill_tokens(range(3, 10))
     assert len(again.generate_result(Sampler.greedy(), stop.max_len(2)).token_ids) == 2
     again.release()

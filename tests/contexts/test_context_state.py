@@ -1,4 +1,4 @@
-"""ContextKVState: the paged kernel path (page masks only) equals the dense masked path, for every
+"""MaskedPagedState: the paged kernel path (page masks only) equals the dense masked path, for every
 storage format -- coded ones included, whose keys the kernel reads through the coding."""
 
 from __future__ import annotations
@@ -10,8 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zgen.cache.paged import PagedKVState
-from zgen.engine.state import ContextKVState
+from zgen.cache.paged_state import MaskedPagedState, PagedKVState
 from zgen.pallas.paged_attention.layouts import KeyCalibration
 
 B, KVH, H, D, PS, CAP = 2, 2, 4, 16, 4, 24
@@ -22,7 +21,7 @@ def _rand(seed: int, *shape: int) -> jax.Array:
 
 
 @partial(jax.jit, static_argnums=3)
-def _attend(state: ContextKVState, q: jax.Array, pos: jax.Array, window: int | None) -> jax.Array:
+def _attend(state: MaskedPagedState, q: jax.Array, pos: jax.Array, window: int | None) -> jax.Array:
     return state.attend(0, q, pos, sliding_window=window)
 
 
@@ -43,9 +42,9 @@ def test_page_masked_kernel_path_equals_the_dense_masked_path(kv_dtype: str, num
     page_mask = jnp.asarray([[True, False, True, True, False, True], [False, True, True, False, True, True]])
     q_pos = pos[:, n - num_queries :]
     q = _rand(2, B, num_queries, H, D)
-    kernel = ContextKVState(pages, page_mask=page_mask)
+    kernel = MaskedPagedState(pages, page_mask=page_mask)
     # The same visibility spelled as a token mask forces the dense path.
-    dense = ContextKVState(pages, page_mask=page_mask, token_mask=jnp.repeat(page_mask, PS, axis=1))
+    dense = MaskedPagedState(pages, page_mask=page_mask, token_mask=jnp.repeat(page_mask, PS, axis=1))
     for window in (None, 7):
         got = _attend(kernel, q, q_pos, window)
         expected = _attend(dense, q, q_pos, window)

@@ -8,8 +8,9 @@ half-written snapshot under the name. Opening checks the fingerprint and the pag
 snapshot of another model or format with :class:`~zgen.errors.SnapshotError`; the pool is touched only
 once the snapshot has been read and checked.
 
-Exports are the in-memory form (Pie's ``export_kv_pages``): the engine keeps a reference on the pages
-under a name, and contexts created from the import share them copy-on-write.
+Exports are the in-memory form (Pie's ``export_kv_pages``): the engine's exports keep a reference on
+the pages under a name (:func:`import_kv_pages` finds them), and contexts created from the import
+share them copy-on-write.
 """
 
 from __future__ import annotations
@@ -23,21 +24,21 @@ import uuid
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+import weakref
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from zgen.cache.paged import KVPages
+from zgen.cache.page_store import PageStore
+from zgen.cache.paged import PagedKVCache
 from zgen.errors import InputError, SnapshotError
-from zgen.pallas.paged_attention.layouts import take_pages
-
-if TYPE_CHECKING:
-    from zgen.engine.context import Context
-    from zgen.engine.engine import Engine
-    from zgen.model import Model
+from zgen.model import Model
+from zgen.pallas.paged_attention.layouts import KVPages, take_pages
+from zgen.runtime.engine import Engine
+from zgen.runtime.sequence import Sequence
 
 # 2: q4/q3 pages hold keys coded after RoPE (centred on the rotated calibration means).
 FORMAT_VERSION = 2
@@ -81,39 +82,59 @@ def _check_name(name: str) -> str:
     return name
 
 
-def _context_state(ctx: Context) -> ImportedKVState:
-    ps = ctx.engine.store.config.page_size
-    pages = -(-ctx.kv_len // ps)
-    blocks = tuple(int(b) for b in ctx.cache.block_table[0, :pages])
-    messages = tuple((m["role"], m["content"]) for m in ctx.messages)
-    return ImportedKVState(
-        tuple(ctx.token_ids), ctx.masked_flags, messages, ctx.awaiting_reply, ctx.kv_len, blocks
-    )
+_EXPORTS: weakref.WeakKeyDictionary[Engine, dict[str, ImportedKVState]] = weakref.WeakKeyDictionary()
+
+
+def _store(engine: Engine) -> PageStore:
+    store = getattr(engine.kv, "store", None)
+    if not isinstance(store, PageStore):
+        raise SnapshotError(f"snapshots hold pages; the {engine.kv.kind} cache has none (use paged or tiered)")
+    return store
+
+
+def capture(seq: Sequence, messages: tuple[tuple[str, str], ...], awaiting_reply: bool) -> ImportedKVState:
+    """A context's state: its tokens, masks, chat turns and the pages of its first ``kv_len`` tokens."""
+    cache = _paged(seq)
+    pages = -(-seq.kv_len // cache.store.config.page_size)
+    blocks = tuple(int(b) for b in cache.block_table[0, :pages])
+    return ImportedKVState(tuple(seq.tokens), seq.masked.copy(), messages, awaiting_reply, seq.kv_len, blocks)
+
+
+def _inject(state: ImportedKVState, seq: Sequence) -> None:
+    """Give an empty sequence the state's tokens and (shared) pages."""
+    _paged(seq).inject_blocks([list(state.blocks)], state.kv_len)
+    seq.tokens, seq.masked = list(state.token_ids), np.asarray(state.masked, bool).copy()
+    seq.custom_attention = True  # its K/V came from elsewhere: never offered to the prefix cache
+
+
+def _paged(seq: Sequence) -> PagedKVCache:
+    if not isinstance(seq.kv, PagedKVCache):
+        raise SnapshotError("snapshots hold pages; this sequence's cache has none (use paged or tiered)")
+    return seq.kv
 
 
 def _layout(engine: Engine) -> dict[str, Any]:
-    c = engine.store.config
+    c = _store(engine).config
     return {"kv_dtype": c.kv_dtype, "page_size": c.page_size, "num_layers": c.num_layers, "kv_heads": c.kv_heads, "head_dim": c.head_dim}
 
 
 # -- save / open ---------------------------------------------------------------------------------
 
 
-def save_context(ctx: Context, name: str) -> Path:
-    """Write ``ctx`` to the store under ``name`` (replacing an older snapshot of that name)."""
+def save_state(engine: Engine, state: ImportedKVState, name: str) -> Path:
+    """Write a context's state to the store under ``name`` (replacing an older snapshot of that name)."""
     _check_name(name)
-    state = _context_state(ctx)
     present = [b for b in state.blocks if b >= 0]
     index = jnp.asarray(present, jnp.int32)
-    store = ctx.engine.store
+    store = _store(engine)
 
     def pick(pages: tuple[KVPages, ...]) -> list[list[np.ndarray]]:
         return [[np.asarray(leaf) for leaf in jax.tree_util.tree_leaves(take_pages(p, index))] for p in pages]
 
     meta = {
         "format": FORMAT_VERSION,
-        "model": model_fingerprint(ctx.engine.model),
-        "layout": _layout(ctx.engine),
+        "model": model_fingerprint(engine.model),
+        "layout": _layout(engine),
         "token_ids": list(state.token_ids),
         "masked": np.flatnonzero(state.masked).tolist(),
         "messages": [list(m) for m in state.messages],
@@ -152,10 +173,8 @@ def _read_meta(path: Path, name: str) -> dict[str, Any]:
     return meta  # pyright: ignore[reportUnknownVariableType]
 
 
-def open_context(engine: Engine, name: str, *, seed: int | None = None) -> Context:
-    """A live context on ``engine`` from the snapshot ``name`` (see the module docstring)."""
-    from zgen.engine.context import Context
-
+def open_into(engine: Engine, name: str, seq: Sequence) -> ImportedKVState:
+    """Load the snapshot ``name`` into the empty ``seq`` (see the module docstring); its state."""
     path = store_dir() / _check_name(name)
     meta = _read_meta(path, name)
     if meta["model"] != model_fingerprint(engine.model):
@@ -166,7 +185,7 @@ def open_context(engine: Engine, name: str, *, seed: int | None = None) -> Conte
     if meta["layout"] != _layout(engine):
         raise SnapshotError(
             f"snapshot {name!r} stores pages as {meta['layout']}, this engine uses {_layout(engine)}; "
-            "open it with an Engine whose EngineConfig has the same kv_dtype and page_size"
+            "open it with an Engine made with the same kv_dtype(...) and paged_kv(page_size=...) options"
         )
     present: list[bool] = meta["present"]
     k_data: list[list[np.ndarray]] = []
@@ -178,31 +197,35 @@ def open_context(engine: Engine, name: str, *, seed: int | None = None) -> Conte
         except Exception as err:  # orbax raises many types for a damaged checkpoint
             raise SnapshotError(f"snapshot {name!r} has unreadable K/V pages ({type(err).__name__}: {err}); save it again") from err
         _check_pages(engine, name, k_data, v_data, sum(present))
-    blocks = engine.pool.allocate(sum(present))  # PoolExhaustedError here changes nothing
+    store = _store(engine)
+    blocks = store.pool.allocate(sum(present))  # PoolExhaustedError here changes nothing
     if blocks:
-        store = engine.store
         store.k, store.v = _put_pages(
             store.k, store.v, jnp.asarray(blocks, jnp.int32), _as_pages(store.k, k_data), _as_pages(store.v, v_data)
         )
     it = iter(blocks)
-    table = [next(it) if p else -1 for p in present]
-    ctx = Context(engine, seed=seed)
-    ctx.cache.inject_blocks([table], int(meta["kv_len"]))
-    engine.pool.free(blocks)  # the context's reference is now the only one
     masked = np.zeros(len(meta["token_ids"]), bool)
     masked[meta["masked"]] = True
-    ctx.restore(meta["token_ids"], masked, [(r, c) for r, c in meta["messages"]], bool(meta["awaiting_reply"]))
-    return ctx
+    state = ImportedKVState(
+        tuple(meta["token_ids"]), masked, tuple((r, c) for r, c in meta["messages"]), bool(meta["awaiting_reply"]),
+        int(meta["kv_len"]), tuple(next(it) if p else -1 for p in present),
+    )
+    try:
+        _inject(state, seq)
+    finally:
+        store.pool.free(blocks)  # the sequence's reference is now the only one
+    return state
 
 
 def _check_pages(engine: Engine, name: str, k_data: Any, v_data: Any, count: int) -> None:
+    store = _store(engine)
     expected = [
         (tuple(leaf.shape[:1]) + (count,) + tuple(leaf.shape[2:]), leaf.dtype)
-        for leaf in jax.tree_util.tree_leaves(engine.store.k[0])
+        for leaf in jax.tree_util.tree_leaves(store.k[0])
     ]
     for data in (k_data, v_data):
-        if len(data) != engine.store.config.num_layers:
-            raise SnapshotError(f"snapshot {name!r} holds {len(data)} layers of pages, the model has {engine.store.config.num_layers}")
+        if len(data) != store.config.num_layers:
+            raise SnapshotError(f"snapshot {name!r} holds {len(data)} layers of pages, the model has {store.config.num_layers}")
         for layer in data:
             got = [(tuple(np.shape(x)), np.asarray(x).dtype) for x in layer]
             if got != expected:
@@ -227,19 +250,28 @@ def _put_pages(
 # -- export / import ------------------------------------------------------------------------------
 
 
-def export_pages(ctx: Context, name: str) -> None:
-    """Publish ``ctx``'s pages under ``name`` in its engine; the engine holds a reference on them."""
-    state = _context_state(ctx)
-    engine = ctx.engine
-    engine.pool.share([b for b in state.blocks if b >= 0])
-    engine.drop_export(name)
-    engine.exports[name] = state
+def export_state(engine: Engine, state: ImportedKVState, name: str) -> None:
+    """Publish a context's state under ``name`` in the engine's exports, which hold a reference on its pages."""
+    _store(engine).pool.share([b for b in state.blocks if b >= 0])
+    drop_export(engine, name)
+    _EXPORTS.setdefault(engine, {})[name] = state
 
 
-def context_from_import(engine: Engine, state: ImportedKVState, *, seed: int | None = None) -> Context:
-    from zgen.engine.context import Context
+def import_kv_pages(engine: Engine, name: str) -> ImportedKVState:
+    """The pages a context exported under ``name`` (pass to ``Context.from_imported_state``)."""
+    exports = _EXPORTS.get(engine, {})
+    if name not in exports:
+        raise InputError(f"nothing was exported as {name!r}; exports: {sorted(exports)}")
+    return exports[name]
 
-    ctx = Context(engine, seed=seed)
-    ctx.cache.inject_blocks([list(state.blocks)], state.kv_len)  # shares: the export keeps its own reference
-    ctx.restore(state.token_ids, state.masked, list(state.messages), state.awaiting_reply)
-    return ctx
+
+def drop_export(engine: Engine, name: str) -> None:
+    """Forget an export and release its page references (contexts made from it keep theirs)."""
+    state = _EXPORTS.get(engine, {}).pop(name, None)
+    if state is not None:
+        _store(engine).pool.free([b for b in state.blocks if b >= 0])
+
+
+def inject(state: ImportedKVState, seq: Sequence) -> None:
+    """Give an empty sequence an export's tokens and pages (shared: the export keeps its reference)."""
+    _inject(state, seq)

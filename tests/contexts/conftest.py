@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 
 from tests.hf_reference import save_random_checkpoint, small_configs
-from zgen.engine import Engine, EngineConfig
+from zgen import Engine, EngineConfig
+from zgen.cache.factory import paged_kv
 from zgen.model import load_model
 
 
@@ -16,4 +17,4 @@ def tiny_engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
     save_random_checkpoint(small_configs()["llama_tied"], directory)
     model = load_model(directory, dtype="float32")
     page_mb = 2 * model.config.num_layers * model.config.num_kv_heads * model.config.head_dim * 4 * 16 / 2**20
-    return Engine(model, EngineConfig(max_memory_mb=8 * page_mb, steps_per_sync=4))
+    return Engine(model, paged_kv(8 * page_mb), config=EngineConfig(steps_per_sync=4))

@@ -6,7 +6,8 @@ The path of one decode step through this module::
 
 (the order vLLM uses). Three layers:
 
-* :class:`SamplingConfig` — what a user asks for, validated on construction (host, frozen, hashable).
+* :class:`SamplingConfig` — what a user asks for, validated on construction (host, frozen, hashable);
+  :class:`Sampler` names the common ones (``Sampler.greedy()``, ``Sampler.top_p(0.7, 0.9)``, ...).
 * :class:`SamplingParams` — the configs of a batch as shape-[B] arrays (a pytree, so it can live in a
   ``lax.while_loop`` carry) and :class:`SamplingFlags` — static Python booleans saying which features any
   row uses, so unused work is skipped at trace time. One compiled sampler serves every batch whose
@@ -42,6 +43,7 @@ import math
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -50,11 +52,13 @@ from jax import lax
 from jaxtyping import Array, Bool, Float, Int, Key, UInt32
 
 from zgen.errors import ConfigError
+from zgen.shapes import next_pow2
 
 __all__ = [
     "TOP_K_CANDIDATE_LIMIT",
     "HostSampler",
     "PenaltyState",
+    "Sampler",
     "SamplingConfig",
     "SamplingFlags",
     "SamplingParams",
@@ -64,6 +68,7 @@ __all__ = [
     "init_penalty_state",
     "make_host_sampler",
     "make_row_keys",
+    "penalty_state",
     "sample",
     "update_penalty_state",
 ]
@@ -79,6 +84,16 @@ _SEARCH_WAYS_CPU = 2
 _SEARCH_WAYS_ACCELERATOR = 16
 
 _Predicate = Callable[[UInt32[Array, "B T"]], Bool[Array, "B T"]]
+
+HostSampler = Callable[[np.ndarray, np.ndarray], int]
+"""A sampler written in Python, called on the host once per row and step.
+
+It receives ``ids`` (int array [N], most probable first) and ``probs`` (float array [N], their
+probabilities under the filtered distribution, so they sum to at most 1, and to 1 when N covers every
+kept token) and returns the chosen token id (normally one of ``ids``). The candidates come from
+:func:`host_candidates`; using one forces a host sync per step, so it is for research and custom rules
+(grammars, logging), not speed.
+"""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -113,9 +128,11 @@ class SamplingConfig:
         frequency_penalty: subtracted from a token's logit once per time it was generated; [-2, 2].
         seed: same seed → same tokens, whatever the batch. ``None``: the generator's seed.
         max_new_tokens: at most this many tokens are generated (≥ 1).
-        stop: stop strings; the output ends before the first one completed (see :mod:`zgen.stopping`).
+        stop: stop strings; the output ends before the first one completed (see :mod:`zgen.runtime.stop`).
         stop_token_ids: token ids that end generation; ``None`` means the model's EOS ids.
         ignore_eos: keep generating past EOS (only when ``stop_token_ids`` is ``None``).
+        choose: a :data:`HostSampler` that picks every token on the host from the filtered
+            distribution instead of the device draw (a host round trip per token).
     """
 
     temperature: float = 1.0
@@ -130,6 +147,7 @@ class SamplingConfig:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] | None = None
     ignore_eos: bool = False
+    choose: HostSampler | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ConfigError:
@@ -174,11 +192,13 @@ class SamplingConfig:
                 ids = tuple(self.stop_token_ids)
             except TypeError:
                 raise bad("stop_token_ids", "must be a sequence of token ids or None") from None
-            if any(not _is_int(i) or i < 0 for i in ids):
-                raise bad("stop_token_ids", "token ids must be integers >= 0")
+            if any(not _is_int(i) or not 0 <= i < 2**31 for i in ids):
+                raise bad("stop_token_ids", "token ids must be integers in [0, 2**31)")
             object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids))
         if not isinstance(self.ignore_eos, (bool, np.bool_)):
             raise bad("ignore_eos", "must be a bool")
+        if self.choose is not None and not callable(self.choose):
+            raise bad("choose", "must be a callable (ids, probs) -> id, or None")
 
     @property
     def greedy(self) -> bool:
@@ -189,6 +209,48 @@ class SamplingConfig:
     def uses_penalties(self) -> bool:
         """True when any of the three penalties is active (the sampler then needs a PenaltyState)."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+class Sampler:
+    """Named sampling configs (each returns a :class:`SamplingConfig`)::
+
+        Sampler.greedy()                    Sampler.top_p(0.7, 0.9)          Sampler.top_k(0.8, 40)
+        Sampler.min_p(1.0, 0.05)            Sampler.top_k_top_p(0.6, 20, 0.95)
+        Sampler.reasoning()                 # = top_k_top_p(0.6, 20, 0.95)
+        Sampler.custom(lambda ids, probs: int(ids[0]), temperature=0.7)
+
+    Keyword arguments go to the config (``Sampler.top_p(0.7, 0.9, seed=1, repetition_penalty=1.1)``).
+    """
+
+    @staticmethod
+    def greedy(**more: Any) -> SamplingConfig:
+        return SamplingConfig(temperature=0.0, **more)
+
+    @staticmethod
+    def top_p(temperature: float, p: float, **more: Any) -> SamplingConfig:
+        return SamplingConfig(temperature=temperature, top_p=p, **more)
+
+    @staticmethod
+    def top_k(temperature: float, k: int, **more: Any) -> SamplingConfig:
+        return SamplingConfig(temperature=temperature, top_k=k, **more)
+
+    @staticmethod
+    def min_p(temperature: float, p: float, **more: Any) -> SamplingConfig:
+        return SamplingConfig(temperature=temperature, min_p=p, **more)
+
+    @staticmethod
+    def top_k_top_p(temperature: float, k: int, p: float, **more: Any) -> SamplingConfig:
+        return SamplingConfig(temperature=temperature, top_k=k, top_p=p, **more)
+
+    @staticmethod
+    def reasoning(**more: Any) -> SamplingConfig:
+        """The sampling Qwen3 and DeepSeek recommend for reasoning: top-k 20, top-p 0.95 at 0.6."""
+        return Sampler.top_k_top_p(0.6, 20, 0.95, **more)
+
+    @staticmethod
+    def custom(fn: HostSampler, temperature: float = 1.0, **more: Any) -> SamplingConfig:
+        """``fn(ids, probs) -> id`` picks every token on the host (see :data:`HostSampler`)."""
+        return SamplingConfig(temperature=temperature, choose=fn, **more)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -241,10 +303,6 @@ jax.tree_util.register_dataclass(
 )
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 @dataclass(frozen=True)
 class SamplingFlags:
     """Static (trace-time) switches: which features some row of the batch uses.
@@ -295,7 +353,7 @@ class SamplingFlags:
         top_k = any(k > 0 for k in ks)
         width = 0
         if top_k and max(ks) <= TOP_K_CANDIDATE_LIMIT:
-            width = min(vocab_size, max(16, _next_pow2(max(ks))))
+            width = min(vocab_size, max(16, next_pow2(max(ks))))
         return SamplingFlags(
             all_greedy=not sampling,
             any_greedy=len(sampling) < len(configs),
@@ -368,6 +426,25 @@ def init_penalty_state(
     rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
     mask = jnp.zeros((b, vocab_size), jnp.bool_).at[rows, ids].set(True, mode="drop")
     return PenaltyState(prompt_mask=mask, output_counts=jnp.zeros((b, vocab_size), jnp.int32))
+
+
+def penalty_state(
+    seen_ids: Int[Array, "B S"],
+    seen_lengths: Int[Array, " B"],
+    generated_ids: Int[Array, "B G"],
+    generated_lengths: Int[Array, " B"],
+    vocab_size: int,
+) -> PenaltyState:
+    """Penalty state of rows that have seen ``seen_ids[b, :seen_lengths[b]]`` (prompt and generated
+    tokens: the repetition penalty's set) and generated ``generated_ids[b, :generated_lengths[b]]``
+    (the presence and frequency penalties' counts). Jit-able (``vocab_size`` static)."""
+    state = init_penalty_state(seen_ids, seen_lengths, vocab_size)
+    g = generated_ids.shape[1]
+    valid = jnp.arange(g, dtype=jnp.int32)[None, :] < generated_lengths[:, None]
+    ids = jnp.where(valid & (generated_ids >= 0) & (generated_ids < vocab_size), generated_ids, vocab_size)
+    rows = jnp.broadcast_to(jnp.arange(ids.shape[0], dtype=jnp.int32)[:, None], ids.shape)
+    counts = state.output_counts.at[rows, ids].add(1, mode="drop")
+    return PenaltyState(prompt_mask=state.prompt_mask, output_counts=counts)
 
 
 def update_penalty_state(
@@ -672,17 +749,6 @@ def sample(
 # ---------------------------------------------------------------------------------------------------
 # Host-side sampling hook
 # ---------------------------------------------------------------------------------------------------
-
-HostSampler = Callable[[np.ndarray, np.ndarray], int]
-"""A sampler written in Python, called on the host once per row and step.
-
-It receives ``ids`` (int array [N], most probable first) and ``probs`` (float array [N], their
-probabilities under the filtered distribution, so they sum to at most 1, and to 1 when N covers every
-kept token) and returns the chosen token id (normally one of ``ids``). The candidates come from
-:func:`host_candidates`; using one forces a host sync per step, so it is for research and custom rules
-(grammars, logging), not speed.
-"""
-
 
 def host_candidates(
     filtered_logits: Float[Array, "B V"], n: int

@@ -15,9 +15,11 @@ import numpy as np
 import pytest
 
 from tests.hf_reference import hf_greedy, hf_logits
-from zgen import Generator, SamplingConfig
+from zgen import Context, Engine, EngineConfig, Generator, Sampler, SamplingConfig, stop
 from zgen.cache.base import LayerKV
-from zgen.engine import Context, Engine, EngineConfig, NgramDrafter, Sampler, stop
+from zgen.cache.factory import paged_kv
+from zgen.contexts import NgramDrafter, drop_export, gather, import_kv_pages
+from zgen.runtime.step import ModelSpec, forward
 from zgen.errors import CacheError, ConfigError, InputError, PromptTooLongError, SnapshotError, TokenIdError
 from zgen.model import Model
 
@@ -26,7 +28,7 @@ PROMPT = "The capital of France is"
 
 @pytest.fixture(scope="module")
 def engine(smollm2: Model) -> Engine:
-    return Engine(smollm2, EngineConfig(max_memory_mb=96, steps_per_sync=8))
+    return Engine(smollm2, paged_kv(96), config=EngineConfig(steps_per_sync=8))
 
 
 @pytest.fixture(autouse=True)
@@ -36,7 +38,7 @@ def store_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def _context(engine: Engine, text: str = PROMPT, **kw: Any) -> Context:
-    ctx = engine.create_context(**kw)
+    ctx = Context(engine, **kw)
     ctx.fill(text)
     return ctx
 
@@ -54,7 +56,7 @@ def test_generate_equals_hf_greedy(engine: Engine, hf_smollm2: Any) -> None:
 
 def test_chat_turns_render_the_template_and_generate_like_the_generator(engine: Engine) -> None:
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a color."}]
-    ctx = engine.create_context()
+    ctx = Context(engine)
     ctx.fill_system(messages[0]["content"])
     ctx.fill_user(messages[1]["content"])
     result = ctx.generate_result(Sampler.greedy(), stop.max_len(12) | stop.ends_with_any(engine.model.eos_token_ids))
@@ -66,6 +68,20 @@ def test_chat_turns_render_the_template_and_generate_like_the_generator(engine: 
     assert ctx.messages[-1]["role"] == "assistant"
 
 
+def test_a_reply_generated_in_pieces_is_one_turn(engine: Engine) -> None:
+    ctx = Context(engine)
+    ctx.fill_user("Say hi.")
+    eos = stop.ends_with_any(engine.model.eos_token_ids)
+    first = ctx.generate_result(Sampler.greedy(), stop.max_len(3) | eos)
+    rest = ctx.generate_result(Sampler.greedy(), stop.max_len(64) | eos)
+    assert first.finish_reason == "length" and rest.finish_reason == "stop"
+    assert ctx.messages == [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": first.text + rest.text}]
+    ctx.fill_user("Again.")
+    tokenizer = engine.model.tokenizer
+    rendered = tokenizer.apply_chat_template(ctx.messages, add_generation_prompt=False)
+    assert ctx.token_ids == tokenizer.encode(rendered, add_special_tokens=False)  # the context is the chat
+
+
 def test_fork_generates_what_a_fresh_context_generates(engine: Engine) -> None:
     base = _context(engine, "Once upon a time, in a small village by the sea, there lived")
     base.flush()
@@ -73,7 +89,7 @@ def test_fork_generates_what_a_fresh_context_generates(engine: Engine) -> None:
     left, right = base.fork(), base.fork()
     left.fill(" a fisherman")
     out = right.generate_result(Sampler.greedy(), stop.max_len(10))
-    fresh = engine.create_context()
+    fresh = Context(engine)
     fresh.fill_tokens(before)
     assert fresh.generate_result(Sampler.greedy(), stop.max_len(10)).token_ids == out.token_ids
     assert base.token_ids == before and left.token_ids[: len(before)] == before
@@ -85,24 +101,23 @@ def test_forks_share_the_prefix_pages(engine: Engine) -> None:
     base = _context(engine, " ".join(["alpha beta gamma delta"] * 30))  # > 100 tokens
     base.flush()
     prefix_pages = base.pages_used
-    used_before = engine.pool.num_used
+    used_before = engine.kv.pool.num_used
     forks = [base.fork() for _ in range(8)]
     for i, fork in enumerate(forks):
         fork.fill(f" {i}")
         fork.generate(Sampler.greedy(), stop.max_len(3))
-    grown = engine.pool.num_used - used_before
+    grown = engine.kv.pool.num_used - used_before
     assert prefix_pages >= 6
     assert grown <= 2 * len(forks)  # P + O(N): each fork owns only its copied last page and its new one
     assert base.pages_shared >= prefix_pages - 1  # every full page is shared with the forks
     for fork in forks:
         fork.release()
-    assert engine.pool.num_used == used_before
+    assert engine.kv.pool.num_used == used_before
 
 
 _REOPEN = """
 import json, sys
-from zgen import load_model
-from zgen.engine import Context, Sampler, stop
+from zgen import Context, Sampler, load_model, stop
 ctx = Context.open(load_model("smollm2", dtype="float32"), "story")
 print(json.dumps(ctx.generate_result(Sampler.greedy(), stop.max_len(8)).token_ids))
 """
@@ -124,10 +139,10 @@ def test_save_then_open_in_a_new_process_continues_exactly(engine: Engine, store
 def test_open_refuses_foreign_missing_and_badly_named_snapshots(engine: Engine, store_dir: Path, tiny_engine: Engine) -> None:
     ctx = _context(engine)
     ctx.save("mine")
-    used = tiny_engine.pool.num_used
+    used = tiny_engine.kv.pool.num_used
     with pytest.raises(SnapshotError, match="different model"):
         Context.open(tiny_engine, "mine")
-    assert tiny_engine.pool.num_used == used
+    assert tiny_engine.kv.pool.num_used == used
     with pytest.raises(SnapshotError, match="no snapshot"):
         Context.open(engine, "nothing-here")
     with pytest.raises(InputError):
@@ -181,7 +196,8 @@ def _reference_logits(model: Model, ids: list[int], phases: list[tuple[int, np.n
         hidden[: len(masked)] = masked
         state = _ExplicitMaskState(state.k, state.v, jnp.asarray(~hidden))
         positions = jnp.arange(start, end)[None]
-        logits, state = model.plan.forward(model.params, state, jnp.asarray([ids[start:end]]), positions, jnp.asarray([[end - start - 1]]))
+        spec = ModelSpec(model.graph, model.config.sliding_window)
+        logits, state = forward(spec, model.params, state, jnp.asarray([ids[start:end]]), positions, jnp.asarray([[end - start - 1]]))
         start = end
     assert logits is not None
     return np.asarray(logits[0, 0])
@@ -198,9 +214,9 @@ def test_masked_tokens_are_ignored_and_dropped_pages_return(engine: Engine) -> N
     np.testing.assert_allclose(got, _reference_logits(engine.model, ctx.token_ids, phases), atol=2e-4, rtol=1e-4)
 
     ctx.mask_token_range(0, 48)  # three whole pages (0-47), then drop them
-    free_before = engine.pool.num_free
+    free_before = engine.kv.pool.num_free
     assert ctx.drop_masked_kv_pages() == 3
-    assert engine.pool.num_free == free_before + 3
+    assert engine.kv.pool.num_free == free_before + 3
     with pytest.raises(CacheError, match="dropped"):
         ctx.mask_token_range(0, 4, masked=False)
     ctx.fill(" number")
@@ -235,7 +251,7 @@ def test_concurrent_contexts_match_sequential_runs_with_fewer_forward_passes(eng
     sequential_passes = engine.stats.forward_passes - start
     contexts = [_context(engine, p) for p in prompts]
     start = engine.stats.forward_passes
-    results = engine.gather(*(c.generate_result_async(sampler, limit) for c in contexts))
+    results = gather(*(c.generate_result_async(sampler, limit) for c in contexts))
     batched_passes = engine.stats.forward_passes - start
     assert [r.token_ids for r in results] == sequential
     assert batched_passes * 2 <= sequential_passes
@@ -320,12 +336,12 @@ def test_export_and_import_share_pages(engine: Engine) -> None:
     ctx.export_kv_pages("sys")
     expected = ctx.fork().generate_result(Sampler.greedy(), stop.max_len(6)).token_ids
     ctx.release()
-    imported = Context.from_imported_state(engine, engine.import_kv_pages("sys"))
+    imported = Context.from_imported_state(engine, import_kv_pages(engine, "sys"))
     assert imported.pages_shared == imported.pages_used
     assert imported.generate_result(Sampler.greedy(), stop.max_len(6)).token_ids == expected
-    engine.drop_export("sys")
+    drop_export(engine, "sys")
     with pytest.raises(InputError, match="nothing was exported"):
-        engine.import_kv_pages("sys")
+        import_kv_pages(engine, "sys")
 
 
 def test_bad_input_is_typed_and_changes_nothing(engine: Engine) -> None:
@@ -339,7 +355,7 @@ def test_bad_input_is_typed_and_changes_nothing(engine: Engine) -> None:
         ctx.mask_token_range(3, 1)
     assert ctx.token_ids == before
     with pytest.raises(InputError, match="empty"):
-        engine.create_context().generate()
+        Context(engine).generate()
     ctx.release()
     with pytest.raises(CacheError, match="released"):
         ctx.generate()

@@ -1,0 +1,319 @@
+"""The paged KV cache's device state: page pools of every layer plus the block tables of a batch.
+
+Per layer the state holds the whole pool of K and V pages ``[kv_heads, num_pages, page_size, ...]`` in
+the storage format ``kv_dtype`` (:mod:`zgen.cache.formats`), plus ``block_tables [batch, pages_per_seq]``
+(page id of each sequence's i-th block, ``-1`` where none is allocated). Token at position ``p`` of row
+``b`` lives in page ``block_tables[b, p // page_size]`` at offset ``p % page_size``; the visibility rule
+is the dense one (key at ``j`` visible to a query at ``p`` iff ``j <= p`` and ``j > p - window``).
+
+Writes quantize each token as it is stored; attention -- decode, verification and prefill chunks
+alike -- hands the stored pages to :func:`zgen.pallas.paged_attention`, which reads only the pages each
+query can see and dequantizes them inside the kernel, so no full-precision copy of the cache exists.
+
+Coded formats (q4, q3) code what they store, KVQuant-style:
+
+* keys are centred on per-channel calibration means of keys *before* RoPE, rotated to the key's
+  position (``k - rope(mean, pos) = rope(k_pre - mean, pos)``: pre-RoPE, a key's large channels sit
+  in the same place token after token, so fixed per-channel statistics fit them; the key at
+  position 0, the attention sink, has its own mean), scaled per RoPE pair by a Fisher-information
+  proxy and rotated by an orthonormal Hadamard matrix (a
+  :class:`~zgen.pallas.paged_attention.layouts.KeyCalibration` per layer, fitted by
+  :func:`zgen.runtime.calibration.calibrate_keys`). The attention kernels never decode them: the
+  coding folds into the query;
+* values are Hadamard-rotated; attention runs in the rotated basis and the output is rotated back.
+
+Measured on SmolLM2-135M (``benchmarks/kv_quality.py``; method and table in ``docs/kv_quantization.md``):
+fp16/bf16 +0.00 % perplexity, fp8 +0.31 %, q4 +1.31 %, q3 +4.80 %; without a calibration q4 +3.64 %,
+q3 +17.4 %.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Self
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
+
+from zgen.cache.base import LayerKV, replace_layer
+from zgen.cache.formats import empty_pages, kv_format
+from zgen.cache.tensor import masked_attention
+from zgen.errors import ConfigError
+from zgen.pallas import paged_attention
+from zgen.pallas.paged_attention.layouts import KeyCalibration, KVPages, dequantize, hadamard, head_dim_of, take_pages
+from zgen.shapes import cdiv
+
+
+def _num_pages(pages: KVPages) -> int:
+    return jax.tree_util.tree_leaves(pages)[0].shape[1]
+
+
+def _page_size(pages: KVPages) -> int:
+    return jax.tree_util.tree_leaves(pages)[0].shape[2]
+
+
+def _scatter_tokens(pages: KVPages, new: KVPages, page: Array, offset: Array) -> KVPages:
+    """Store token leaves ``[B, T, KVH, ...]`` at ``(page, offset)`` ``[B, T]``; out-of-range pages drop.
+
+    FP8 leaves are scattered as uint8: XLA on CPU widens an fp8 scatter to f32 and back, copying the
+    whole pool on every write, which made fp8 decode ~60x slower than fp16 there (0.58 against 34 tok/s
+    on SmolLM2); as uint8 it runs at ~5 tok/s. (The same bitcast slows fp16 and bf16 down, so only fp8
+    takes it.)
+    """
+
+    def scatter(leaf: Array, val: Array) -> Array:
+        val = jnp.moveaxis(val, 2, 0).astype(leaf.dtype)
+        if not (jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.dtype.itemsize == 1):
+            return leaf.at[:, page, offset].set(val, mode="drop")
+        as_bytes = jax.lax.bitcast_convert_type(leaf, jnp.uint8)
+        stored = as_bytes.at[:, page, offset].set(jax.lax.bitcast_convert_type(val, jnp.uint8), mode="drop")
+        return jax.lax.bitcast_convert_type(stored, leaf.dtype)
+
+    return jax.tree_util.tree_map(scatter, pages, new)
+
+
+def _gather_dense(pages: KVPages, block_tables: Array, dtype: Any | None) -> Array:
+    """``[B, pages_per_seq * page_size, KVH, D]``: each row's pages in order (``-1`` entries read page 0).
+
+    ``dtype=None`` keeps a plain array's stored dtype; quantized pages are dequantized to ``dtype``
+    (float32 if None).
+    """
+    num_pages = _num_pages(pages)
+    gathered = take_pages(pages, jnp.clip(block_tables, 0, num_pages - 1))  # [KVH, B, pps, ps, ...]
+    if isinstance(gathered, jax.Array):
+        dense = gathered if dtype is None else gathered.astype(dtype)
+    else:
+        dense = dequantize(gathered, jnp.float32 if dtype is None else dtype)
+    kvh, b, pps, ps, d = dense.shape
+    return dense.reshape(kvh, b, pps * ps, d).transpose(1, 2, 0, 3)
+
+
+@dataclass(frozen=True)
+class PagedKVState:
+    """Per-layer K/V page pools plus the block tables of the batch (a pytree; ``kv_dtype`` and the
+    view ``dtype`` are static).
+
+    ``capacity`` is ``pages_per_seq * page_size``. Writes to positions outside ``[0, capacity)`` or to
+    blocks the table does not name (``-1``) are dropped, like the dense state's out-of-range writes.
+    ``key_calibration`` (one :class:`KeyCalibration` per layer) is what
+    the coded formats (q4, q3) code keys with; ``None`` codes them with the Hadamard rotation alone.
+    """
+
+    k: tuple[KVPages, ...]
+    v: tuple[KVPages, ...]
+    block_tables: Int[Array, "B P"]
+    kv_dtype: str = "fp32"
+    dtype: str = "float32"  # dtype of layer_view (and of dequantized prefill keys if the query's is wider)
+    key_calibration: tuple[KeyCalibration, ...] | None = None
+
+    @classmethod
+    def contiguous(
+        cls,
+        num_layers: int,
+        batch: int,
+        capacity: int,
+        kv_heads: int,
+        head_dim: int,
+        *,
+        kv_dtype: str = "fp32",
+        page_size: int = 16,
+        dtype: str = "float32",
+        key_calibration: Sequence[KeyCalibration] | None = None,
+    ) -> PagedKVState:
+        """A dense-equivalent state: row ``b`` owns pages ``[b * pps, (b + 1) * pps)`` (identity table).
+
+        A paged state with no pool and no sharing, for tests and for reading one row's pages as a
+        dense cache would hold them.
+        """
+        if capacity <= 0 or batch <= 0:
+            raise ConfigError(f"batch ({batch}) and capacity ({capacity}) must be positive")
+        pps = cdiv(capacity, page_size)
+        pages = [empty_pages(kv_dtype, kv_heads, batch * pps, page_size, head_dim) for _ in range(2 * num_layers)]
+        table = jnp.arange(batch * pps, dtype=jnp.int32).reshape(batch, pps)
+        calibration = device_calibration(key_calibration, num_layers, kv_heads, head_dim)
+        return cls(tuple(pages[:num_layers]), tuple(pages[num_layers:]), table, kv_dtype, dtype, calibration)
+
+    @property
+    def page_size(self) -> int:
+        return _page_size(self.k[0])
+
+    @property
+    def num_pages(self) -> int:
+        return _num_pages(self.k[0])
+
+    @property
+    def pages_per_seq(self) -> int:
+        return self.block_tables.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        return self.pages_per_seq * self.page_size
+
+    def _key_coding(self, layer: int) -> KeyCalibration | None:
+        """The layer's key calibration in a coded format (the identity one if none was given), else None."""
+        if not kv_format(self.kv_dtype).coded:
+            return None
+        if self.key_calibration is not None:
+            return self.key_calibration[layer]
+        kv_heads, head_dim = _heads_and_dim(self.k[layer])
+        return KeyCalibration.identity(kv_heads, head_dim)
+
+    def write(
+        self,
+        layer: int,
+        k: Float[Array, "B T KVH D"],
+        v: Float[Array, "B T KVH D"],
+        positions: Int[Array, "B T"],
+    ) -> Self:
+        """Code (coded formats), quantize (if the format asks) and scatter each token into its (page, offset)."""
+        ps, pps = self.page_size, self.pages_per_seq
+        positions = positions.astype(jnp.int32)
+        coding = self._key_coding(layer)
+        if coding is not None:
+            k = coding.encode(k, positions[:, :, None], head_axis=-2)
+            v = hadamard(v)
+        index = jnp.clip(positions // ps, 0, pps - 1)
+        page = jnp.take_along_axis(self.block_tables, index, axis=1)
+        ok = (positions >= 0) & (positions < pps * ps) & (page >= 0)
+        page = jnp.where(ok, page, self.num_pages)  # out of bounds: the scatter drops it
+        offset = positions % ps
+        new_k = _scatter_tokens(self.k[layer], kv_format(self.kv_dtype).quantize(k), page, offset)
+        new_v = _scatter_tokens(self.v[layer], kv_format(self.kv_dtype).quantize(v), page, offset)
+        return replace(
+            self,
+            k=replace_layer(self.k, layer, new_k),
+            v=replace_layer(self.v, layer, new_v),
+        )
+
+    def attend(
+        self,
+        layer: int,
+        q: Float[Array, "B T H D"],
+        positions: Int[Array, "B T"],
+        *,
+        sliding_window: int | None,
+        page_mask: Bool[Array, "B P"] | None = None,
+    ) -> Float[Array, "B T H D"]:
+        """:func:`~zgen.pallas.paged_attention` of the queries over the stored pages.
+
+        Positions need not start at 0 (a cached prefix may precede them): visibility only depends on
+        each query's position. Coded values are attended to in the rotated basis; the output is rotated back. ``page_mask``
+        (``False``: dropped or wholly masked pages) keeps pages out of attention.
+        """
+        coding = self._key_coding(layer)
+        out = paged_attention(
+            q,
+            self.k[layer],
+            self.v[layer],
+            self.block_tables,
+            positions.astype(jnp.int32),
+            page_mask=page_mask,
+            sliding_window=sliding_window,
+            key_calibration=coding,
+        )
+        return out if coding is None else hadamard(out).astype(q.dtype)
+
+    def layer_view(self, layer: int) -> LayerKV:
+        """All ``capacity`` slots of every row, dequantized (and decoded) to ``dtype`` (tests and
+        inspection only): keys as they were written (after RoPE)."""
+        dtype = jnp.dtype(self.dtype)
+        k = _gather_dense(self.k[layer], self.block_tables, dtype)
+        v = _gather_dense(self.v[layer], self.block_tables, dtype)
+        coding = self._key_coding(layer)
+        if coding is not None:
+            k = coding.decode(k, jnp.arange(k.shape[1])[None, :, None], head_axis=-2).astype(dtype)
+            v = hadamard(v).astype(dtype)
+        return LayerKV(k, v)
+
+
+jax.tree_util.register_dataclass(
+    PagedKVState, data_fields=["k", "v", "block_tables", "key_calibration"], meta_fields=["kv_dtype", "dtype"]
+)
+
+
+def _heads_and_dim(pages: KVPages) -> tuple[int, int]:
+    return jax.tree_util.tree_leaves(pages)[0].shape[0], head_dim_of(pages)
+
+
+def device_calibration(
+    calibration: Sequence[KeyCalibration] | None, num_layers: int, kv_heads: int, head_dim: int
+) -> tuple[KeyCalibration, ...] | None:
+    """Fresh float32 device copies (a compiled plan donates its state's arrays), checked against the cache shape."""
+    if calibration is None:
+        return None
+    if len(calibration) != num_layers:
+        raise ConfigError(f"key_calibration has {len(calibration)} layers, the cache {num_layers}")
+    for layer in calibration:
+        if any(tuple(np.shape(stat)) != (kv_heads, head_dim) for stat in (layer.center, layer.sink, layer.scale)):
+            raise ConfigError(f"key_calibration statistics must be [kv_heads={kv_heads}, head_dim={head_dim}]")
+        if tuple(np.shape(layer.inv_freq)) != (head_dim // 2,):
+            raise ConfigError(f"key_calibration inv_freq must be [head_dim / 2 = {head_dim // 2}]")
+    return tuple(jax.tree_util.tree_map(lambda stat: jnp.array(stat, jnp.float32), layer) for layer in calibration)
+
+
+@dataclass(frozen=True)
+class MaskedPagedState:
+    """A paged state plus the visibility masks of its rows (contexts that mask tokens or override the
+    causal rule). Each mask is optional, and ``None`` is not traced:
+
+    * ``page_mask [B, P]`` — pages that may be read (``False`` for dropped pages, whose table entry is
+      ``-1``, and for pages whose every token is masked). Attention still runs the paged kernel.
+    * ``token_mask [B, P * page_size]`` — token slots that may be read (masks that cut through a page).
+    * ``query_mask [B, T, P * page_size]`` — a per-query override of the causal rule; token and page
+      masks still apply.
+
+    With only a page mask, attention is the paged kernel's; token and query masks attend over a
+    dequantized gather of the rows' pages (:func:`~zgen.cache.tensor.masked_attention`).
+    """
+
+    pages: PagedKVState
+    page_mask: Bool[Array, "B P"] | None = None
+    token_mask: Bool[Array, "B S"] | None = None
+    query_mask: Bool[Array, "B T S"] | None = None
+
+    @property
+    def capacity(self) -> int:
+        return self.pages.capacity
+
+    def write(
+        self,
+        layer: int,
+        k: Float[Array, "B T KVH D"],
+        v: Float[Array, "B T KVH D"],
+        positions: Int[Array, "B T"],
+    ) -> Self:
+        return replace(self, pages=self.pages.write(layer, k, v, positions))
+
+    def attend(
+        self,
+        layer: int,
+        q: Float[Array, "B T H D"],
+        positions: Int[Array, "B T"],
+        *,
+        sliding_window: int | None,
+    ) -> Float[Array, "B T H D"]:
+        if self.token_mask is None and self.query_mask is None:
+            return self.pages.attend(layer, q, positions, sliding_window=sliding_window, page_mask=self.page_mask)
+        view = self.pages.layer_view(layer)  # [B, S, KVH, D], dequantized and decoded
+        slots = jnp.arange(view.k.shape[1])[None, None, :]
+        pos = positions.astype(jnp.int32)[:, :, None]
+        mask = slots <= pos if self.query_mask is None else self.query_mask & (slots < self.capacity)
+        if sliding_window is not None:
+            mask &= pos - slots < sliding_window
+        mask &= pos >= 0  # padding queries see nothing (their outputs are never used)
+        if self.token_mask is not None:
+            mask &= self.token_mask[:, None, :]
+        if self.page_mask is not None:
+            mask &= jnp.repeat(self.page_mask, self.pages.page_size, axis=1)[:, None, :]
+        return masked_attention(q, view.k.astype(q.dtype), view.v.astype(q.dtype), mask)
+
+    def layer_view(self, layer: int) -> LayerKV:
+        return self.pages.layer_view(layer)
+
+
+jax.tree_util.register_dataclass(
+    MaskedPagedState, data_fields=["pages", "page_mask", "token_mask", "query_mask"], meta_fields=[]
+)

@@ -1,0 +1,36 @@
+"""The runtime: everything that runs the model, once.
+
+* :mod:`~zgen.runtime.step` — the one step: forward, draw, the mixed prefill+decode step, the
+  on-device decode loop;
+* :mod:`~zgen.runtime.runner` — those steps compiled ahead of time per shape bucket;
+* :mod:`~zgen.runtime.engine` — the scheduler: continuous batching of every request and context,
+  chunked prefill, KV room reserved before each step;
+* :mod:`~zgen.runtime.sampling` and :mod:`~zgen.runtime.stop` — the one sampling and stop vocabulary;
+* :mod:`~zgen.runtime.calibration` — the key statistics the coded KV formats need (it runs the model).
+
+Front ends (the Generator, contexts, the CLI) translate requests into
+:class:`~zgen.runtime.engine.ForwardRequest` s on :class:`~zgen.runtime.sequence.Sequence` s.
+"""
+
+from zgen.runtime import stop
+from zgen.runtime.engine import Engine, EngineConfig, EngineStats, ForwardRequest, ForwardResult
+from zgen.runtime.results import GenerationResult, Timings, TokenUsage
+from zgen.runtime.sampling import Sampler, SamplingConfig
+from zgen.runtime.sequence import Sequence
+from zgen.runtime.stop import StopCondition
+
+__all__ = [
+    "Engine",
+    "EngineConfig",
+    "EngineStats",
+    "ForwardRequest",
+    "ForwardResult",
+    "GenerationResult",
+    "Sampler",
+    "SamplingConfig",
+    "Sequence",
+    "StopCondition",
+    "Timings",
+    "TokenUsage",
+    "stop",
+]

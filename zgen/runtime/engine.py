@@ -1,0 +1,659 @@
+"""The Engine: one scheduler that runs every request and context of a model, batched.
+
+Front ends never run the model. A Generator request and a context call both become a
+:class:`ForwardRequest` on a :class:`~zgen.runtime.sequence.Sequence` — feed its pending tokens up to
+``end``, sample or read logits at chosen positions, and optionally go on generating until a
+:class:`~zgen.runtime.stop.StopCondition` — submitted as a :class:`Job`. Each :meth:`Engine.step`
+serves every waiting job it can, in one compiled call:
+
+* **decode loop** — when every job is plain decoding (one pending token, sampling on the device, no
+  attention override): up to the whole remaining budget of tokens in one ``lax.while_loop`` on the
+  device (:func:`~zgen.runtime.step.decode_loop`). Only a host stop rule (a multi-token sequence, a
+  stop string), a text stream or a request waiting for room brings it back sooner: every
+  ``steps_per_sync`` tokens, or as soon as a row finishes.
+* **mixed step** — otherwise: every job feeds a chunk of its pending tokens (at most
+  ``prefill_chunk``, so a long prompt never stalls the others) or one decode token, as one row of a
+  padded ``[B, T]`` batch, and draws at its requested positions (:func:`~zgen.runtime.step.mixed_step`).
+
+Continuous batching: a finished job gives its row back at once and a waiting one takes it at the next
+step; KV room is reserved before each step (:meth:`~zgen.cache.base.KVHandle.reserve`), and a job that
+finds none waits while others run (``on_pool_exhausted="wait"``) or fails alone (``"error"``) with its
+sequence unchanged. One job's fault (a host choice function that raises or returns an invalid id)
+fails that job alone and rolls its sequence back.
+
+Sampling draws for position ``p`` use ``fold_in(key, p)`` of the row's key (the config's seed, else the
+sequence's), so a sequence samples the same tokens alone, batched, through either step or front end.
+
+Driving: a synchronous caller steps the engine itself until its job is done (:meth:`Engine.wait`;
+other threads' jobs ride along in the same steps, one step at a time under a lock); an async caller
+awaits :meth:`Engine.wait_async`, and the steps run on its event loop, where every job submitted at the
+same moment shares a step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from collections.abc import Iterator, Sequence as Seq
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zgen.cache.base import KVManager, KVState, StepRow
+from zgen.cache.factory import CacheOption, make_kv, resolve
+from zgen.cache.formats import kv_dtype_of, kv_format
+from zgen.errors import CacheError, ConfigError, InputError, PoolExhaustedError, PromptTooLongError, TokenIdError, ZgenError
+from zgen.model import Model
+from zgen.pallas.paged_attention.layouts import KeyCalibration
+from zgen.runtime.calibration import key_calibration as model_key_calibration
+from zgen.runtime.results import FinishReason
+from zgen.runtime.runner import runner_for
+from zgen.runtime.sampling import PenaltyState, SamplingConfig, SamplingFlags, SamplingParams, make_row_keys, penalty_state
+from zgen.runtime.sequence import Sequence
+from zgen.runtime.step import DecodeLoop, MixedBatch
+from zgen.runtime.stop import StopCondition, TextStream
+from zgen.shapes import next_pow2
+
+GREEDY = SamplingConfig(temperature=0.0)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Scheduling settings of an :class:`Engine` (the cache is chosen with cache options)."""
+
+    max_batch: int = 64  # rows per compiled step (and sequences a row cache holds at once)
+    prefill_chunk: int = 256  # pending tokens one sequence feeds per step
+    steps_per_sync: int = 16  # decode steps per host round trip when something needs the host
+    on_pool_exhausted: Literal["error", "wait"] = "error"
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch", "prefill_chunk", "steps_per_sync"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"EngineConfig.{name} must be an integer >= 1, got {value!r}")
+        if self.on_pool_exhausted not in ("error", "wait"):
+            raise ConfigError(f"EngineConfig.on_pool_exhausted must be 'error' or 'wait', got {self.on_pool_exhausted!r}")
+
+
+@dataclass
+class EngineStats:
+    """Counters since the engine was created (``forward_passes`` counts every model forward run on
+    the device: a decode loop of k iterations counts k)."""
+
+    steps: int = 0
+    forward_passes: int = 0
+    rows: int = 0  # batch rows served, summed over steps
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class ForwardRequest:
+    """Feed a sequence's pending tokens up to position ``end`` and read out results.
+
+    Positions are absolute token indices. ``sample_at``/``logits_at``: positions whose next-token
+    logits are sampled with ``sampling`` / returned raw. ``attention_mask`` (bool ``[end - start,
+    end]``, ``start`` the sequence's KV length at submission) replaces the causal rule for the fed
+    tokens. ``generate``: the last sample (at ``end - 1``) is the first generated token; append it and
+    go on until this stop condition (or the model's context is full). ``stream``: keep the generated
+    text's pieces for :meth:`Engine.stream` as they come.
+    """
+
+    end: int
+    sample_at: tuple[int, ...] = ()
+    logits_at: tuple[int, ...] = ()
+    sampling: SamplingConfig = GREEDY
+    attention_mask: np.ndarray | None = None
+    generate: StopCondition | None = None
+    stream: bool = False
+
+
+@dataclass
+class ForwardResult:
+    """Samples in order (for a generation: the generated tokens), their log-probs, raw float32 logits
+    per ``logits_at`` position, and for a generation its text and finish reason."""
+
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    logits: dict[int, np.ndarray] = field(default_factory=dict)
+    text: str = ""
+    finish_reason: FinishReason = "length"
+    cached_tokens: int = 0  # of the fed tokens, those whose K/V were there already (prefix cache, earlier calls)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    steps: int = 0
+
+
+class Job:
+    """One submitted request: its sequence, progress, result and future."""
+
+    def __init__(self, seq: Sequence, request: ForwardRequest, tokenizer_stream: TextStream | None) -> None:
+        self.seq = seq
+        self.request = request
+        self.future: Future[ForwardResult] = Future()
+        self.start = seq.kv_len  # KV length at submission (row 0 of attention_mask)
+        self.origin = seq.num_tokens  # tokens at submission (a failed job rolls back to these)
+        self.result = ForwardResult(cached_tokens=seq.kv_len)
+        self.text = tokenizer_stream
+        self.generating = False
+        self.drawn: list[int] = []  # generated tokens of this step, appended to the sequence together
+        self.pieces: list[str] = []
+        self.cancelled = False
+        self.admitted = False
+        self._started: float | None = None
+        self._first_token: float | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.future.done()
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        return self.request.sampling
+
+    def feed_end(self) -> int:
+        """Feed tokens up to (excluding) this position in the current phase."""
+        return self.seq.num_tokens if self.generating else self.request.end
+
+    def draws_left(self, max_len: int) -> int:
+        """Samples this job may still draw (generations: until their budget or the context is full)."""
+        if self.text is None:
+            return 1
+        budget = self.text.stop.max_tokens or max_len
+        return max(0, min(budget - len(self.text.tokens), max_len - self.seq.num_tokens + 1))
+
+    def loopable(self) -> bool:
+        """One token left to feed, sampled on the device, nothing else asked of it: the decode loop serves it."""
+        r = self.request
+        if self.sampling.choose is not None or r.attention_mask is not None:
+            return False
+        if self.generating:
+            return True
+        last = r.end - 1
+        return self.seq.kv_len == last and set(r.sample_at) == {last} and not r.logits_at
+
+    def needs_host(self) -> bool:
+        return self.text is not None and (self.text.stop.needs_host or self.request.stream)
+
+
+@dataclass
+class _Row:
+    job: Job
+    start: int
+    count: int  # tokens fed (decode: draws reserved)
+    reads: list[int]  # absolute positions whose logits this row draws or returns
+
+
+class Engine:
+    """Owns a model's KV cache and schedules every request and context on it (see the module docstring).
+
+    Cache options (``paged_kv(...)``, ``kv_dtype("q4")``, ``prefix_cache(...)``, ... from
+    :mod:`zgen.cache.factory`) choose the cache; without a kind the engine is paged (contexts need
+    pages), ``default_kind`` changes that (the Generator's default is ``tensor``). The coded formats
+    (q4, q3) code keys with ``key_calibration`` (default: the model's own, computed once).
+    """
+
+    def __init__(
+        self,
+        model: Model,
+        *options: CacheOption,
+        config: EngineConfig | None = None,
+        default_kind: str = "paged",
+        key_calibration: Seq[KeyCalibration] | None = None,
+    ) -> None:
+        self.model = model
+        self.config = config or EngineConfig()
+        cache = resolve(options)
+        if cache.kind is None:  # a page layout needs pages; otherwise the front end's default
+            cache = replace(cache, kind=default_kind if cache.resolved_kind == "tensor" else cache.resolved_kind)
+        self.cache_options = cache
+        storage = self.cache_options.kv_dtype or kv_dtype_of(model.dtype)
+        if kv_format(storage, model.config.head_dim).coded and key_calibration is None:
+            key_calibration = model_key_calibration(model)
+        self.kv: KVManager = make_kv(
+            self.cache_options, model.config, model.dtype,
+            max_rows=self.config.max_batch, max_write=next_pow2(self.config.prefill_chunk), key_calibration=key_calibration,
+        )
+        self.runner = runner_for(model)
+        self.stats = EngineStats()
+        self._queue: list[Job] = []
+        self._queue_lock = threading.Lock()
+        self._step_lock = threading.Lock()
+        self._scheduled: set[asyncio.AbstractEventLoop] = set()
+        self._seeds = itertools.count(0x5EED)
+
+    @property
+    def max_len(self) -> int:
+        """Tokens one sequence can hold (the model's context length)."""
+        return self.model.config.max_position_embeddings
+
+    def close(self) -> None:
+        """Free what the cache holds outside the device (a tiered store's RAM and files)."""
+        self.kv.close()
+
+    # -- sequences ------------------------------------------------------------------------------
+
+    def next_seed(self) -> int:
+        return next(self._seeds) * 0x9E3779B97F4A7C15 % 2**63
+
+    def new_sequence(self, tokens: Seq[int] = (), *, seed: int | None = None) -> Sequence:
+        """An empty (or pre-filled, all pending) sequence on this engine's cache."""
+        return Sequence(self.kv.new_handle(), self.next_seed() if seed is None else int(seed), tokens)
+
+    def fork(self, seq: Sequence, *, seed: int | None = None) -> Sequence:
+        """A sequence with the same tokens sharing every page (paged caches only)."""
+        if not self.kv.pages:
+            raise ConfigError(f"the {self.kv.kind} cache holds one row per sequence and cannot fork; use a paged cache")
+        fork = getattr(seq.kv, "fork")
+        twin = Sequence(fork(), self.next_seed() if seed is None else int(seed), seq.tokens)
+        twin.masked, twin.custom_attention = seq.masked.copy(), seq.custom_attention
+        return twin
+
+    def release(self, seq: Sequence) -> None:
+        """Offer the sequence's K/V to the prefix cache (unless computed under masks) and free it."""
+        if seq.released:
+            return
+        if not seq.custom_attention and seq.kv_len:
+            self.kv.commit_prefix(seq.kv, seq.tokens[: seq.kv_len])
+        seq.release()
+
+    def check_ids(self, ids: Seq[int]) -> list[int]:
+        """``ids`` as ints in ``[0, vocab)``, or TokenIdError."""
+        vocab = self.model.config.vocab_size
+        bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < vocab]
+        if bad:
+            raise TokenIdError(f"token ids {bad[:5]} are outside [0, {vocab}) for this model's vocabulary (or not integers)")
+        return [int(i) for i in ids]
+
+    # -- jobs -----------------------------------------------------------------------------------
+
+    def submit(self, seq: Sequence, request: ForwardRequest) -> Job:
+        """Queue ``request`` on ``seq`` (checked first: a bad request is refused before anything runs)."""
+        if seq.released:
+            raise CacheError("this sequence was released; fork or open a live one")
+        if seq.busy:
+            raise InputError("this context already has a call running; await it first (fork to work on a copy)")
+        self._check(seq, request)
+        stream = None if request.generate is None else TextStream(self.model.tokenizer, request.generate, incremental=request.stream)
+        job = Job(seq, request, stream)
+        seq.busy = True
+        job.future.add_done_callback(lambda _: setattr(seq, "busy", False))
+        with self._queue_lock:
+            self._queue.append(job)
+        return job
+
+    def wait(self, job: Job) -> ForwardResult:
+        """Step the engine until ``job`` is done (serving every other waiting job too); its result."""
+        while not job.done:
+            with self._step_lock:
+                if not job.done:
+                    self.step()
+        return job.future.result()
+
+    async def wait_async(self, job: Job) -> ForwardResult:
+        """Await ``job`` while the engine steps on this event loop (see the module docstring)."""
+        loop = asyncio.get_running_loop()
+        self._schedule(loop)
+        try:
+            return await asyncio.wrap_future(job.future)
+        except asyncio.CancelledError:
+            self.cancel(job)
+            raise
+
+    def stream(self, job: Job) -> Iterator[str]:
+        """Step until ``job`` is done, yielding its generated text as it comes. Closing the iterator
+        early cancels the job (its row is freed at once)."""
+        try:
+            while True:
+                if job.pieces:
+                    pieces, job.pieces = job.pieces, []
+                    yield "".join(pieces)
+                if job.done:
+                    job.future.result()  # raises the job's error
+                    return
+                with self._step_lock:
+                    if not job.done and not job.pieces:
+                        self.step()
+        finally:
+            if not job.done:
+                self.cancel(job)
+
+    def cancel(self, job: Job) -> None:
+        """Drop a job: its sequence goes back to what it was at submission."""
+        if job.done:
+            return
+        with self._step_lock:
+            if not job.done:
+                self._fail(job, ZgenError("the request was cancelled"))
+
+    def _schedule(self, loop: asyncio.AbstractEventLoop) -> None:
+        if loop not in self._scheduled:
+            self._scheduled.add(loop)
+            # Two hops: tasks woken by the last step run (and submit their next jobs) before this step.
+            loop.call_soon(loop.call_soon, self._drive_async, loop)
+
+    def _drive_async(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._scheduled.discard(loop)
+        if not self._step_lock.acquire(blocking=False):
+            loop.call_later(0.0005, self._schedule, loop)  # another thread is stepping
+            return
+        try:
+            self.step()
+        finally:
+            self._step_lock.release()
+        with self._queue_lock:
+            pending = any(not job.done for job in self._queue)
+        if pending:
+            self._schedule(loop)
+
+    # -- one step -------------------------------------------------------------------------------
+
+    def step(self) -> None:
+        """Serve one compiled step of the waiting jobs (callers hold the step lock: use :meth:`wait`)."""
+        with self._queue_lock:
+            self._queue = [job for job in self._queue if not job.done]
+            jobs = list(self._queue)
+        if not jobs:
+            return
+        candidates = jobs[: self.config.max_batch]
+        decode = all(job.loopable() for job in candidates)
+        steps = self._loop_steps(candidates, waiting=len(jobs) > len(candidates)) if decode else 1
+        rows: list[_Row] = []
+        blocked: list[tuple[Job, PoolExhaustedError]] = []
+        for job in candidates:
+            try:
+                rows.append(self._reserve(job, steps if decode else None))
+            except PoolExhaustedError as err:
+                blocked.append((job, err))
+        for job, err in blocked:
+            if self.config.on_pool_exhausted == "error":
+                self._fail(job, err)
+            elif not rows:  # nothing runs, so nothing will free room: waiting would hang
+                self._fail(job, PoolExhaustedError(
+                    f"{err} (no running request can free room: release contexts or sessions, drop masked pages, "
+                    "or give the engine more KV memory)"
+                ))
+        if not rows:
+            return
+        try:
+            if decode:
+                self._run_decode(rows, steps, exit_on_finish=bool(blocked) or len(jobs) > len(candidates))
+            else:
+                self._run_mixed(rows)
+        except BaseException as err:
+            for row in rows:  # every job of a step that broke fails; its sequence is as it was
+                self._fail(row.job, err if isinstance(err, Exception) else ZgenError(repr(err)))
+            if not isinstance(err, Exception):
+                raise
+
+    def _loop_steps(self, jobs: list[Job], *, waiting: bool) -> int:
+        """Iterations of this decode loop: every job's whole budget, unless one needs the host sooner."""
+        draws = max(job.draws_left(self.max_len) for job in jobs)
+        if waiting or any(job.needs_host() for job in jobs):
+            draws = min(draws, self.config.steps_per_sync)
+        return next_pow2(max(draws, 1))
+
+    def _reserve(self, job: Job, decode_steps: int | None) -> _Row:
+        seq = job.seq
+        if not job.admitted:
+            self._admit(job)
+        start = seq.kv_len
+        if decode_steps is not None:
+            want = min(decode_steps, job.draws_left(self.max_len))
+            try:
+                seq.kv.reserve(want)
+            except PoolExhaustedError:
+                want = min(want, self.config.steps_per_sync)
+                seq.kv.reserve(want)  # a smaller step fits more often; raises if even that does not
+            return _Row(job, start, want, [start])
+        end = min(job.feed_end(), start + self.config.prefill_chunk)
+        seq.kv.reserve(end - start)
+        r = job.request
+        reads = [start] if job.generating else sorted({p for p in (*r.sample_at, *r.logits_at) if start <= p < end})
+        return _Row(job, start, end - start, reads)
+
+    def _admit(self, job: Job) -> None:
+        """First step of a job: reuse a cached prefix for an empty sequence, start its clock."""
+        seq = job.seq
+        if seq.kv_len == 0 and not seq.custom_attention and not seq.any_masked and job.request.attention_mask is None:
+            cached = self.kv.match_prefix(seq.kv, seq.tokens[: job.request.end])
+            job.result.cached_tokens = cached
+            job.start = seq.kv_len
+        job.admitted = True
+        job._started = time.perf_counter()
+
+    def _step_rows(self, rows: list[_Row], tokens: int) -> tuple[int, list[int], KVState]:
+        width, index = self.kv.layout([row.job.seq.kv for row in rows])
+        step_rows = []
+        for row in rows:
+            seq, r = row.job.seq, row.job.request
+            override = None
+            if r.attention_mask is not None and not row.job.generating:
+                first = row.start - row.job.start
+                override = np.asarray(r.attention_mask, bool)[first : first + row.count]
+                seq.custom_attention = True
+            masked = np.flatnonzero(seq.masked) if seq.any_masked else None
+            if masked is not None:
+                seq.custom_attention = True
+            step_rows.append(StepRow(seq.kv, row.start, row.count, masked, override))
+        return width, index, self.kv.step_state(step_rows, width, tokens)
+
+    def _sampling(
+        self, rows: list[_Row], index: list[int], width: int
+    ) -> tuple[SamplingParams, SamplingFlags, jax.Array, PenaltyState | None]:
+        configs = [GREEDY] * width
+        seeds: list[int | None] = [0] * width
+        for row, i in zip(rows, index, strict=True):
+            configs[i] = row.job.sampling
+            seeds[i] = row.job.sampling.seed if row.job.sampling.seed is not None else row.job.seq.seed
+        vocab = self.model.config.vocab_size
+        flags = SamplingFlags.from_configs(configs, vocab)
+        keys = jax.random.key_data(make_row_keys(seeds))
+        penalties = self._penalties(rows, index, width) if flags.penalties else None
+        return SamplingParams.from_configs(configs, vocab), flags, keys, penalties
+
+    def _penalties(self, rows: list[_Row], index: list[int], width: int) -> PenaltyState:
+        """Penalty state from token ids: each row has seen its sequence, and generated its job's tokens."""
+        seen = [row.job.seq.tokens[: row.start + row.count] for row in rows]
+        generated = [row.job.text.tokens if row.job.text is not None else [] for row in rows]
+        seen_ids = np.zeros((width, next_pow2(max(len(s) for s in seen), 16)), np.int32)
+        gen_ids = np.zeros((width, next_pow2(max(max(len(g) for g in generated), 1), 16)), np.int32)
+        seen_len, gen_len = np.zeros(width, np.int32), np.zeros(width, np.int32)
+        for i, s, g in zip(index, seen, generated, strict=True):
+            seen_ids[i, : len(s)], seen_len[i] = s, len(s)
+            gen_ids[i, : len(g)], gen_len[i] = g, len(g)
+        return penalty_state(
+            jnp.asarray(seen_ids), jnp.asarray(seen_len), jnp.asarray(gen_ids), jnp.asarray(gen_len), self.model.config.vocab_size
+        )
+
+    def _run_mixed(self, rows: list[_Row]) -> None:
+        t = next_pow2(max(row.count for row in rows), 1 if all(row.count == 1 for row in rows) else 16)
+        r = next_pow2(max(max(len(row.reads), 1) for row in rows))
+        width, index, state = self._step_rows(rows, t)
+        tokens = np.zeros((width, t), np.int32)
+        positions = np.full((width, t), -1, np.int32)
+        read_rows = np.zeros((width, r), np.int32)
+        draw_index = np.zeros((width, r), np.int32)
+        for row, i in zip(rows, index, strict=True):
+            tokens[i, : row.count] = row.job.seq.tokens[row.start : row.start + row.count]
+            positions[i, : row.count] = np.arange(row.start, row.start + row.count)
+            read_rows[i, : len(row.reads)] = [p - row.start for p in row.reads]
+            draw_index[i, : len(row.reads)] = row.reads
+        params, flags, keys, penalties = self._sampling(rows, index, width)
+        host_choice = any(row.job.sampling.choose is not None for row in rows)
+        want_logits = host_choice or any(p in row.job.request.logits_at for row in rows for p in row.reads if not row.job.generating)
+        batch = MixedBatch(
+            jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(read_rows), jnp.asarray(draw_index), keys, params, penalties
+        )
+        out, state = self.runner.mixed(state, batch, flags=flags, logits=want_logits, filtered=host_choice)
+        self.kv.absorb(state)
+        sampled, logprobs, logits, filtered = jax.device_get((out.tokens, out.logprobs, out.logits, out.filtered))
+        self.stats.steps += 1
+        self.stats.forward_passes += 1
+        self.stats.rows += len(rows)
+        for row, i in zip(rows, index, strict=True):
+            job = row.job
+            if job.done:
+                continue
+            self.stats.prefill_tokens += 0 if job.generating else row.count
+            try:
+                for k, p in enumerate(row.reads):
+                    if p in job.request.logits_at and not job.generating:
+                        job.result.logits[p] = np.asarray(logits[i, k], np.float32)
+                    if job.generating or p in job.request.sample_at:
+                        token, logprob = int(sampled[i, k]), float(logprobs[i, k])
+                        if job.sampling.choose is not None:
+                            token, logprob = self._host_choice(job, logits[i, k], filtered[i, k])
+                        self._take(job, p, token, logprob)
+                job.seq.append(job.drawn)
+                job.drawn = []
+                job.result.steps += 1
+                if not job.generating and row.start + row.count >= job.request.end and job.text is None:
+                    self._finish(job)
+                elif job.generating:
+                    self._after_generation_step(job)
+            except Exception as err:  # this job's fault (a host choice function): it fails alone
+                self._fail(job, err)
+
+    def _host_choice(self, job: Job, raw: np.ndarray, filtered: np.ndarray) -> tuple[int, float]:
+        choose = job.sampling.choose
+        assert choose is not None
+        x = filtered.astype(np.float64)
+        probs = np.exp(x - x.max())
+        probs /= probs.sum()
+        order = np.argsort(-probs, kind="stable")
+        token = choose(order, probs[order])
+        vocab = self.model.config.vocab_size
+        if isinstance(token, bool) or not isinstance(token, (int, np.integer)) or not 0 <= token < vocab:
+            raise TokenIdError(f"the sampler's choice function returned {token!r}, not a token id in [0, {vocab})")
+        row = raw.astype(np.float64)
+        return int(token), float(row[int(token)] - np.logaddexp.reduce(row))
+
+    def _run_decode(self, rows: list[_Row], steps: int, *, exit_on_finish: bool) -> None:
+        width, index, state = self._step_rows(rows, 1)
+        token = np.zeros(width, np.int32)
+        position = np.full(width, -1, np.int32)
+        done = np.ones(width, bool)
+        last_step = np.zeros(width, np.int32)
+        stops = [job.text.stop.device_token_ids if (job := row.job).text is not None else () for row in rows]
+        stop_ids = np.full((width, next_pow2(max(max(len(s) for s in stops), 1))), -1, np.int32)
+        for row, i, ids in zip(rows, index, stops, strict=True):
+            token[i], position[i], done[i], last_step[i] = row.job.seq.tokens[row.start], row.start, row.count <= 0, row.count - 1
+            stop_ids[i, : len(ids)] = ids
+        params, flags, keys, penalties = self._sampling(rows, index, width)
+        loop = DecodeLoop(
+            token=jnp.asarray(token), position=jnp.asarray(position), done=jnp.asarray(done),
+            last_step=jnp.asarray(last_step), stop_ids=jnp.asarray(stop_ids), keys=keys, penalties=penalties,
+            out_tokens=jnp.full((width, steps), -1, jnp.int32), out_logprobs=jnp.zeros((width, steps), jnp.float32),
+            step=jnp.asarray(0, jnp.int32), max_steps=jnp.asarray(steps, jnp.int32),
+            exit_on_finish=jnp.asarray(exit_on_finish), done_at_start=jnp.asarray(int(done.sum()), jnp.int32),
+        )
+        loop, state = self.runner.decode(state, loop, params, flags=flags)
+        self.kv.absorb(state)
+        out, logprobs, iterations = jax.device_get((loop.out_tokens, loop.out_logprobs, loop.step))
+        self.stats.steps += 1
+        self.stats.forward_passes += int(iterations)
+        self.stats.rows += len(rows)
+        for row, i, ids in zip(rows, index, stops, strict=True):
+            job = row.job
+            drawn = _row_draws(out[i, : min(row.count, int(iterations))].tolist(), ids)
+            self.stats.decode_tokens += len(drawn)
+            job.seq.kv.truncate(row.start + len(drawn))  # fed: the input and all but the last draw
+            for n, t in enumerate(drawn):
+                self._take(job, row.start + n, t, float(logprobs[i, n]))
+            job.seq.append(job.drawn)
+            job.drawn = []
+            job.result.steps += 1
+            if job.text is None:
+                self._finish(job)  # a single draw, nothing continues
+            else:
+                self._after_generation_step(job)
+
+    def _take(self, job: Job, position: int, token: int, logprob: float) -> None:
+        """Record a token sampled at ``position``; a generation keeps it (``job.drawn``, appended to the
+        sequence after the step's tokens are all taken) and goes on."""
+        r = job.request
+        if not job.generating:
+            if job.text is None or position != r.end - 1:
+                job.result.tokens.append(token)
+                job.result.logprobs.append(logprob)
+                return
+            job.generating = True  # the sample after the last fed token is the first generated one
+            job._first_token = time.perf_counter()
+        assert job.text is not None
+        if job.text.done:
+            return  # drawn past a stop on the device: rolled back when the job finishes
+        piece = job.text.push(token)
+        job.drawn.append(token)
+        job.result.tokens.append(token)
+        job.result.logprobs.append(logprob)
+        if piece and r.stream:
+            job.pieces.append(piece)
+
+    def _after_generation_step(self, job: Job) -> None:
+        assert job.text is not None
+        if not job.text.done and job.draws_left(self.max_len) <= 0:
+            piece = job.text.finish("length")
+            if piece and job.request.stream:
+                job.pieces.append(piece)
+        if job.text.done:
+            self._finish(job)
+
+    def _finish(self, job: Job) -> None:
+        result = job.result
+        if job.text is not None:
+            job.seq.keep_pending(job.request.end + len(job.text.tokens))  # draws past a stop are rolled back
+            result.text, result.finish_reason = job.text.text, job.text.finish_reason  # type: ignore[assignment]
+        now = time.perf_counter()
+        started = job._started or now
+        first = job._first_token or now
+        result.prefill_s, result.decode_s = first - started, now - first
+        job.future.set_result(result)
+
+    def _fail(self, job: Job, err: BaseException) -> None:
+        """Fail ``job`` alone: its sequence goes back to what it was when the job was submitted."""
+        seq = job.seq
+        try:
+            if not seq.released:
+                seq.keep(min(job.origin, seq.num_tokens))
+                if seq.kv_len > job.start:
+                    seq.kv.truncate(job.start)
+        except ZgenError:
+            pass  # the cache itself is broken (a step failed after donating it); the job's error says why
+        finally:
+            if not job.done:
+                job.future.set_exception(err)
+
+    # -- checks ---------------------------------------------------------------------------------
+
+    def _check(self, seq: Sequence, request: ForwardRequest) -> None:
+        start, end = seq.kv_len, request.end
+        if not start < end <= seq.num_tokens:
+            raise InputError(f"nothing to feed: positions [{start}, {end}) of a sequence of {seq.num_tokens} tokens")
+        for p in (*request.sample_at, *request.logits_at):
+            if not start <= p < end:
+                raise InputError(f"position {p} is not among the fed positions [{start}, {end})")
+        if request.generate is not None and (end - 1) not in request.sample_at:
+            raise InputError("generating needs a sample at the last fed position")
+        if end > self.max_len:
+            raise PromptTooLongError(f"{end} tokens exceed the model's context of {self.max_len}")
+        mask = request.attention_mask
+        if mask is not None and np.shape(mask) != (end - start, end):
+            raise InputError(f"attention_mask must be bool [{end - start}, {end}] (fed tokens x all tokens), got {np.shape(mask)}")
+        if (mask is not None or seq.any_masked) and not self.kv.pages:
+            raise ConfigError(f"masks need a paged cache (paged or tiered); this engine uses {self.kv.kind}")
+
+
+def _row_draws(out: list[int], stop_ids: tuple[int, ...]) -> list[int]:
+    """A decode-loop row's draws: up to and including its first stop id (the loop's rule for ending it)."""
+    end = next((n + 1 for n, token in enumerate(out) if token in stop_ids), len(out))
+    return out[:end]
+
+
+__all__ = ["Engine", "EngineConfig", "EngineStats", "ForwardRequest", "ForwardResult", "Job"]

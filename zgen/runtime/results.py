@@ -1,0 +1,39 @@
+"""What a generation returns, the same through every front end."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class TokenUsage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int = 0  # prompt tokens whose K/V were already there (prefix cache, a context's KV)
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class Timings:
+    prefill_s: float  # from the first step that served the request to its first token
+    decode_s: float  # from the first token to the last
+    host_syncs: int  # compiled steps that served it
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """``token_ids`` include a matched stop sequence or stop token; ``text`` leaves the stop out."""
+
+    text: str
+    token_ids: list[int]
+    prompt_token_ids: list[int]
+    logprobs: list[float]  # log-softmax of each chosen token under the unmodified distribution
+    finish_reason: FinishReason  # "stop" (a stop id, sequence or string) or "length"
+    usage: TokenUsage
+    timings: Timings

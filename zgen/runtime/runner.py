@@ -1,0 +1,130 @@
+"""A model's compiled steps: ahead-of-time executables per shape bucket (the CUDA-graph analogue).
+
+Each distinct shape (batch width, tokens per row, reads, KV state layout, sampling flags) is lowered
+and compiled once, then called directly: no retracing, no Python per token. The KV state (and the
+decode loop's carry) is donated, so XLA updates the cache in place. On GPU and TPU, executables are
+also kept in JAX's persistent compilation cache, so a second process skips compiling. All engines of
+one model share its :class:`Runner` (:func:`runner_for`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Hashable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import jax
+from jaxtyping import Array, Float, Int
+
+from zgen.cache.base import KVState
+from zgen.model import Model, attached
+from zgen.runtime.sampling import SamplingFlags, SamplingParams
+from zgen.runtime.step import DecodeLoop, MixedBatch, MixedOutput, ModelSpec, decode_loop, forward, mixed_step
+
+S = TypeVar("S", bound=KVState)
+
+
+def enable_persistent_compilation_cache() -> None:
+    """Reuse compiled executables across processes (CLI runs, benchmarks) on GPU and TPU, unless the
+    user chose a cache. Not on CPU: serializing XLA:CPU executables of the size a decoder step makes
+    crashed the process (a segfault or abort inside XLA, jax 0.10.2) after many compilations in one
+    long process; setting ``jax_compilation_cache_dir`` yourself still enables it there."""
+    if jax.config.jax_compilation_cache_dir or jax.default_backend() == "cpu":  # pyright: ignore[reportAttributeAccessIssue]
+        return
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "zgen" / "xla"
+    jax.config.update("jax_compilation_cache_dir", os.environ.get("ZGEN_XLA_CACHE_DIR", str(default)))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+class Runner:
+    """Compiled :func:`~zgen.runtime.step.forward`, :func:`~zgen.runtime.step.mixed_step` and
+    :func:`~zgen.runtime.step.decode_loop` of one model, cached by shape."""
+
+    def __init__(self, model: Model) -> None:
+        enable_persistent_compilation_cache()
+        self.model = model
+        self.spec = ModelSpec(model.graph, model.config.sliding_window)
+        self._executables: dict[Hashable, Any] = {}
+
+    @property
+    def params(self) -> Any:
+        return self.model.params
+
+    def forward(
+        self, kv: S, tokens: Int[Array, "B T"], positions: Int[Array, "B T"], read_rows: Int[Array, "B R"]
+    ) -> tuple[Float[Array, "B R V"], S]:
+        """Feed ``tokens`` at ``positions`` (-1: padding), writing the cache; raw logits at ``read_rows``."""
+        key = ("forward", _shape_key(kv), tokens.shape, read_rows.shape)
+        args = (self.params, kv, tokens, positions, read_rows)
+        return self._compiled(key, lambda: jax.jit(self._forward, donate_argnums=(1,)).lower(*args))(*args)
+
+    def mixed(
+        self, kv: S, batch: MixedBatch, *, flags: SamplingFlags, logits: bool = False, filtered: bool = False
+    ) -> tuple[MixedOutput, S]:
+        key = ("mixed", _shape_key(kv), _shape_key(batch), flags, logits, filtered)
+        args = (self.params, kv, batch)
+
+        def lower() -> Any:
+            fn = jax.jit(self._mixed, donate_argnums=(1,), static_argnames=("flags", "logits", "filtered"))
+            return fn.lower(*args, flags=flags, logits=logits, filtered=filtered)
+
+        return self._compiled(key, lower)(*args)
+
+    def decode(self, kv: S, loop: DecodeLoop, sampling: SamplingParams, *, flags: SamplingFlags) -> tuple[DecodeLoop, S]:
+        key = ("decode", _shape_key(kv), _shape_key(loop), flags)
+        args = (self.params, kv, loop, sampling)
+
+        def lower() -> Any:
+            return jax.jit(self._decode, donate_argnums=(1, 2), static_argnames=("flags",)).lower(*args, flags=flags)
+
+        return self._compiled(key, lower)(*args)
+
+    def analysis(self) -> dict[str, dict[str, Any]]:
+        """XLA's cost and memory analysis of every executable compiled so far."""
+        report: dict[str, dict[str, Any]] = {}
+        for key, compiled in self._executables.items():
+            cost = compiled.cost_analysis()
+            if isinstance(cost, list):  # older jax returns one dict per computation
+                cost = cost[0] if cost else {}
+            memory = compiled.memory_analysis()
+            report[str(key)] = {
+                "flops": float(cost.get("flops", 0.0)) if cost else 0.0,
+                "bytes_accessed": float(cost.get("bytes accessed", 0.0)) if cost else 0.0,
+                "argument_bytes": getattr(memory, "argument_size_in_bytes", None),
+                "output_bytes": getattr(memory, "output_size_in_bytes", None),
+                "temp_bytes": getattr(memory, "temp_size_in_bytes", None),
+            }
+        return report
+
+    # -- traced ---------------------------------------------------------------------------------
+
+    def _forward(self, params: Any, kv: S, tokens: Array, positions: Array, read_rows: Array) -> tuple[Array, S]:
+        return forward(self.spec, params, kv, tokens, positions, read_rows)
+
+    def _mixed(
+        self, params: Any, kv: S, batch: MixedBatch, *, flags: SamplingFlags, logits: bool, filtered: bool
+    ) -> tuple[MixedOutput, S]:
+        return mixed_step(self.spec, params, kv, batch, flags=flags, logits=logits, filtered=filtered)
+
+    def _decode(
+        self, params: Any, kv: S, loop: DecodeLoop, sampling: SamplingParams, *, flags: SamplingFlags
+    ) -> tuple[DecodeLoop, S]:
+        return decode_loop(self.spec, params, kv, loop, sampling, flags=flags)
+
+    def _compiled(self, key: Hashable, lower: Callable[[], Any]) -> Any:
+        compiled = self._executables.get(key)
+        if compiled is None:
+            compiled = lower().compile()
+            self._executables[key] = compiled
+        return compiled
+
+
+def runner_for(model: Model) -> Runner:
+    """The model's runner, shared by every engine and front end of it."""
+    return attached(model, "runner", lambda: Runner(model))
+
+
+def _shape_key(tree: Any) -> tuple[Any, ...]:
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return (treedef, tuple((leaf.shape, str(leaf.dtype)) for leaf in leaves))

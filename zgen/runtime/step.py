@@ -1,0 +1,186 @@
+"""The one step: a forward pass over any KV state, one draw function, and the two ways of running it.
+
+Every token zgen produces goes through these pure functions (compiled by :mod:`zgen.runtime.runner`):
+
+* :func:`forward` — the model graph over a batch of token rows ``[B, T]`` at absolute positions
+  (``-1`` = padding, written nowhere), reading and writing the KV state; logits at chosen rows.
+* :func:`draw` — one token per row from logits (penalties, temperature, filters, Gumbel noise keyed
+  by ``(row key, draw index)``) and its log-probability under the unmodified distribution.
+* :func:`mixed_step` — one forward of a padded batch in which every row feeds a prefill chunk or a
+  decode token, then a draw at every row's requested positions: prefill and decode in one batch.
+* :func:`decode_loop` — feed each row's token, draw the next, feed it back ... as one
+  ``lax.while_loop`` on the device, until every row stopped, a row finished while another request
+  waits for its slot, or the loop has run its steps: N tokens for one host round trip.
+
+The draw index of a sample is the position of the token whose logits it reads, so a row samples the
+same tokens alone or batched, through either step, and whichever front end asked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Generic, TypeVar, cast
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int, UInt32
+
+from zgen.cache.base import KVState
+from zgen.graph.core import ForwardContext, Graph
+from zgen.graph.decoder import LOGIT_ROWS, POSITIONS, TOKENS
+from zgen.graph.nodes import rotary
+from zgen.runtime.sampling import PenaltyState, SamplingFlags, SamplingParams, filter_logits, sample, update_penalty_state
+
+Params = Mapping[str, jax.Array]
+S = TypeVar("S", bound=KVState)
+
+
+class _CacheContext(ForwardContext, Generic[S]):
+    """Threads the KV state through the attention nodes while the graph is traced."""
+
+    def __init__(self, state: S, sliding_window: int | None) -> None:
+        self.state = state
+        self.sliding_window = sliding_window
+
+    def write_and_attend(
+        self,
+        layer: int,
+        q: Float[Array, "B T H D"],
+        k: Float[Array, "B T KVH D"],
+        v: Float[Array, "B T KVH D"],
+        positions: Int[Array, "B T"],
+        inv_freq: Float[Array, " half"],
+    ) -> Float[Array, "B T H D"]:
+        self.state = cast(S, self.state.write(layer, rotary(k, positions, inv_freq), v, positions))
+        return self.state.attend(layer, q, positions, sliding_window=self.sliding_window)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a step needs of a model: its graph and sliding window (static), its parameters (traced)."""
+
+    graph: Graph
+    sliding_window: int | None
+
+
+def forward(
+    model: ModelSpec,
+    params: Params,
+    kv: S,
+    tokens: Int[Array, "B T"],
+    positions: Int[Array, "B T"],
+    read_rows: Int[Array, "B R"],
+) -> tuple[Float[Array, "B R V"], S]:
+    """Run the model over ``tokens`` at ``positions``, writing their K/V; float32 logits at ``read_rows``
+    (indices into T)."""
+    ctx = _CacheContext(kv, model.sliding_window)
+    (logits,) = model.graph.run(params, {TOKENS: tokens, POSITIONS: positions, LOGIT_ROWS: read_rows}, ctx)
+    return logits, ctx.state
+
+
+def draw(
+    logits: Float[Array, "N V"],
+    sampling: SamplingParams,
+    penalties: PenaltyState | None,
+    keys: UInt32[Array, "N 2"],
+    draw_index: Int[Array, " N"],
+    flags: SamplingFlags,
+) -> tuple[Int[Array, " N"], Float[Array, " N"]]:
+    """One token per row and its log-probability under the raw (unpenalized, unfiltered) logits."""
+    tokens = sample(logits, sampling, penalties, keys, draw_index, flags)
+    logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), tokens[:, None], axis=1)
+    return tokens, logprobs[:, 0]
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class MixedBatch:
+    """One padded batch of prefill chunks and decode tokens, and where to draw."""
+
+    tokens: Int[Array, "B T"]
+    positions: Int[Array, "B T"]  # -1: padding
+    read_rows: Int[Array, "B R"]  # indices into T whose logits are read
+    draw_index: Int[Array, "B R"]  # the position each read draws with (its fold-in counter)
+    keys: UInt32[Array, "B 2"]
+    sampling: SamplingParams
+    penalties: PenaltyState | None
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class MixedOutput:
+    tokens: Int[Array, "B R"]
+    logprobs: Float[Array, "B R"]
+    logits: Float[Array, "B R V"] | None  # raw float32 logits, when asked
+    filtered: Float[Array, "B R V"] | None  # what the sampler draws from, when a host choice needs it
+
+
+def mixed_step(
+    model: ModelSpec, params: Params, kv: S, batch: MixedBatch, *, flags: SamplingFlags, logits: bool, filtered: bool
+) -> tuple[MixedOutput, S]:
+    """One forward of ``batch``, then a draw at every read row (a row's reads share its penalties)."""
+    out, kv = forward(model, params, kv, batch.tokens, batch.positions, batch.read_rows)
+    b, r, v = out.shape
+    repeat = lambda x: jnp.repeat(x, r, axis=0)  # noqa: E731 - one row per read
+    sampling = jax.tree_util.tree_map(repeat, batch.sampling)
+    penalties = None if batch.penalties is None else jax.tree_util.tree_map(repeat, batch.penalties)
+    flat = out.reshape(b * r, v)
+    tokens, logprobs = draw(flat, sampling, penalties, repeat(batch.keys), batch.draw_index.reshape(-1), flags)
+    kept = filter_logits(flat, sampling, penalties, flags).reshape(b, r, v) if filtered else None
+    return MixedOutput(tokens.reshape(b, r), logprobs.reshape(b, r), out if logits else None, kept), kv
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class DecodeLoop:
+    """The carry of :func:`decode_loop` besides the KV state (all rows' own counters)."""
+
+    token: Int[Array, " B"]  # the token each row feeds next
+    position: Int[Array, " B"]  # its position; -1 for rows outside the loop (they write nothing)
+    done: Bool[Array, " B"]  # rows that draw no more (rows outside the loop start done)
+    last_step: Int[Array, " B"]  # the iteration of each row's last allowed draw
+    stop_ids: Int[Array, "B K"]  # a drawn id among these ends the row (-1 = unused)
+    keys: UInt32[Array, "B 2"]
+    penalties: PenaltyState | None
+    out_tokens: Int[Array, "B N"]  # draws per row (past a row's end: unused; -1 past the last iteration)
+    out_logprobs: Float[Array, "B N"]
+    step: Int[Array, ""]
+    max_steps: Int[Array, ""]  # leave after this many iterations (<= N)
+    exit_on_finish: Bool[Array, ""]  # leave as soon as a row finishes (another request waits for a slot)
+    done_at_start: Int[Array, ""]  # rows done when the loop began
+
+
+def decode_loop(
+    model: ModelSpec, params: Params, kv: S, loop: DecodeLoop, sampling: SamplingParams, *, flags: SamplingFlags
+) -> tuple[DecodeLoop, S]:
+    """Feed, draw, feed back ... on the device (see the module docstring).
+
+    A row that finished keeps feeding its last token at its next position: that writes into its own
+    reserved room past what it keeps (rolled back after the loop), so the body needs no masking of
+    the fed tokens; rows outside the loop sit at position -1, which writes nothing."""
+
+    def cond(carry: tuple[DecodeLoop, S]) -> Array:
+        s = carry[0]
+        done = jnp.sum(s.done, dtype=jnp.int32)
+        return (s.step < s.max_steps) & (done < s.done.shape[0]) & ~(s.exit_on_finish & (done > s.done_at_start))
+
+    def body(carry: tuple[DecodeLoop, S]) -> tuple[DecodeLoop, S]:
+        s, kv = carry
+        active = ~s.done
+        logits, kv = forward(model, params, kv, s.token[:, None], s.position[:, None], jnp.zeros_like(s.token)[:, None])
+        new, logprob = draw(logits[:, 0], sampling, s.penalties, s.keys, s.position, flags)
+        ends = jnp.any(new[:, None] == s.stop_ids, axis=1) | (s.step >= s.last_step)
+        s = replace(
+            s,
+            token=jnp.where(active, new, s.token),
+            position=jnp.where(active, s.position + 1, s.position),
+            done=s.done | ends,
+            penalties=None if s.penalties is None else update_penalty_state(s.penalties, new, active),
+            out_tokens=s.out_tokens.at[:, s.step].set(new),  # the host keeps each row's draws up to its end
+            out_logprobs=s.out_logprobs.at[:, s.step].set(logprob),
+            step=s.step + 1,
+        )
+        return s, kv
+
+    return jax.lax.while_loop(cond, body, (loop, kv))
