@@ -6,10 +6,12 @@ engines or front ends.
 
 from __future__ import annotations
 
+import copy
+import glob
 import hashlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar, cast
@@ -26,7 +28,7 @@ from zgen.graph.core import Graph
 from zgen.graph.decoder import build_decoder
 from zgen.loading.builtin import BUILTIN_MODELS, builtin_model_path
 from zgen.loading.gguf_file import config_from_gguf, open_gguf, params_from_gguf
-from zgen.loading.params import HostParams
+from zgen.loading.params import HostParams, check_values
 from zgen.loading.safetensors_dir import config_from_dir, params_from_dir
 from zgen.tokenizer import Tokenizer
 
@@ -38,6 +40,8 @@ DTYPES: dict[str, jnp.dtype] = {
 }
 # Bump when the conversion of GGUF tensors to zgen's layout changes, so stale caches are ignored.
 _CONVERSION_VERSION = 1
+# Converted-weight cache keys hash this many evenly spaced blocks of a GGUF's tensor data.
+_SAMPLED_BLOCKS, _SAMPLED_BLOCK_BYTES = 64, 1 << 16
 
 
 @dataclass
@@ -84,9 +88,13 @@ def resolve_model(name_or_path: str | os.PathLike[str]) -> Path:
     if text in BUILTIN_MODELS:
         return builtin_model_path(text)
     path = Path(text).expanduser()
-    if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
-        return path
-    if path.exists():
+    try:
+        if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
+            return path
+        exists = path.exists()
+    except OSError as err:  # a name too long for the file system, a directory we may not read, ...
+        raise ModelNotFoundError(f"cannot look at {text[:200]!r} as a model path: {err.strerror}") from None
+    if exists:
         raise ModelNotFoundError(f"{path} is neither an HF model directory nor a .gguf file")
     raise ModelNotFoundError(
         f"no model {text!r}: give a built-in name ({', '.join(BUILTIN_MODELS)}), an HF model directory "
@@ -99,32 +107,40 @@ def load_model(
     *,
     dtype: str = "float32",
     cache_dir: Path | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Model:
     """Load a model by built-in name (``"smollm2"``), HF directory or GGUF file.
 
     GGUF weights are dequantized once and cached as float32 safetensors under ``cache_dir``
     (default ``$ZGEN_CACHE_DIR`` or ``~/.cache/zgen``) so later loads skip the dequantization.
+    ``progress(done, total)`` hears the bytes of GGUF tensors dequantized so far, when that happens.
     """
     if dtype not in DTYPES:
         raise ConfigError(f"dtype {dtype!r} is not supported; choose one of {sorted(DTYPES)}")
     path = resolve_model(name_or_path)
     start = time.perf_counter()
+    # The config is checked against the weights' tensor names before a tensor is read, and the graph
+    # is built from it only once the weights are in hand, so a corrupt header drives no allocation.
+    described = str(path)
     if path.is_dir():
         config = config_from_dir(path)
         tokenizer = Tokenizer.from_hf_dir(path)
-        graph = build_decoder(config)
         host = params_from_dir(path, config)
         source = "safetensors"
     else:
         reader = open_gguf(path)
         config = config_from_gguf(reader, path)
         tokenizer = Tokenizer.from_gguf(reader)
-        graph = build_decoder(config)
-        host, source = _gguf_params_cached(reader, config, path, cache_dir or default_cache_dir())
-    check_params(graph, host, str(path))
+        cache = cache_dir or default_cache_dir()
+        host, source = _gguf_params_cached(reader, config, path, cache, progress)
+        if source == "converted-cache":
+            described = f"{path} (read from its converted copy under {cache / 'converted'}; delete that to convert again)"
+    _check_special_ids(config, tokenizer, described)
+    jdtype = DTYPES[dtype]
+    graph = build_decoder(config)
+    check_params(graph, host, described, jdtype)
     read_s = time.perf_counter() - start
     start = time.perf_counter()
-    jdtype = DTYPES[dtype]
     params = {name: jnp.asarray(value, dtype=jdtype) for name, value in host.items()}
     jax.block_until_ready(params)
     timings = LoadTimings(source, read_s, time.perf_counter() - start)
@@ -154,8 +170,13 @@ def random_model(config: ModelConfig, *, dtype: str = "bfloat16", seed: int = 0)
     return Model(config, tokenizer, graph, params, DTYPES[dtype], source=None, load_timings=LoadTimings("random", 0.0, 0.0))
 
 
-def check_params(graph: Graph, params: HostParams, source: str) -> None:
-    """Every parameter the graph reads exists with the shape its node declares."""
+def check_params(graph: Graph, params: HostParams, source: str, dtype: jnp.dtype = DTYPES["float32"]) -> None:
+    """Every parameter the graph reads exists with the shape its node declares and holds only numbers
+    ``dtype`` can represent (finite, within its range).
+
+    GGUF and safetensors carry no checksum: damage that leaves the values finite is not detected here
+    (README, "Guarantees").
+    """
     for name, shape in graph.param_shapes().items():
         value = params.get(name)
         if value is None:
@@ -165,23 +186,84 @@ def check_params(graph: Graph, params: HostParams, source: str) -> None:
                 f"{source}: parameter {name!r} has shape {tuple(value.shape)} but the graph node reading it "
                 f"expects {shape}; the config and the weights disagree"
             )
+        check_values(value, f"{source}: parameter {name!r}", dtype)
 
 
-def _gguf_params_cached(reader: gguf.GGUFReader, config: ModelConfig, path: Path, cache_dir: Path) -> tuple[HostParams, str]:
-    stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{_CONVERSION_VERSION}".encode()).hexdigest()
-    cached = cache_dir / "converted" / f"{path.stem}-{key[:16]}.safetensors"
+def _check_special_ids(config: ModelConfig, tokenizer: Tokenizer, source: str) -> None:
+    """The tokenizer's BOS/EOS ids are rows of the model's embedding (the config's own are checked by
+    ModelConfig), so generation never stops on, or feeds, an id the model cannot compute on."""
+    for token in (*tokenizer.eos_ids, *([] if tokenizer.bos_id is None else [tokenizer.bos_id])):
+        if not 0 <= token < config.vocab_size:
+            raise CheckpointError(
+                f"{source}: the tokenizer's special token id {token} is outside the model's vocabulary of "
+                f"{config.vocab_size}; the tokenizer does not belong to these weights"
+            )
+
+
+def _gguf_params_cached(
+    reader: gguf.GGUFReader,
+    config: ModelConfig,
+    path: Path,
+    cache_dir: Path,
+    progress: Callable[[int, int], None] | None,
+) -> tuple[HostParams, str]:
+    """The GGUF's parameters from the converted-weight cache, or dequantized and cached there.
+
+    Entries are keyed by content (:func:`_content_key`), so a reinstalled or copied file finds its
+    entry. A new entry replaces the entries of other files of the same name (an updated download), so
+    the cache keeps one conversion per model file name.
+    """
+    directory = cache_dir / "converted"
+    cached = directory / f"{path.stem}-{_content_key(reader)[:16]}.safetensors"
     if cached.exists():
         try:
             return load_file(cached), "converted-cache"
         except Exception:  # a damaged cache entry is rebuilt, never trusted
             cached.unlink(missing_ok=True)
-    params = params_from_gguf(reader, config, path)
-    _write_atomically(cached, params)
+    params = params_from_gguf(reader if progress is None else _reporting_reader(reader, progress), config, path)
+    if _write_atomically(cached, params):
+        for entry in directory.glob(f"{glob.escape(path.stem)}-{'[0-9a-f]' * 16}.safetensors"):
+            if entry != cached:
+                entry.unlink(missing_ok=True)
     return params, "gguf"
 
 
-def _write_atomically(target: Path, params: HostParams) -> None:
+def _content_key(reader: gguf.GGUFReader) -> str:
+    """A digest of the file's size, its header (metadata and the tensor index: every tensor's name,
+    type, shape and offset) and evenly spaced blocks of its tensor data. Cheap on files of many GB;
+    a re-quantized or re-exported file changes it. (An edit that keeps every type and shape and
+    misses every sampled block would not: ``zgen cache clear --weights`` then.)"""
+    data = reader.data  # the whole file, memory-mapped
+    size, start = len(data), reader.data_offset
+    digest = hashlib.sha256(f"{_CONVERSION_VERSION}|{size}".encode())
+    digest.update(data[:start].tobytes())
+    for offset in range(start, size, max((size - start) // _SAMPLED_BLOCKS, 1)):
+        digest.update(data[offset : offset + _SAMPLED_BLOCK_BYTES].tobytes())
+    return digest.hexdigest()
+
+
+def _reporting_reader(reader: gguf.GGUFReader, progress: Callable[[int, int], None]) -> gguf.GGUFReader:
+    """A copy of ``reader`` whose tensor list tells ``progress`` the bytes walked so far, as the
+    converter dequantizes tensors in list order."""
+    tensors = list(reader.tensors)
+    total = sum(int(t.n_bytes) for t in tensors)
+
+    class ReportingTensors(list[gguf.ReaderTensor]):
+        def __iter__(self) -> Iterator[gguf.ReaderTensor]:
+            done = 0
+            progress(done, total)
+            for tensor in tensors:
+                yield tensor
+                done += int(tensor.n_bytes)
+                progress(done, total)
+
+    reporting = copy.copy(reader)
+    reporting.tensors = ReportingTensors(tensors)
+    return reporting
+
+
+def _write_atomically(target: Path, params: HostParams) -> bool:
+    """Write ``params`` to ``target`` through a temporary file; False when the directory refused."""
     partial = target.with_suffix(f".partial-{os.getpid()}")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -190,3 +272,5 @@ def _write_atomically(target: Path, params: HostParams) -> None:
     except OSError:
         # A read-only or full cache directory only costs speed on the next load.
         partial.unlink(missing_ok=True)
+        return False
+    return True

@@ -11,20 +11,29 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import gguf
 import jinja2
 import jinja2.ext
+import numpy as np
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import decoders, models, normalizers, pre_tokenizers
 
-from zgen.errors import CheckpointError, ModelNotFoundError, TemplateError, TokenIdError, UnsupportedModelError
+from zgen.errors import (
+    CheckpointError,
+    InputError,
+    ModelNotFoundError,
+    TemplateError,
+    TokenIdError,
+    UnsupportedModelError,
+)
 
 __all__ = ["IncrementalDecoder", "Tokenizer"]
 
@@ -191,11 +200,34 @@ def _config_chat_template(value: Any) -> str | None:
 
 
 def _checked_ids(ids: Sequence[int], vocab_size: int) -> list[int]:
-    checked = [int(i) for i in ids]  # also accepts numpy/jax integer scalars
-    for i in checked:
-        if not 0 <= i < vocab_size:
-            raise TokenIdError(f"token id {i} is outside [0, {vocab_size})")
+    checked: list[int] = []
+    for i in ids:
+        # Integers only (numpy/jax integer scalars too): 1.5, "5" and True are not token ids.
+        if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)) or not 0 <= i < vocab_size:
+            raise TokenIdError(f"token id {i!r} is not an integer in [0, {vocab_size})")
+        checked.append(int(i))
     return checked
+
+
+# UTF-16 surrogate code points: in a Python str they stand alone (bytes decoded with
+# errors="surrogateescape", as sys.argv is), which is not Unicode text and cannot be encoded.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _checked_text(text: object, what: str = "text") -> str:
+    """``text`` if it is a ``str`` of valid Unicode, else :class:`InputError` saying how to fix it."""
+    if isinstance(text, (bytes, bytearray, memoryview)):
+        raise InputError(f"{what} is {type(text).__name__}, not str: decode it first (data.decode('utf-8'))")
+    if not isinstance(text, str):
+        raise InputError(f"{what} must be a str, got {type(text).__name__}")
+    bad = _SURROGATE.search(text)
+    if bad is not None:
+        raise InputError(
+            f"{what} is not valid Unicode: a lone surrogate {bad.group()!r} at character {bad.start()} (what bytes "
+            "that are not UTF-8 become when decoded with errors='surrogateescape', as on a command line); "
+            "pass UTF-8 text, or decode the bytes with errors='replace'"
+        )
+    return text
 
 
 @dataclass(frozen=True, eq=False)
@@ -371,7 +403,7 @@ class Tokenizer:
         only controls the BOS that ``add_bos`` asks for. Characters with a UTF-8 byte the vocabulary has
         no token for are dropped, as the model's own tokenizer does (it has no unknown token).
         """
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        ids = self.backend.encode(_checked_text(text), add_special_tokens=False).ids
         if add_special_tokens and self.add_bos and self.bos_id is not None:
             ids.insert(0, self.bos_id)
         return ids
@@ -399,6 +431,7 @@ class Tokenizer:
                 "or format the prompt yourself"
             )
         template = _compile_template(self.chat_template)
+        messages = _checked_messages(messages)
         # Unset tokens are left undefined (rendering as ""), as transformers does.
         special: dict[str, str | None] = {}
         if self.bos_id is not None:
@@ -407,7 +440,7 @@ class Tokenizer:
             special["eos_token"] = self.backend.id_to_token(self.eos_ids[0])
         try:
             return template.render(
-                messages=[dict(m) for m in messages],
+                messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 tools=None,
                 documents=None,
@@ -417,6 +450,25 @@ class Tokenizer:
             raise TemplateError(f"the chat template rejected the messages: {err.message}") from err
         except (jinja2.TemplateError, TypeError, ValueError, LookupError, AttributeError) as err:
             raise TemplateError(f"the chat template failed to render: {type(err).__name__}: {err}") from err
+
+
+def _checked_messages(messages: object) -> list[dict[str, str]]:
+    """Chat messages as fresh dicts, each with string ``role`` and ``content`` (other keys: strings too)."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise InputError(f"chat messages must be a list of {{'role': ..., 'content': ...}} dicts, got {type(messages).__name__}")
+    checked: list[dict[str, str]] = []
+    for i, message in enumerate(cast(Sequence[object], messages)):
+        if not isinstance(message, Mapping):
+            raise InputError(f"chat message {i} is a {type(message).__name__}, not a {{'role': ..., 'content': ...}} dict")
+        items = cast(Mapping[object, object], message)
+        for key in ("role", "content"):
+            if not isinstance(items.get(key), str):
+                raise InputError(f"chat message {i} needs a string {key!r}, got {items.get(key)!r}")
+        for key, value in items.items():
+            if not isinstance(key, str) or not isinstance(value, str):
+                raise InputError(f"chat message {i} has a non-string entry {key!r}: {value!r}; messages map strings to strings")
+        checked.append({str(k): str(v) for k, v in items.items()})
+    return checked
 
 
 class IncrementalDecoder:

@@ -147,7 +147,7 @@ def test_open_refuses_foreign_missing_and_badly_named_snapshots(engine: Engine, 
         Context.open(engine, "nothing-here")
     with pytest.raises(InputError):
         ctx.save("../escape")
-    (store_dir / "mine" / "meta.json").write_text("{not json")
+    (store_dir / "mine" / (store_dir / "mine" / "CURRENT").read_text() / "meta.json").write_text("{not json")
     with pytest.raises(SnapshotError, match="unreadable"):
         Context.open(engine, "mine")
 

@@ -24,8 +24,10 @@ the others with a typed error).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import get_args
 
 import jax.numpy as jnp
 
@@ -71,12 +73,19 @@ class CacheOptions:
             raise ConfigError(f"unknown kv dtype {self.kv_dtype!r}; choose one of {', '.join(KV_DTYPES)}")
         for name in ("page_size", "chunk_size"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
-        if self.max_memory_mb is not None and not (
-            isinstance(self.max_memory_mb, (int, float)) and not isinstance(self.max_memory_mb, bool) and self.max_memory_mb > 0
+            # A page or chunk is allocated whole per sequence: 2**16 tokens is far past any useful size.
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 2**16:
+                raise ConfigError(f"{name} must be an integer in [1, 65536], got {value!r}")
+        budget = self.max_memory_mb
+        if budget is not None and (
+            isinstance(budget, bool) or not isinstance(budget, (int, float)) or not math.isfinite(budget) or budget <= 0
         ):
-            raise ConfigError(f"max_memory_mb must be a positive number, got {self.max_memory_mb!r}")
+            raise ConfigError(f"max_memory_mb must be a finite positive number of MiB, got {budget!r}")
+        blocks = self.prefix_cache_blocks
+        if blocks is not None and (isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 0):
+            raise ConfigError(f"prefix_cache capacity_blocks must be an integer >= 0, got {blocks!r}")
+        if self.attention not in get_args(DenseAttention):
+            raise ConfigError(f"unknown dense attention {self.attention!r}; choose one of {', '.join(get_args(DenseAttention))}")
         kind = self.resolved_kind
         if self.prefix_cache_blocks is not None and kind not in PAGED_KINDS:
             raise ConfigError(

@@ -20,7 +20,7 @@ import asyncio
 import weakref
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal, TypeVar
+from typing import Literal, TypeVar, overload
 
 import numpy as np
 
@@ -44,12 +44,17 @@ def default_engine(model: Model) -> Engine:
     return attached(model, "context_engine", lambda: Engine(model))
 
 
-def gather(*awaitables: Awaitable[T]) -> list[T]:
+@overload
+def gather(*awaitables: Awaitable[T], return_exceptions: Literal[False] = False) -> list[T]: ...
+@overload
+def gather(*awaitables: Awaitable[T], return_exceptions: Literal[True]) -> list[T | BaseException]: ...
+def gather(*awaitables: Awaitable[T], return_exceptions: bool = False) -> list[T] | list[T | BaseException]:
     """Run several contexts' async calls concurrently from synchronous code (their forward passes
-    share steps); results in order."""
+    share steps); results in order. With ``return_exceptions``, a call's error is its result (the
+    others still finish), as in ``asyncio.gather``."""
 
-    async def all_of() -> list[T]:
-        return list(await asyncio.gather(*awaitables))
+    async def all_of() -> list[T | BaseException]:
+        return list(await asyncio.gather(*awaitables, return_exceptions=return_exceptions))
 
     return asyncio.run(all_of())
 

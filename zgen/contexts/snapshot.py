@@ -1,12 +1,23 @@
 """Persisting and sharing contexts: ``save``/``open`` through orbax, ``export``/``import`` in memory.
 
-A snapshot is a directory ``$ZGEN_STORE_DIR/<name>/`` (default store: ``~/.cache/zgen/contexts``)
-holding ``meta.json`` (tokens, masks, chat turns, the page layout, and a fingerprint of the model) and
-an orbax checkpoint ``kv/`` of the context's pages in their stored format (quantized pages stay
-quantized). It is written to a temporary directory and renamed into place, so a crash never leaves a
-half-written snapshot under the name. Opening checks the fingerprint and the page format and refuses a
-snapshot of another model or format with :class:`~zgen.errors.SnapshotError`; the pool is touched only
-once the snapshot has been read and checked.
+A snapshot is a directory ``$ZGEN_STORE_DIR/<name>/`` (default store: ``~/.cache/zgen/contexts``)::
+
+    <name>/.lock          held exclusively by a save, shared by an open (flock; the OS drops it if a
+                          process dies), so saves of one name run one at a time and never under a reader
+    <name>/CURRENT        the name of the complete version, replaced by an atomic rename
+    <name>/v-<uuid>/      a version: meta.json (tokens, masks, chat turns, the page layout, a
+                          fingerprint of the model, SHA-256 checksums of the pages and of meta.json
+                          itself) and an orbax checkpoint kv/ of the pages in their stored format
+
+A save writes a new version beside the old one, flushes it to disk, then renames a new ``CURRENT``
+into place, and only then deletes the old version: whenever a save is interrupted (an exception, a
+``kill -9``, a power loss on a file system that honours fsync), the name opens as the old snapshot or
+the new one, never as neither. What an interrupted save leaves behind is deleted by the next save of
+that name, or by an open that finds no one else using it.
+
+Opening checks meta.json's checksum and every field's type, the fingerprint (:func:`model_fingerprint`)
+and the page format, then the pages' checksums, and refuses anything else with
+:class:`~zgen.errors.SnapshotError`; the pool is touched only once the snapshot has been read and checked.
 
 Exports are the in-memory form (Pie's ``export_kv_pages``): the engine's exports keep a reference on
 the pages under a name (:func:`import_kv_pages` finds them), and contexts created from the import
@@ -15,17 +26,20 @@ share them copy-on-write.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import re
 import shutil
 import uuid
+import weakref
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
-import weakref
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -34,14 +48,15 @@ import orbax.checkpoint as ocp
 
 from zgen.cache.page_store import PageStore
 from zgen.cache.paged import PagedKVCache
-from zgen.errors import InputError, SnapshotError
+from zgen.errors import InputError, SnapshotError, TokenIdError
 from zgen.model import Model
 from zgen.pallas.paged_attention.layouts import KVPages, take_pages
 from zgen.runtime.engine import Engine
 from zgen.runtime.sequence import Sequence
 
 # 2: q4/q3 pages hold keys coded after RoPE (centred on the rotated calibration means).
-FORMAT_VERSION = 2
+# 3: versioned directories behind an atomically replaced CURRENT file; checksums; every tensor fingerprinted.
+FORMAT_VERSION = 3
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
@@ -65,15 +80,30 @@ def store_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "zgen" / "contexts"
 
 
+# Values hashed per tensor by the fingerprint, evenly strided over its flattened elements.
+FINGERPRINT_SAMPLES = 4096
+_FINGERPRINTS: weakref.WeakKeyDictionary[Model, str] = weakref.WeakKeyDictionary()
+
+
 def model_fingerprint(model: Model) -> str:
-    """A digest of the architecture, the dtype and some weights: snapshots of another model differ."""
-    digest = hashlib.sha256()
-    digest.update(json.dumps(asdict(model.config), sort_keys=True, default=str).encode())
-    digest.update(str(jnp.dtype(model.dtype)).encode())
-    for name in sorted(model.params):
-        digest.update(f"{name}{tuple(model.params[name].shape)}".encode())
-    digest.update(np.asarray(jax.device_get(model.params["embed"][:4]), np.float32).tobytes())
-    return digest.hexdigest()
+    """A digest of the config, the dtype and every parameter: its name, shape and up to
+    :data:`FINGERPRINT_SAMPLES` of its values, evenly strided over the whole tensor (all of them for
+    smaller tensors). Snapshots of another model of the same shape differ: a changed layer (another
+    fine-tune, another initialization) changes nearly every value, so its samples. Not detected: an
+    edit confined to values between the samples (a single weight, say). Computed once per Model
+    object (a model whose params are later replaced in place keeps its first fingerprint)."""
+    if model not in _FINGERPRINTS:
+        digest = hashlib.sha256()
+        digest.update(json.dumps(asdict(model.config), sort_keys=True, default=str).encode())
+        digest.update(str(jnp.dtype(model.dtype)).encode())
+        for name in sorted(model.params):
+            value = model.params[name]
+            flat = value.reshape(-1)
+            sample = flat[:: max(flat.size // FINGERPRINT_SAMPLES, 1)]
+            digest.update(f"{name}{tuple(value.shape)}".encode())
+            digest.update(np.asarray(jax.device_get(sample)).tobytes())
+        _FINGERPRINTS[model] = digest.hexdigest()
+    return _FINGERPRINTS[model]
 
 
 def _check_name(name: str) -> str:
@@ -120,9 +150,17 @@ def _layout(engine: Engine) -> dict[str, Any]:
 
 # -- save / open ---------------------------------------------------------------------------------
 
+_CURRENT, _LOCK = "CURRENT", ".lock"
+_VERSION = re.compile(r"v-[0-9a-f]{32}")
+
+
+def _damaged(name: str, what: str) -> SnapshotError:
+    return SnapshotError(f"snapshot {name!r} is damaged: {what}; save it again")
+
 
 def save_state(engine: Engine, state: ImportedKVState, name: str) -> Path:
-    """Write a context's state to the store under ``name`` (replacing an older snapshot of that name)."""
+    """Write a context's state to the store under ``name``, replacing an older snapshot of that name
+    atomically (see the module docstring); its directory."""
     _check_name(name)
     present = [b for b in state.blocks if b >= 0]
     index = jnp.asarray(present, jnp.int32)
@@ -131,7 +169,8 @@ def save_state(engine: Engine, state: ImportedKVState, name: str) -> Path:
     def pick(pages: tuple[KVPages, ...]) -> list[list[np.ndarray]]:
         return [[np.asarray(leaf) for leaf in jax.tree_util.tree_leaves(take_pages(p, index))] for p in pages]
 
-    meta = {
+    k, v = pick(store.k), pick(store.v)
+    meta: dict[str, Any] = {
         "format": FORMAT_VERSION,
         "model": model_fingerprint(engine.model),
         "layout": _layout(engine),
@@ -141,63 +180,55 @@ def save_state(engine: Engine, state: ImportedKVState, name: str) -> Path:
         "awaiting_reply": state.awaiting_reply,
         "kv_len": state.kv_len,
         "present": [b >= 0 for b in state.blocks],
+        "pages_sha256": {"k": [_digest(layer) for layer in k], "v": [_digest(layer) for layer in v]},
     }
-    root = store_dir()
-    root.mkdir(parents=True, exist_ok=True)
-    staging = root / f".{name}.{uuid.uuid4().hex}"
+    meta["meta_sha256"] = _meta_digest(meta)
+    directory = store_dir() / name
     try:
-        staging.mkdir()
-        if present:
-            ocp.PyTreeCheckpointer().save((staging / "kv").absolute(), {"k": pick(store.k), "v": pick(store.v)})
-        (staging / "meta.json").write_text(json.dumps(meta))
-        target = root / name
-        old = root / f".{name}.old-{uuid.uuid4().hex}"
-        if target.exists():
-            target.rename(old)
-        staging.rename(target)
-        shutil.rmtree(old, ignore_errors=True)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return root / name
+        directory.mkdir(parents=True, exist_ok=True)
+        with _locked(directory, exclusive=True):
+            try:
+                current = _current_version(directory)
+            except SnapshotError:
+                current = None  # a damaged pointer: this save replaces it
+            _remove_leftovers(directory, keep=current)
+            version = f"v-{uuid.uuid4().hex}"
+            try:
+                _write_version(directory / version, meta, k, v)
+                # The one step that switches versions: an atomic rename of a file naming the new one.
+                pointer = directory / f"{_CURRENT}.{version}"
+                pointer.write_text(version, encoding="ascii")
+                _fsync(pointer)
+                os.replace(pointer, directory / _CURRENT)
+                _fsync(directory)
+            except BaseException:
+                with contextlib.suppress(Exception):  # free the disk now; the next save would anyway
+                    _remove_leftovers(directory, keep=_current_version(directory))
+                raise
+            _remove_leftovers(directory, keep=version)
+    except Exception as err:  # OSError, or whatever orbax raises for a full or failing disk
+        raise SnapshotError(
+            f"could not save snapshot {name!r} in {directory} ({type(err).__name__}: {err}); an older snapshot of "
+            "that name is unchanged"
+        ) from err
+    return directory
 
 
-def _read_meta(path: Path, name: str) -> dict[str, Any]:
-    if not (path / "meta.json").is_file():
-        raise SnapshotError(f"no snapshot named {name!r} in {path.parent}; save one with ctx.save({name!r}) (or set ZGEN_STORE_DIR)")
-    try:
-        meta = json.loads((path / "meta.json").read_text())
-    except (OSError, ValueError) as err:
-        raise SnapshotError(f"snapshot {name!r} has an unreadable meta.json ({err}); save it again") from err
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
-        raise SnapshotError(f"snapshot {name!r} is not a zgen context snapshot of format {FORMAT_VERSION}")
-    return meta  # pyright: ignore[reportUnknownVariableType]
+def _write_version(path: Path, meta: dict[str, Any], k: list[list[np.ndarray]], v: list[list[np.ndarray]]) -> None:
+    """A complete version directory: the pages (orbax), then meta.json, all flushed to disk."""
+    path.mkdir()
+    if any(meta["present"]):
+        ocp.PyTreeCheckpointer().save((path / "kv").absolute(), {"k": k, "v": v})
+    (path / "meta.json").write_text(json.dumps(meta), encoding="utf-8")
+    _fsync_tree(path)
 
 
 def open_into(engine: Engine, name: str, seq: Sequence) -> ImportedKVState:
     """Load the snapshot ``name`` into the empty ``seq`` (see the module docstring); its state."""
-    path = store_dir() / _check_name(name)
-    meta = _read_meta(path, name)
-    if meta["model"] != model_fingerprint(engine.model):
-        raise SnapshotError(
-            f"snapshot {name!r} was saved from a different model (or dtype) than this engine's; "
-            "open it with the model that saved it"
-        )
-    if meta["layout"] != _layout(engine):
-        raise SnapshotError(
-            f"snapshot {name!r} stores pages as {meta['layout']}, this engine uses {_layout(engine)}; "
-            "open it with an Engine made with the same kv_dtype(...) and paged_kv(page_size=...) options"
-        )
-    present: list[bool] = meta["present"]
-    k_data: list[list[np.ndarray]] = []
-    v_data: list[list[np.ndarray]] = []
-    if any(present):
-        try:
-            tree = ocp.PyTreeCheckpointer().restore((path / "kv").absolute())
-            k_data, v_data = tree["k"], tree["v"]
-        except Exception as err:  # orbax raises many types for a damaged checkpoint
-            raise SnapshotError(f"snapshot {name!r} has unreadable K/V pages ({type(err).__name__}: {err}); save it again") from err
-        _check_pages(engine, name, k_data, v_data, sum(present))
+    directory = store_dir() / _check_name(name)
+    meta, k_data, v_data = _read(engine, directory, name)
     store = _store(engine)
+    present: list[bool] = meta["present"]
     blocks = store.pool.allocate(sum(present))  # PoolExhaustedError here changes nothing
     if blocks:
         store.k, store.v = _put_pages(
@@ -207,14 +238,120 @@ def open_into(engine: Engine, name: str, seq: Sequence) -> ImportedKVState:
     masked = np.zeros(len(meta["token_ids"]), bool)
     masked[meta["masked"]] = True
     state = ImportedKVState(
-        tuple(meta["token_ids"]), masked, tuple((r, c) for r, c in meta["messages"]), bool(meta["awaiting_reply"]),
-        int(meta["kv_len"]), tuple(next(it) if p else -1 for p in present),
+        tuple(meta["token_ids"]), masked, tuple((r, c) for r, c in meta["messages"]), meta["awaiting_reply"],
+        meta["kv_len"], tuple(next(it) if p else -1 for p in present),
     )
     try:
         _inject(state, seq)
     finally:
         store.pool.free(blocks)  # the sequence's reference is now the only one
     return state
+
+
+def _read(engine: Engine, directory: Path, name: str) -> tuple[dict[str, Any], list[list[np.ndarray]], list[list[np.ndarray]]]:
+    """The checked meta and the verified K/V pages of the snapshot in ``directory``."""
+    try:
+        lock = os.open(directory / _LOCK, os.O_RDONLY)
+    except FileNotFoundError:
+        if (directory / "meta.json").is_file():
+            raise SnapshotError(
+                f"snapshot {name!r} was written by an older zgen (before format {FORMAT_VERSION}); open it with that "
+                "version, or save the context again"
+            ) from None
+        raise SnapshotError(
+            f"no snapshot named {name!r} in {directory.parent}; save one with ctx.save({name!r}) (or set ZGEN_STORE_DIR)"
+        ) from None
+    except OSError as err:
+        raise SnapshotError(f"cannot read snapshot {name!r} in {directory} ({err})") from err
+    try:
+        try:  # a crashed save's leftovers are removed when no one else holds the lock
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _remove_leftovers(directory, keep=_current_version(directory))
+        except OSError:
+            pass  # in use (or read-only): readers leave the leftovers to the next save
+        fcntl.flock(lock, fcntl.LOCK_SH)  # a save in progress finishes first
+        version = _current_version(directory)
+        if version is None:
+            raise SnapshotError(f"no snapshot named {name!r} in {directory.parent} (its first save never completed)")
+        path = directory / version
+        try:
+            meta: object = json.loads((path / "meta.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:
+            raise _damaged(name, f"its meta.json is unreadable ({err})") from err
+        checked = _checked_meta(meta, name, engine)
+        k_data: list[list[np.ndarray]] = []
+        v_data: list[list[np.ndarray]] = []
+        if any(checked["present"]):
+            try:
+                tree = ocp.PyTreeCheckpointer().restore((path / "kv").absolute())
+                k_data, v_data = tree["k"], tree["v"]
+            except Exception as err:  # orbax raises many types for a damaged checkpoint
+                raise _damaged(name, f"its K/V pages are unreadable ({type(err).__name__}: {err})") from err
+            _check_pages(engine, name, k_data, v_data, sum(checked["present"]))
+            for kind, data in (("k", k_data), ("v", v_data)):
+                for layer, (pages, expected) in enumerate(zip(data, checked["pages_sha256"][kind], strict=True)):
+                    if _digest(pages) != expected:
+                        raise _damaged(name, f"the {kind.upper()} pages of layer {layer} do not match their checksum")
+        return checked, k_data, v_data
+    finally:
+        os.close(lock)
+
+
+def _checked_meta(meta: object, name: str, engine: Engine) -> dict[str, Any]:
+    """``meta`` if it is an intact snapshot of this engine's model and page layout, else SnapshotError."""
+    if not isinstance(meta, dict):
+        raise _damaged(name, "its meta.json holds no object")
+    fields = cast(dict[str, Any], meta)
+    if fields.get("format") != FORMAT_VERSION:
+        raise SnapshotError(f"snapshot {name!r} is not a zgen context snapshot of format {FORMAT_VERSION}; save it again")
+    recorded = fields.pop("meta_sha256", None)
+    if recorded != _meta_digest(fields):
+        raise _damaged(name, "its meta.json does not match its checksum")
+
+    def need(key: str, kind: type, what: str) -> Any:
+        value = fields.get(key)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise _damaged(name, f"meta.json field {key!r} should be {what}, found {value!r}"[:300])
+        return value
+
+    if need("model", str, "a string") != model_fingerprint(engine.model):
+        raise SnapshotError(
+            f"snapshot {name!r} was saved from a different model (or dtype) than this engine's; "
+            "open it with the model that saved it"
+        )
+    if need("layout", dict, "an object") != _layout(engine):
+        raise SnapshotError(
+            f"snapshot {name!r} stores pages as {fields['layout']}, this engine uses {_layout(engine)}; "
+            "open it with an Engine made with the same kv_dtype(...) and paged_kv(page_size=...) options"
+        )
+    tokens = need("token_ids", list, "a list of token ids")
+    try:
+        engine.check_ids(tokens)
+    except TokenIdError as err:
+        raise _damaged(name, f"meta.json field 'token_ids': {err}") from None
+    if len(tokens) > engine.max_len:
+        raise _damaged(name, f"it holds {len(tokens)} tokens, more than the model's context of {engine.max_len}")
+    kv_len = need("kv_len", int, "an integer")
+    if not 0 <= kv_len <= len(tokens):
+        raise _damaged(name, f"kv_len {kv_len} is outside [0, {len(tokens)}]")
+    masked = need("masked", list, "a list of positions")
+    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(tokens) for i in masked):
+        raise _damaged(name, "meta.json field 'masked' names positions outside the tokens")
+    messages = need("messages", list, "a list of [role, content] pairs")
+    if not all(isinstance(m, list) and len(m) == 2 and all(isinstance(x, str) for x in m) for m in messages):
+        raise _damaged(name, "meta.json field 'messages' should be a list of [role, content] string pairs")
+    need("awaiting_reply", bool, "true or false")
+    present = need("present", list, "a list of booleans")
+    pages = -(-kv_len // _store(engine).config.page_size)
+    if len(present) != pages or not all(isinstance(p, bool) for p in present):
+        raise _damaged(name, f"meta.json field 'present' should hold {pages} booleans, one per page")
+    digests = need("pages_sha256", dict, "an object")
+    layers = _store(engine).config.num_layers
+    for kind in ("k", "v"):
+        listed = digests.get(kind)
+        if not isinstance(listed, list) or len(listed) != layers or not all(isinstance(d, str) for d in listed):
+            raise _damaged(name, f"meta.json should hold {layers} {kind.upper()} page checksums")
+    return fields
 
 
 def _check_pages(engine: Engine, name: str, k_data: Any, v_data: Any, count: int) -> None:
@@ -224,12 +361,77 @@ def _check_pages(engine: Engine, name: str, k_data: Any, v_data: Any, count: int
         for leaf in jax.tree_util.tree_leaves(store.k[0])
     ]
     for data in (k_data, v_data):
-        if len(data) != store.config.num_layers:
-            raise SnapshotError(f"snapshot {name!r} holds {len(data)} layers of pages, the model has {store.config.num_layers}")
+        if not isinstance(data, list) or len(data) != store.config.num_layers:
+            raise _damaged(name, f"it does not hold {store.config.num_layers} layers of pages")
         for layer in data:
             got = [(tuple(np.shape(x)), np.asarray(x).dtype) for x in layer]
             if got != expected:
-                raise SnapshotError(f"snapshot {name!r} has pages shaped {got}, expected {expected}; it is damaged or foreign")
+                raise _damaged(name, f"its pages are shaped {got}, expected {expected}")
+
+
+def _digest(arrays: list[np.ndarray]) -> str:
+    """SHA-256 of the arrays' bytes, in order (one layer's K or V pages)."""
+    digest = hashlib.sha256()
+    for array in arrays:
+        digest.update(np.ascontiguousarray(array).tobytes())
+    return digest.hexdigest()
+
+
+def _meta_digest(meta: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()
+
+
+@contextlib.contextmanager
+def _locked(directory: Path, *, exclusive: bool) -> Iterator[None]:
+    """Hold the snapshot's lock file: writers exclusively (one save of a name at a time, threads of one
+    process included), readers shared. The OS drops it if the process dies."""
+    lock = os.open(directory / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(lock)
+
+
+def _current_version(directory: Path) -> str | None:
+    try:
+        version = (directory / _CURRENT).read_text(encoding="ascii").strip()
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        version = ""
+    if not _VERSION.fullmatch(version) or not (directory / version).is_dir():
+        raise _damaged(directory.name, f"its {_CURRENT} file names no saved version")
+    return version
+
+
+def _remove_leftovers(directory: Path, keep: str | None) -> None:
+    """Delete what interrupted saves left: every version but ``keep`` and stray pointer files
+    (callers hold the lock exclusively, so no save is writing them)."""
+    for entry in directory.iterdir():
+        if entry.name in (_LOCK, _CURRENT, keep):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """Flush every file and directory under ``root`` to disk, so a power loss after the switch to this
+    version cannot leave it half written (a killed process needs no flush: the OS has the data)."""
+    for folder, _, files in os.walk(root):
+        for file in files:
+            _fsync(Path(folder) / file)
+        _fsync(Path(folder))
 
 
 def _as_pages(like: tuple[KVPages, ...], data: list[list[np.ndarray]]) -> tuple[KVPages, ...]:

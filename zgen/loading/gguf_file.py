@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -9,8 +10,8 @@ import gguf
 import numpy as np
 
 from zgen.config import ModelConfig
-from zgen.errors import CheckpointError, UnsupportedModelError
-from zgen.loading.params import HostParams, assemble
+from zgen.errors import CheckpointError, ConfigError, UnsupportedModelError
+from zgen.loading.params import HostParams, assemble, check_layer_count, check_values, layer_tensor_name
 
 # GGUF architecture name → zgen architecture. llama.cpp files Mistral under "llama".
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -50,46 +51,65 @@ def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
 
 
 def config_from_gguf(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
-    arch_name = str(_field(reader, "general.architecture", ""))
-    architecture = GGUF_ARCHITECTURES.get(arch_name)
+    """The model config the GGUF metadata describes, checked against the file's tensor index (its layer
+    count) before anything is read or built."""
+    arch_name = _field(reader, "general.architecture", "")
+    architecture = GGUF_ARCHITECTURES.get(arch_name) if isinstance(arch_name, str) else None
     if architecture is None:
         raise UnsupportedModelError(
             f"{path}: GGUF architecture {arch_name!r} is not supported; zgen reads {sorted(GGUF_ARCHITECTURES)}"
         )
 
-    def key(name: str, default: Any = None) -> Any:
-        value = _field(reader, f"{arch_name}.{name}", default)
+    def number(key: str, kind: type[int] | type[float], default: float | None = None) -> Any:
+        value = _field(reader, key, default)
         if value is None:
-            raise CheckpointError(f"{path}: GGUF metadata lacks {arch_name}.{name}")
+            raise CheckpointError(f"{path}: GGUF metadata lacks {key}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
+            raise CheckpointError(f"{path}: GGUF metadata {key} should be {'an integer' if kind is int else 'a number'}, found {value!r}; the file is corrupt")
         return value
 
-    heads = int(key("attention.head_count"))
-    hidden = int(key("embedding_length"))
+    def key(name: str, kind: type[int] | type[float], default: float | None = None) -> Any:
+        return number(f"{arch_name}.{name}", kind, default)
+
+    heads = key("attention.head_count", int)
+    hidden = key("embedding_length", int)
     tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = int(_field(reader, f"{arch_name}.vocab_size", len(tokens.data) if tokens is not None else 0))
+    vocab = key("vocab_size", int, len(tokens.data) if tokens is not None else 0)
     names = {t.name for t in reader.tensors}
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     window = _field(reader, f"{arch_name}.attention.sliding_window")
-    return ModelConfig(
-        architecture=architecture,
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=int(key("feed_forward_length")),
-        num_layers=int(key("block_count")),
-        num_heads=heads,
-        num_kv_heads=int(key("attention.head_count_kv", heads)),
-        head_dim=int(key("attention.key_length", hidden // heads)),
-        max_position_embeddings=int(key("context_length")),
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(key("rope.freq_base", 10000.0)),
-        tie_word_embeddings="output.weight" not in names,
-        attention_bias="blk.0.attn_q.bias" in names,
-        qk_norm="blk.0.attn_q_norm.weight" in names,
-        sliding_window=int(window) if window else None,
-        bos_token_id=None if bos is None else int(bos),
-        eos_token_ids=() if eos is None else (int(eos),),
-    )
+    try:
+        config = ModelConfig(
+            architecture=architecture,
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=key("feed_forward_length", int),
+            num_layers=key("block_count", int),
+            num_heads=heads,
+            num_kv_heads=key("attention.head_count_kv", int, heads),
+            head_dim=key("attention.key_length", int, hidden // heads if heads > 0 else 0),
+            max_position_embeddings=key("context_length", int),
+            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", float, 1e-5)),
+            rope_theta=float(key("rope.freq_base", float, 10000.0)),
+            tie_word_embeddings="output.weight" not in names,
+            attention_bias="blk.0.attn_q.bias" in names,
+            qk_norm="blk.0.attn_q_norm.weight" in names,
+            sliding_window=window or None,
+            bos_token_id=bos,
+            eos_token_ids=() if eos is None else (eos,),
+        )
+    except ConfigError as err:
+        raise CheckpointError(f"{path}: the GGUF metadata describes an invalid model: {err}") from None
+    check_layer_count(config, [n for t in reader.tensors if (n := _zgen_name(t.name)) is not None], str(path))
+    return config
+
+
+def _zgen_name(gguf_name: str) -> str | None:
+    if gguf_name.startswith("blk."):
+        index, _, rest = gguf_name[len("blk.") :].partition(".")
+        return layer_tensor_name(index, _LAYER_TENSORS.get(rest))
+    return _GLOBAL_TENSORS.get(gguf_name)
 
 
 def _unpermute_rows(weight: np.ndarray, heads: int) -> np.ndarray:
@@ -102,12 +122,7 @@ def params_from_gguf(reader: gguf.GGUFReader, config: ModelConfig, path: Path) -
     """Dequantize every tensor to float32 and assemble zgen's parameter layout."""
     tensors: dict[str, np.ndarray] = {}
     for tensor in reader.tensors:
-        if tensor.name.startswith("blk."):
-            _, index, rest = tensor.name.split(".", 2)
-            short = _LAYER_TENSORS.get(rest)
-            name = None if short is None else f"layers.{index}.{short}"
-        else:
-            name = _GLOBAL_TENSORS.get(tensor.name)
+        name = _zgen_name(tensor.name)
         if name is None:
             continue  # e.g. rope_freqs: recomputed from the config
         try:
@@ -119,8 +134,13 @@ def params_from_gguf(reader: gguf.GGUFReader, config: ModelConfig, path: Path) -
             ) from err
         except Exception as err:
             raise CheckpointError(f"{path}: tensor {tensor.name} is unreadable ({err}); the file may be truncated") from err
-        values = np.asarray(values, dtype=np.float32).reshape(tuple(reversed([int(n) for n in tensor.shape])))
-        tensors[name] = values
+        shape = tuple(reversed([int(n) for n in tensor.shape]))
+        if values.size != math.prod(shape):
+            raise CheckpointError(
+                f"{path}: tensor {tensor.name} holds {values.size} values but its header says shape {shape}; the file is corrupt"
+            )
+        tensors[name] = np.asarray(values, dtype=np.float32).reshape(shape)
+        check_values(tensors[name], f"{path}: tensor {tensor.name}")  # before the conversion is cached
     # llama.cpp permutes Q/K rows only for its "llama" family converter; qwen files keep HF's layout.
     if str(_field(reader, "general.architecture")) == "llama":
         for name in list(tensors):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +13,7 @@ from safetensors import SafetensorError, safe_open
 
 from zgen.config import ModelConfig
 from zgen.errors import CheckpointError, ConfigError, ModelNotFoundError
-from zgen.loading.params import HostParams, assemble
+from zgen.loading.params import HostParams, assemble, check_layer_count, layer_tensor_name
 
 _LAYER_TENSORS = {
     "input_layernorm.weight": "input_norm",
@@ -47,7 +49,10 @@ def read_json(path: Path) -> dict[str, Any]:
 def config_from_dir(directory: Path) -> ModelConfig:
     raw = read_json(directory / "config.json")
     generation = directory / "generation_config.json"
-    return ModelConfig.from_hf(raw, read_json(generation) if generation.exists() else None)
+    try:
+        return ModelConfig.from_hf(raw, read_json(generation) if generation.exists() else None)
+    except ConfigError as err:
+        raise ConfigError(f"{directory / 'config.json'}: {err}") from None
 
 
 def _weight_files(directory: Path) -> list[Path]:
@@ -56,7 +61,7 @@ def _weight_files(directory: Path) -> list[Path]:
         weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index} has no 'weight_map' object")
-        files = sorted({directory / str(name) for name in weight_map.values()})
+        files = sorted({_shard(directory, index, name) for name in weight_map.values()})
     else:
         files = sorted(directory.glob("*.safetensors"))
     if not files:
@@ -67,28 +72,55 @@ def _weight_files(directory: Path) -> list[Path]:
     return files
 
 
+def _shard(directory: Path, index: Path, name: object) -> Path:
+    """A shard the index names: a file name inside the model directory, never a path out of it."""
+    if not isinstance(name, str) or not name:
+        raise CheckpointError(f"{index} names a shard {name!r}; shard names must be file names")
+    shard = directory / name
+    if shard.resolve().parent != directory.resolve():
+        raise CheckpointError(
+            f"{index} names the shard {name!r} outside the model directory {directory}; a checkpoint reads only "
+            "its own files: fix the index"
+        )
+    return shard
+
+
 def _zgen_name(hf_name: str) -> str | None:
     if hf_name.startswith("model.layers."):
-        index, rest = hf_name[len("model.layers.") :].split(".", 1)
-        short = _LAYER_TENSORS.get(rest)
-        return None if short is None else f"layers.{index}.{short}"
+        index, _, rest = hf_name[len("model.layers.") :].partition(".")
+        return layer_tensor_name(index, _LAYER_TENSORS.get(rest))
     return _GLOBAL_TENSORS.get(hf_name)
 
 
+@contextlib.contextmanager
+def _shard_reader(file: Path) -> Iterator[Any]:
+    """An open shard; any way the file is unreadable becomes a CheckpointError naming it."""
+    try:
+        # "flax" reads bfloat16, which numpy lacks.
+        with safe_open(file, framework="flax") as handle:
+            yield handle
+    except (SafetensorError, OSError, ValueError, TypeError) as err:
+        raise CheckpointError(
+            f"{file} is not a valid safetensors file ({err}); it may be truncated or corrupt: copy it again"
+        ) from err
+
+
 def params_from_dir(directory: Path, config: ModelConfig) -> HostParams:
+    """The checkpoint's parameters in zgen's layout. The tensor names, read from the file headers
+    alone, are checked against the config's layer count before any tensor is read."""
+    files = _weight_files(directory)
+    names: list[str] = []
+    for file in files:
+        with _shard_reader(file) as handle:
+            names += [name for hf_name in handle.keys() if (name := _zgen_name(hf_name)) is not None]
+    check_layer_count(config, names, str(directory))
     tensors: dict[str, np.ndarray] = {}
-    for file in _weight_files(directory):
-        try:
-            # "flax" reads bfloat16, which numpy lacks.
-            with safe_open(file, framework="flax") as handle:
-                for hf_name in handle.keys():
-                    name = _zgen_name(hf_name)
-                    if name is not None:
-                        tensors[name] = np.asarray(handle.get_tensor(hf_name).astype("float32"))
-        except (SafetensorError, OSError, ValueError) as err:
-            raise CheckpointError(
-                f"{file} is not a valid safetensors file ({err}); it may be truncated or corrupt: copy it again"
-            ) from err
+    for file in files:
+        with _shard_reader(file) as handle:
+            for hf_name in handle.keys():
+                name = _zgen_name(hf_name)
+                if name is not None:
+                    tensors[name] = np.asarray(handle.get_tensor(hf_name).astype("float32"))
     if config.tie_word_embeddings and "lm_head" in tensors:
         del tensors["lm_head"]
     if not config.tie_word_embeddings and "lm_head" not in tensors:

@@ -36,6 +36,7 @@ import asyncio
 import itertools
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Sequence as Seq
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
@@ -91,6 +92,7 @@ class EngineStats:
     rows: int = 0  # batch rows served, summed over steps
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    preemptions: int = 0  # sequences whose KV was freed for an earlier job (recomputed when they run again)
 
 
 @dataclass(frozen=True)
@@ -174,7 +176,7 @@ class Job:
         if self.sampling.choose is not None or r.attention_mask is not None:
             return False
         if self.generating:
-            return True
+            return self.seq.kv_len == self.seq.num_tokens - 1  # (a preempted job feeds its tokens again first)
         last = r.end - 1
         return self.seq.kv_len == last and set(r.sample_at) == {last} and not r.logits_at
 
@@ -227,6 +229,7 @@ class Engine:
         self._step_lock = threading.Lock()
         self._scheduled: set[asyncio.AbstractEventLoop] = set()
         self._seeds = itertools.count(0x5EED)
+        self._sequences: weakref.WeakSet[Sequence] = weakref.WeakSet()  # every live sequence (preemption victims)
 
     @property
     def max_len(self) -> int:
@@ -244,7 +247,9 @@ class Engine:
 
     def new_sequence(self, tokens: Seq[int] = (), *, seed: int | None = None) -> Sequence:
         """An empty (or pre-filled, all pending) sequence on this engine's cache."""
-        return Sequence(self.kv.new_handle(), self.next_seed() if seed is None else int(seed), tokens)
+        seq = Sequence(self.kv.new_handle(), self.next_seed() if seed is None else int(seed), tokens)
+        self._sequences.add(seq)
+        return seq
 
     def fork(self, seq: Sequence, *, seed: int | None = None) -> Sequence:
         """A sequence with the same tokens sharing every page (paged caches only)."""
@@ -253,6 +258,7 @@ class Engine:
         fork = getattr(seq.kv, "fork")
         twin = Sequence(fork(), self.next_seed() if seed is None else int(seed), seq.tokens)
         twin.masked, twin.custom_attention = seq.masked.copy(), seq.custom_attention
+        self._sequences.add(twin)
         return twin
 
     def release(self, seq: Sequence) -> None:
@@ -366,11 +372,19 @@ class Engine:
         steps = self._loop_steps(candidates, waiting=len(jobs) > len(candidates)) if decode else 1
         rows: list[_Row] = []
         blocked: list[tuple[Job, PoolExhaustedError]] = []
-        for job in candidates:
-            try:
-                rows.append(self._reserve(job, steps if decode else None))
-            except PoolExhaustedError as err:
-                blocked.append((job, err))
+        preempted: set[int] = set()
+        for n, job in enumerate(candidates):
+            if id(job) in preempted:
+                continue  # its KV was just freed for an earlier job: it feeds its tokens again next step
+            while True:
+                try:
+                    rows.append(self._reserve(job, steps if decode else None))
+                    break
+                except PoolExhaustedError as err:
+                    if self._preempt(jobs[n + 1 :], preempted, running=self.config.on_pool_exhausted == "wait"):
+                        continue
+                    blocked.append((job, err))
+                    break
         for job, err in blocked:
             if self.config.on_pool_exhausted == "error":
                 self._fail(job, err)
@@ -381,9 +395,12 @@ class Engine:
                 ))
         if not rows:
             return
+        for row in rows:
+            row.job.seq.last_step = self.stats.steps
         try:
             if decode:
-                self._run_decode(rows, steps, exit_on_finish=bool(blocked) or len(jobs) > len(candidates))
+                waiting = bool(blocked) or bool(preempted) or len(jobs) > len(candidates)
+                self._run_decode(rows, steps, exit_on_finish=waiting)
             else:
                 self._run_mixed(rows)
         except BaseException as err:
@@ -399,9 +416,28 @@ class Engine:
             draws = min(draws, self.config.steps_per_sync)
         return next_pow2(max(draws, 1))
 
+    def _preempt(self, later: list[Job], preempted: set[int], *, running: bool) -> bool:
+        """Make room: free the KV of one sequence whose K/V can be recomputed — an idle one (no call
+        running on it) least recently served first, then (``running``) the latest-arrived later job.
+        Its tokens stay; it feeds them again when it next runs, which gives the same K/V and so the
+        same tokens. Sequences whose K/V were computed under masks cannot be recomputed: never taken."""
+        idle = sorted((s for s in list(self._sequences) if not s.busy), key=lambda s: s.last_step)
+        victims = [(None, s) for s in idle] + ([(job, job.seq) for job in reversed(later)] if running else [])
+        for job, seq in victims:
+            if seq.released or seq.kv_len == 0 or seq.custom_attention or seq.any_masked:
+                continue
+            if job is not None and (id(job) in preempted or job.done):
+                continue
+            seq.kv.reset()
+            if job is not None:
+                preempted.add(id(job))
+            self.stats.preemptions += 1
+            return True
+        return False
+
     def _reserve(self, job: Job, decode_steps: int | None) -> _Row:
         seq = job.seq
-        if not job.admitted:
+        if not job.admitted or seq.kv_len == 0:
             self._admit(job)
         start = seq.kv_len
         if decode_steps is not None:
@@ -415,18 +451,24 @@ class Engine:
         end = min(job.feed_end(), start + self.config.prefill_chunk)
         seq.kv.reserve(end - start)
         r = job.request
-        reads = [start] if job.generating else sorted({p for p in (*r.sample_at, *r.logits_at) if start <= p < end})
+        if job.generating:  # the next token is drawn after the last one is fed
+            reads = [end - 1] if end == seq.num_tokens else []
+        else:
+            reads = sorted({p for p in (*r.sample_at, *r.logits_at) if start <= p < end})
         return _Row(job, start, end - start, reads)
 
     def _admit(self, job: Job) -> None:
-        """First step of a job: reuse a cached prefix for an empty sequence, start its clock."""
+        """A job's first step (or a preempted one's next): an empty sequence starts from a cached
+        prefix if the prefix cache has one; the first step starts the job's clock."""
         seq = job.seq
         if seq.kv_len == 0 and not seq.custom_attention and not seq.any_masked and job.request.attention_mask is None:
-            cached = self.kv.match_prefix(seq.kv, seq.tokens[: job.request.end])
-            job.result.cached_tokens = cached
-            job.start = seq.kv_len
-        job.admitted = True
-        job._started = time.perf_counter()
+            cached = self.kv.match_prefix(seq.kv, seq.tokens[: job.feed_end()])
+            if not job.admitted:
+                job.result.cached_tokens = cached
+                job.start = seq.kv_len
+        if not job.admitted:
+            job.admitted = True
+            job._started = time.perf_counter()
 
     def _step_rows(self, rows: list[_Row], tokens: int) -> tuple[int, list[int], KVState]:
         width, index = self.kv.layout([row.job.seq.kv for row in rows])

@@ -160,6 +160,10 @@ class SamplingConfig:
             object.__setattr__(self, name, float(value))
         if self.temperature < 0.0:
             raise bad("temperature", "must be >= 0 (0 means greedy decoding)")
+        # The device divides float32 logits by it: below 1e-6 a temperature is greedy in all but name,
+        # and below float32's normal range (~1.2e-38) it becomes 0 or a subnormal, sampling like 1.0.
+        if 0.0 < self.temperature < 1e-6:
+            raise bad("temperature", "must be 0 (greedy) or at least 1e-6; use 0.0 for greedy decoding")
         if not _is_int(self.top_k) or self.top_k < 0:
             raise bad("top_k", "must be an integer >= 0 (0 disables top-k)")
         object.__setattr__(self, "top_k", int(self.top_k))

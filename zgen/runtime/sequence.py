@@ -29,6 +29,7 @@ class Sequence:
         self.custom_attention = False
         self.busy = False  # a job is queued or running on it
         self.released = False
+        self.last_step = 0  # the engine step that last served it (idle ones are preempted least recent first)
 
     @property
     def kv_len(self) -> int:
