@@ -1,103 +1,341 @@
-"""The ``zgen`` command: generate text or chat with a model."""
+"""The ``zgen`` command: generate text, chat, measure perplexity, and look after zgen's caches.
+
+Every flag is checked before anything loads: a bad value is a usage error naming the flag (exit code
+2). Progress goes to stderr (:mod:`zgen.cli_progress`), text and JSON to stdout; a failure after the
+checks exits with code 1.
+"""
 
 from __future__ import annotations
 
+import collections.abc
+import importlib.metadata
 import json
+import os
+import platform
+import re
+import shutil
 import sys
 import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any, cast
 
+import jax
 import typer
 from rich.console import Console
+from rich.filesize import decimal
+from rich.markup import escape
+from rich.table import Table
+from typer.core import TyperCommand, TyperGroup
 
-from zgen.cache.factory import CACHE_KINDS, CacheOption, cache_kind, kv_dtype, prefix_cache
-from zgen.cache.formats import KV_DTYPES
-from zgen.errors import ZgenError
-from zgen.evaluation import perplexity
-from zgen.generator import Generator
-from zgen.loading.builtin import DEFAULT_MODEL
-from zgen.model import DTYPES, load_model
+from zgen.cache.factory import CACHE_KINDS, PAGED_KINDS, CacheOption, cache_kind, kv_dtype, prefix_cache, resolve
+from zgen.cache.formats import KV_DTYPES, kv_format
+from zgen.cli_progress import CompileClock, Phase, Phases, stderr_console
+from zgen.contexts.snapshot import store_dir
+from zgen.errors import ConfigError, ZgenError
+from zgen.evaluation import perplexity, read_text_file
+from zgen.generator import Generator, Prompt
+from zgen.loading.builtin import BUILTIN_MODELS, DEFAULT_MODEL, builtin_model_path
+from zgen.model import DTYPES, Model, default_cache_dir, load_model, resolve_model
 from zgen.runtime.sampling import SamplingConfig
 
-app = typer.Typer(help="LLM text generation in JAX.", no_args_is_help=True, pretty_exceptions_enable=False)
-err_console = Console(stderr=True)
 
-ModelOption = Annotated[str, typer.Option("--model", "-m", help="Built-in name, HF model directory or .gguf file.")]
-DtypeOption = Annotated[str, typer.Option(help=f"Weight and activation dtype: {', '.join(DTYPES)}.")]
-MaxNewOption = Annotated[int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate at most.")]
-TemperatureOption = Annotated[float, typer.Option(help="0 = greedy.")]
-TopKOption = Annotated[int, typer.Option(help="Keep the k most likely tokens (0 = off).")]
-TopPOption = Annotated[float, typer.Option(help="Nucleus sampling mass (1 = off).")]
-MinPOption = Annotated[float, typer.Option(help="Drop tokens below min_p × the top probability (0 = off).")]
-RepetitionOption = Annotated[float, typer.Option(help="Penalty on tokens already seen (1 = off).")]
+def _untyped_flags(params: list[Any]) -> list[Any]:
+    """Flags without typer's ``<bool>`` label in --help, which reads as if they took a value."""
+    for param in params:
+        if getattr(param, "is_flag", False):
+            param.metavar = ""
+    return params
+
+
+class _Command(TyperCommand):
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _untyped_flags(super().get_params(ctx))
+
+
+class _Group(TyperGroup):
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _untyped_flags(super().get_params(ctx))
+
+
+app = typer.Typer(cls=_Group, help="LLM text generation in JAX.", no_args_is_help=True, pretty_exceptions_enable=False)
+eval_app = typer.Typer(cls=_Group, help="Evaluate a model.", no_args_is_help=True)
+cache_app = typer.Typer(
+    cls=_Group, help="List or clear zgen's caches (converted weights, compiled programs, saved contexts).", no_args_is_help=True
+)
+app.add_typer(eval_app, name="eval")
+app.add_typer(cache_app, name="cache")
+
+# The sampling knobs a model's generation_config.json may recommend, and each command's defaults when
+# it recommends none (SamplingConfig's own defaults fill the rest: no top-k, top-p, min-p or penalty).
+SAMPLING_KNOBS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+GENERATE_DEFAULTS: dict[str, float] = {"temperature": 1.0}
+CHAT_DEFAULTS: dict[str, float] = {"temperature": 0.7, "top_p": 0.95}
+
+
+# -- flags ------------------------------------------------------------------------------------------
+
+
+def _one_of(choices: Sequence[str]) -> Callable[[str | None], str | None]:
+    def check(value: str | None) -> str | None:
+        if value is not None and value not in choices:
+            raise typer.BadParameter(f"{value!r} is not one of {', '.join(choices)}")
+        return value
+
+    return check
+
+
+def _choice(name: str, choices: Sequence[str], help: str) -> Any:
+    return typer.Option(name, metavar=f"[{'|'.join(choices)}]", callback=_one_of(choices), help=help)
+
+
+def _positive(upper: float | None = None) -> Callable[[float | None], float | None]:
+    """A check of a number in (0, upper]: typer's own ``min`` only has closed bounds."""
+
+    def check(value: float | None) -> float | None:
+        if value is not None and not (0.0 < value and (upper is None or value <= upper)):
+            raise typer.BadParameter(f"{value} is not in (0, {upper}]" if upper is not None else f"{value} is not > 0")
+        return value
+
+    return check
+
+
+def _non_empty(values: list[str] | None) -> list[str] | None:
+    if values and not all(values):
+        raise typer.BadParameter("a stop string cannot be empty")
+    return values
+
+
+ModelOption = Annotated[
+    str, typer.Option("--model", "-m", help=f"Built-in name ({', '.join(BUILTIN_MODELS)}), HF model directory or .gguf file.")
+]
+DtypeOption = Annotated[str, _choice("--dtype", tuple(DTYPES), "Weight and activation dtype.")]
+MaxNewOption = Annotated[int, typer.Option("--max-new-tokens", "-n", min=1, help="Tokens to generate at most.")]
+_MODEL_DEFAULT = "Default: the model's recommendation, else"
+TemperatureOption = Annotated[
+    float | None,
+    typer.Option(min=0.0, help=f"Softmax temperature; 0 = greedy. {_MODEL_DEFAULT} 1.0 (generate), 0.7 (chat)."),
+]
+TopKOption = Annotated[int | None, typer.Option(min=0, help=f"Keep the k most likely tokens; 0 = off. {_MODEL_DEFAULT} 0.")]
+TopPOption = Annotated[
+    float | None,
+    typer.Option(callback=_positive(1.0), help=f"Nucleus sampling mass in (0, 1]; 1 = off. {_MODEL_DEFAULT} 1 (generate), 0.95 (chat)."),
+]
+MinPOption = Annotated[
+    float | None,
+    typer.Option(min=0.0, max=1.0, help=f"Drop tokens below min-p × the top probability; 0 = off. {_MODEL_DEFAULT} 0."),
+]
+RepetitionOption = Annotated[
+    float | None,
+    typer.Option(callback=_positive(), help=f"Penalty on tokens already seen, > 0; 1 = off. {_MODEL_DEFAULT} 1."),
+]
 SeedOption = Annotated[int | None, typer.Option(help="Random seed; the same seed gives the same output.")]
-StopOption = Annotated[list[str] | None, typer.Option("--stop", help="Stop string (repeatable).")]
-IgnoreEosOption = Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at the model's EOS tokens.")]
+StopOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--stop",
+        metavar="TEXT",
+        callback=_non_empty,
+        help="Stop where this text appears (it is left out of the output). Repeat the flag for several: --stop A --stop B.",
+    ),
+]
+IgnoreEosOption = Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at the model's end-of-sequence tokens.")]
 KVCacheOption = Annotated[
     str | None,
-    typer.Option("--kv-cache", help=f"KV cache kind: {', '.join(CACHE_KINDS)} (default: tensor; paged for fp8/q4/q3)."),
+    _choice(
+        "--kv-cache",
+        CACHE_KINDS,
+        "KV cache kind (default: tensor; paged for fp8/q4/q3). compressed is lossy: perplexity several times "
+        "higher (5.5× on SmolLM2, docs/kv_quantization.md).",
+    ),
 ]
-KVDtypeOption = Annotated[str | None, typer.Option("--kv-dtype", help=f"KV storage dtype: {', '.join(KV_DTYPES)} (default: the model dtype).")]
+KVDtypeOption = Annotated[
+    str | None,
+    _choice(
+        "--kv-dtype",
+        KV_DTYPES,
+        "KV storage format (default: the model dtype). fp8/q4/q3 need pages; on CPU, bf16, fp8, q4 and q3 "
+        "pages decode several times slower than fp32 today (docs/kv_quantization.md).",
+    ),
+]
 PrefixCacheOption = Annotated[
     bool,
     typer.Option(
         "--prefix-cache",
-        help="Share prompt prefixes across requests, up to 4096 blocks on the device (makes tensor paged; "
-        "tiered always has one, unbounded without this flag).",
+        help="Share prompt prefixes across requests, up to 4096 blocks on the device (needs pages: makes the "
+        "default cache paged; tiered always has one, unbounded without this flag).",
     ),
 ]
+QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="No progress on stderr (it is also off when stderr is not a terminal).")]
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        print(f"zgen {_version()}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_show_version, is_eager=True, help="Print zgen's version and exit.")
+    ] = False,
+) -> None:
+    """LLM text generation in JAX."""
+
+
+# -- checks before anything loads -------------------------------------------------------------------
+
+
+def _model_path(model: str) -> Path:
+    try:
+        return resolve_model(model)
+    except ZgenError as err:
+        raise typer.BadParameter(str(err), param_hint="'--model'") from None
 
 
 def _cache_options(kind: str | None, dtype: str | None, prefix: bool) -> list[CacheOption]:
+    """The cache the flags describe, or a usage error naming the flags that disagree."""
+    if kind is not None and kind not in PAGED_KINDS:
+        if dtype is not None and not kv_format(dtype).plain:
+            raise typer.BadParameter(
+                f"{dtype} stores K/V in pages and the {kind} cache has none; use --kv-cache paged or tiered, "
+                "or leave --kv-cache out",
+                param_hint="'--kv-dtype'",
+            )
+        if prefix:
+            raise typer.BadParameter(
+                f"a prefix cache shares pages and the {kind} cache has none; use --kv-cache paged or tiered, "
+                "or leave --kv-cache out",
+                param_hint="'--prefix-cache'",
+            )
     options: list[CacheOption] = [] if kind is None else [cache_kind(kind)]
     if dtype is not None:
         options.append(kv_dtype(dtype))
     if prefix:
         options.append(prefix_cache(capacity_blocks=4096))
+    try:
+        resolve(options)
+    except ConfigError as err:  # a combination the checks above do not know yet
+        raise typer.BadParameter(str(err), param_hint="'--kv-cache' / '--kv-dtype' / '--prefix-cache'") from None
     return options
 
 
+def recommended_sampling(model_path: Path) -> dict[str, float]:
+    """The sampling an HF model directory's ``generation_config.json`` recommends (``do_sample:
+    false`` means greedy); empty for GGUF files, which carry none."""
+    try:
+        raw: object = json.loads((model_path / "generation_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(raw, dict):
+        return {}
+    config = cast(dict[str, object], raw)
+    if config.get("do_sample") is False:
+        return {"temperature": 0.0}
+    return {
+        knob: value
+        for knob in SAMPLING_KNOBS
+        if isinstance(value := config.get(knob), int | float) and not isinstance(value, bool)
+    }
+
+
+@dataclass(frozen=True)
+class _Sampling:
+    config: SamplingConfig
+    source: str  # where the knobs left out came from, for the progress note
+
+
 def _sampling(
+    model_path: Path,
+    command_defaults: dict[str, float],
+    chosen: dict[str, float | None],
+    *,
     max_new_tokens: int,
-    temperature: float,
-    top_k: int,
-    top_p: float,
-    min_p: float,
-    repetition_penalty: float,
     seed: int | None,
     stop: list[str] | None,
     ignore_eos: bool,
-) -> SamplingConfig:
-    return SamplingConfig(
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        repetition_penalty=repetition_penalty,
-        seed=seed,
-        max_new_tokens=max_new_tokens,
-        stop=tuple(stop or ()),
-        ignore_eos=ignore_eos,
-    )
+) -> _Sampling:
+    """Sampling from the flags given, then the model's recommendation, then the command's defaults."""
+    recommended = recommended_sampling(model_path)
+    values = {**command_defaults, **recommended, **{k: v for k, v in chosen.items() if v is not None}}
+    base = SamplingConfig(max_new_tokens=max_new_tokens, seed=seed, stop=tuple(stop or ()), ignore_eos=ignore_eos)
+    try:
+        config = replace(base, **values)
+    except ConfigError as err:  # a recommendation out of range (the flags' own ranges are checked)
+        raise typer.BadParameter(str(err), param_hint="the sampling flags or the model's generation_config.json") from None
+    source = "the model's generation_config.json" if recommended else "zgen's defaults (the model recommends none)"
+    return _Sampling(config, source)
+
+
+# -- phases -----------------------------------------------------------------------------------------
+
+
+def _load(phases: Phases, model: str, path: Path, dtype: str, sampling: _Sampling | None) -> Model:
+    phases.note(f"Model {path}" if model == str(path) else f"Model {model}: {path}")
+    if sampling is not None:
+        phases.note(f"Sampling: {_describe_sampling(sampling.config)}; knobs left out come from {sampling.source}")
+    with phases.phase(f"Loading weights ({dtype})") as phase:
+
+        def converting(done: int, total: int) -> None:
+            phase.describe("Converting GGUF weights to float32 (first load only)" if done < total else "Saving the converted weights")
+            phase.measure(done, total)
+
+        loaded = load_model(path, dtype=dtype, progress=converting)
+        outcome = {"gguf": "Converted the GGUF weights and cached them", "converted-cache": "Loaded the converted weights from the cache"}
+        phase.describe(f"{outcome.get(loaded.load_timings.source, 'Loaded the weights')} ({dtype})")
+    return loaded
+
+
+def _describe_sampling(config: SamplingConfig) -> str:
+    if config.greedy:
+        return "greedy (temperature 0)"
+    knobs = [f"temperature {config.temperature:g}"]
+    knobs += [f"top-k {config.top_k}"] if config.top_k else []
+    knobs += [f"top-p {config.top_p:g}"] if config.top_p < 1.0 else []
+    knobs += [f"min-p {config.min_p:g}"] if config.min_p else []
+    knobs += [f"repetition penalty {config.repetition_penalty:g}"] if config.repetition_penalty != 1.0 else []
+    return ", ".join(knobs)
+
+
+def _first_piece(pieces: Iterator[str], phases: Phases, waiting: str) -> str:
+    """Step ``pieces`` to its first text, showing the compile and prefill phase meanwhile."""
+    with phases.phase(waiting) as phase, CompileClock(_compile_status(phase, waiting)) as compiles:
+        first = next(pieces, "")
+        compiled = f", compiled {compiles.count} programs in {compiles.seconds:.1f} s" if compiles.count else ""
+        phase.describe(f"First token{compiled}")
+    return first
+
+
+def _compile_status(phase: Phase, waiting: str) -> Callable[[bool], None]:
+    return lambda compiling: phase.describe("Compiling the model's steps (once per shape and process)" if compiling else waiting)
+
+
+def _write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
 
 
 def _fail(err: ZgenError) -> typer.Exit:
-    err_console.print(f"[bold red]error:[/] {type(err).__name__}: {err}")
-    return typer.Exit(code=2)
+    stderr_console().print(f"[bold red]error:[/] {escape(str(err))}")
+    return typer.Exit(code=1)
 
 
-@app.command()
+# -- commands ---------------------------------------------------------------------------------------
+
+
+@app.command(cls=_Command)
 def generate(
     prompt: Annotated[str, typer.Option("--prompt", "-p", help="The prompt text.")] = "Once upon a time,",
     model: ModelOption = DEFAULT_MODEL,
     chat: Annotated[bool, typer.Option("--chat", help="Send the prompt as a user message through the chat template.")] = False,
     max_new_tokens: MaxNewOption = 256,
-    temperature: TemperatureOption = 1.0,
-    top_k: TopKOption = 0,
-    top_p: TopPOption = 1.0,
-    min_p: MinPOption = 0.0,
-    repetition_penalty: RepetitionOption = 1.0,
+    temperature: TemperatureOption = None,
+    top_k: TopKOption = None,
+    top_p: TopPOption = None,
+    min_p: MinPOption = None,
+    repetition_penalty: RepetitionOption = None,
     seed: SeedOption = None,
     stop: StopOption = None,
     ignore_eos: IgnoreEosOption = False,
@@ -105,121 +343,177 @@ def generate(
     kv_cache: KVCacheOption = None,
     kv_dtype_name: KVDtypeOption = None,
     use_prefix_cache: PrefixCacheOption = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of streaming text.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (text, ids, log-probs, usage, timings) instead of streaming text.")] = False,
+    quiet: QuietOption = False,
 ) -> None:
-    """Generate a continuation of a prompt (streamed to stdout)."""
+    """Generate a continuation of a prompt, streamed to stdout.
+
+    Sampling flags left out follow the model's recommendation (generation_config.json in an HF
+    directory). Otherwise sampling is plain, temperature 1.0 without filtering: the built-in SmolLM2
+    GGUF recommends nothing, so pass --temperature 0 for greedy, repeatable text (or e.g.
+    --temperature 0.7 --top-p 0.9).
+    """
+    if not (prompt or chat):
+        raise typer.BadParameter("the prompt is empty", param_hint="'--prompt'")
+    path = _model_path(model)
+    chosen = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p, "repetition_penalty": repetition_penalty}
+    sampling = _sampling(path, GENERATE_DEFAULTS, chosen, max_new_tokens=max_new_tokens, seed=seed, stop=stop, ignore_eos=ignore_eos)
+    options = _cache_options(kv_cache, kv_dtype_name, use_prefix_cache)
+    request: Prompt = [{"role": "user", "content": prompt}] if chat else prompt
+    show = not (quiet or as_json)
     try:
-        loaded = load_model(model, dtype=dtype)
-        sampling = _sampling(max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed, stop, ignore_eos)
-        request = [{"role": "user", "content": prompt}] if chat else prompt
-        with Generator(loaded, *_cache_options(kv_cache, kv_dtype_name, use_prefix_cache)) as generator:
-            if not as_json:
-                for piece in generator.generate_stream(request, sampling):
-                    sys.stdout.write(piece)
-                    sys.stdout.flush()
-                sys.stdout.write("\n")
+        with Phases.on_stderr(enabled=show) as phases:
+            loaded = _load(phases, model, path, dtype, sampling)
+            generator = Generator(loaded, *options)
+        with generator:
+            if as_json:
+                print(json.dumps(_json_result(generator, request, sampling.config), ensure_ascii=False))
                 return
-            start = time.perf_counter()
-            result = generator.generate(request, sampling)
-            total_s = time.perf_counter() - start
+            pieces = generator.generate_stream(request, sampling.config)
+            with Phases.on_stderr(enabled=show) as phases:
+                prompt_tokens = len(generator.encode_prompt(request))
+                first = _first_piece(pieces, phases, f"Prefilling {prompt_tokens} prompt tokens")
+            _write(first)
+            for piece in pieces:
+                _write(piece)
+            _write("\n")
     except ZgenError as err:
         raise _fail(err) from None
-    decode_tps = result.usage.completion_tokens / result.timings.decode_s if result.timings.decode_s else 0.0
-    print(
-        json.dumps(
-            {
-                "text": result.text,
-                "token_ids": result.token_ids,
-                "prompt_token_ids": result.prompt_token_ids,
-                "logprobs": result.logprobs,
-                "finish_reason": result.finish_reason,
-                "usage": {
-                    "prompt_tokens": result.usage.prompt_tokens,
-                    "completion_tokens": result.usage.completion_tokens,
-                },
-                "timings": {
-                    "load_s": loaded.load_timings.read_s + loaded.load_timings.to_device_s,
-                    "prefill_s": result.timings.prefill_s,
-                    "decode_s": result.timings.decode_s,
-                    "total_s": total_s,
-                    "decode_tokens_per_s": decode_tps,
-                },
-            },
-            ensure_ascii=False,
-        )
-    )
 
 
-@app.command()
+def _json_result(generator: Generator, request: Prompt, sampling: SamplingConfig) -> dict[str, object]:
+    with CompileClock() as compiles:
+        start = time.perf_counter()
+        result = generator.generate(request, sampling)
+        total_s = time.perf_counter() - start
+    load = generator.model.load_timings
+    decode_s = result.timings.decode_s
+    decoded = result.usage.completion_tokens - 1  # the first token comes out of the prefill
+    return {
+        "text": result.text,
+        "token_ids": result.token_ids,
+        "prompt_token_ids": result.prompt_token_ids,
+        "logprobs": result.logprobs,
+        "finish_reason": result.finish_reason,
+        "usage": {"prompt_tokens": result.usage.prompt_tokens, "completion_tokens": result.usage.completion_tokens},
+        "timings": {
+            "load_s": load.read_s + load.to_device_s,
+            "compile_s": compiles.seconds,  # XLA compiling during the request, inside the times below
+            "first_token_s": total_s - decode_s,  # the wait for the first token: encode, compile, prefill
+            "decode_s": decode_s,
+            "total_s": total_s,
+            "decode_tokens_per_s": decoded / decode_s if decoded > 0 and decode_s > 0 else 0.0,
+        },
+    }
+
+
+@app.command(cls=_Command)
 def chat(
     model: ModelOption = DEFAULT_MODEL,
     system: Annotated[str | None, typer.Option(help="System prompt.")] = None,
     max_new_tokens: MaxNewOption = 512,
-    temperature: TemperatureOption = 0.7,
-    top_k: TopKOption = 0,
-    top_p: TopPOption = 0.95,
-    min_p: MinPOption = 0.0,
-    repetition_penalty: RepetitionOption = 1.0,
+    temperature: TemperatureOption = None,
+    top_k: TopKOption = None,
+    top_p: TopPOption = None,
+    min_p: MinPOption = None,
+    repetition_penalty: RepetitionOption = None,
     seed: SeedOption = None,
     dtype: DtypeOption = "float32",
     kv_cache: KVCacheOption = None,
     kv_dtype_name: KVDtypeOption = None,
     use_prefix_cache: PrefixCacheOption = False,
+    quiet: QuietOption = False,
 ) -> None:
-    """Chat interactively; an empty line or end of input quits. The conversation's KV cache is reused."""
+    """Chat interactively, each reply streamed as it is generated.
+
+    The conversation's KV cache is kept between turns. An empty line, end of input or Ctrl-C at the
+    prompt quits; Ctrl-C during a reply drops it. Sampling flags left out follow the model's
+    recommendation (generation_config.json in an HF directory), else temperature 0.7, top-p 0.95.
+    """
+    path = _model_path(model)
+    chosen = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p, "repetition_penalty": repetition_penalty}
+    sampling = _sampling(path, CHAT_DEFAULTS, chosen, max_new_tokens=max_new_tokens, seed=seed, stop=None, ignore_eos=False)
+    options = _cache_options(kv_cache, kv_dtype_name, use_prefix_cache)
     try:
-        loaded = load_model(model, dtype=dtype)
-        generator = Generator(loaded, *_cache_options(kv_cache, kv_dtype_name, use_prefix_cache))
+        with Phases.on_stderr(enabled=not quiet) as phases:
+            generator = Generator(_load(phases, model, path, dtype, sampling), *options)
     except ZgenError as err:
         raise _fail(err) from None
-    sampling = _sampling(max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed, None, False)
     messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     console = Console()
+    waiting = "Compiling and prefilling"
     with generator:
         session = generator.new_session()
         while True:
             try:
                 line = console.input("[bold green]you>[/] ")
-            except EOFError:
+            except (EOFError, KeyboardInterrupt):
                 break
             if not line.strip():
                 break
             messages.append({"role": "user", "content": line})
             try:
-                result = session.generate(messages, sampling)
+                reply = _chat_reply(console, session.generate_stream(messages, sampling.config), quiet, waiting)
             except ZgenError as err:
-                err_console.print(f"[bold red]error:[/] {err}")
+                stderr_console().print(f"[bold red]error:[/] {escape(str(err))}")
+                reply = None
+            if reply is None:
                 messages.pop()
                 continue
-            messages.append({"role": "assistant", "content": result.text})
-            console.print(f"[bold blue]zgen>[/] {result.text}")
+            messages.append({"role": "assistant", "content": reply})
+            waiting = "Prefilling"
 
 
-eval_app = typer.Typer(help="Evaluate a model.", no_args_is_help=True)
-app.add_typer(eval_app, name="eval")
+def _chat_reply(console: Console, pieces: Iterator[str], quiet: bool, waiting: str) -> str | None:
+    """Stream one reply to stdout; None when Ctrl-C dropped it."""
+    text: list[str] = []
+    try:
+        with Phases.on_stderr(enabled=not quiet, transient=True) as phases:
+            text.append(_first_piece(pieces, phases, waiting))
+        console.print("[bold blue]zgen>[/] ", end="")
+        _write(text[0])
+        for piece in pieces:
+            text.append(piece)
+            _write(piece)
+    except KeyboardInterrupt:
+        if isinstance(pieces, collections.abc.Generator):
+            pieces.close()  # frees the reply's work now; the session forgets the turn
+        _write("\n")
+        return None
+    _write("\n")
+    return "".join(text)
 
 
-@eval_app.command("ppl")
+@eval_app.command("ppl", cls=_Command)
 def eval_ppl(
-    text_file: Annotated[Path, typer.Option("--text-file", help="UTF-8 text to score.")],
+    text_file: Annotated[Path, typer.Option("--text-file", exists=True, dir_okay=False, readable=True, help="UTF-8 text to score.")],
     model: ModelOption = DEFAULT_MODEL,
-    window: Annotated[int, typer.Option(help="Tokens per window; each window starts from an empty cache.")] = 512,
-    chunk: Annotated[int, typer.Option(help="Tokens fed per step within a window (1 = pure decode).")] = 64,
+    window: Annotated[int, typer.Option(min=2, help="Tokens per window; each window starts from an empty cache.")] = 512,
+    chunk: Annotated[
+        int | None, typer.Option(min=1, help="Tokens fed per step within a window (1 = pure decode). Default: 64, or the window if shorter.")
+    ] = None,
     kv_cache: KVCacheOption = None,
     kv_dtype_name: KVDtypeOption = None,
     dtype: DtypeOption = "float32",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    quiet: QuietOption = False,
 ) -> None:
     """Perplexity of a text with the chosen KV cache in the loop (no BOS; every token after a window's first is scored)."""
+    if chunk is not None and chunk > window:
+        raise typer.BadParameter(f"{chunk} is larger than --window {window}; a window is fed at most whole", param_hint="'--chunk'")
+    path = _model_path(model)
+    options = _cache_options(kv_cache, kv_dtype_name, False)
     try:
-        text = text_file.read_text(encoding="utf-8")
-    except OSError as err:
-        err_console.print(f"[bold red]error:[/] cannot read {text_file}: {err}")
-        raise typer.Exit(code=2) from None
+        text = read_text_file(text_file)
+    except ZgenError as err:
+        raise typer.BadParameter(str(err), param_hint="'--text-file'") from None
     try:
-        loaded = load_model(model, dtype=dtype)
-        ids = loaded.tokenizer.encode(text, add_special_tokens=False)
-        result = perplexity(loaded, ids, *_cache_options(kv_cache, kv_dtype_name, False), window=window, chunk=chunk)
+        with Phases.on_stderr(enabled=not (quiet or as_json)) as phases:
+            loaded = _load(phases, model, path, dtype, None)
+            ids = loaded.tokenizer.encode(text, add_special_tokens=False)
+            scoring = f"Scoring {len(ids)} tokens in windows of {window}"
+            with phases.phase(scoring) as phase, CompileClock(_compile_status(phase, scoring)):
+                result = perplexity(loaded, ids, *options, window=window, chunk=min(64, window) if chunk is None else chunk)
     except ZgenError as err:
         raise _fail(err) from None
     fields = {"ppl": result.ppl, "nll": result.nll, "tokens_scored": result.tokens_scored, "windows": result.windows}
@@ -229,9 +523,148 @@ def eval_ppl(
         Console().print(fields)
 
 
-def main() -> None:
-    app()
+# -- information and caches -------------------------------------------------------------------------
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("zgen")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
+@dataclass(frozen=True)
+class CacheDir:
+    name: str
+    holds: str
+    path: Path
+
+
+def cache_dirs() -> list[CacheDir]:
+    """zgen's caches on disk, as the environment places them now."""
+    # The directory zgen.runtime.runner.enable_persistent_compilation_cache gives jax (GPU and TPU).
+    xla = os.environ.get("ZGEN_XLA_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "zgen" / "xla"
+    return [
+        CacheDir("weights", "GGUF weights converted to float32 ($ZGEN_CACHE_DIR)", default_cache_dir() / "converted"),
+        CacheDir("xla", "compiled programs, GPU and TPU only ($ZGEN_XLA_CACHE_DIR)", Path(xla)),
+        CacheDir("contexts", "saved contexts, Context.save ($ZGEN_STORE_DIR)", store_dir()),
+    ]
+
+
+def _entries(path: Path) -> list[Path]:
+    return sorted(path.iterdir()) if path.is_dir() else []
+
+
+def _size(path: Path) -> int:
+    """Bytes under ``path`` (a file or a directory tree; links are not followed)."""
+    if path.is_symlink() or path.is_file():
+        return path.lstat().st_size
+    return sum((Path(root) / name).lstat().st_size for root, _, names in os.walk(path) for name in names)
+
+
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
+
+
+def _installed(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _dependencies() -> list[str]:
+    """zgen's own requirements (no extras), and the packages that ship the built-in models."""
+    try:
+        requirements = importlib.metadata.requires("zgen") or []
+    except importlib.metadata.PackageNotFoundError:
+        requirements = []
+    names = [m.group(0) for r in requirements if "extra ==" not in r and (m := re.match(r"[A-Za-z0-9._-]+", r))]
+    return names + [entry.package for entry in BUILTIN_MODELS.values()]
+
+
+def _devices() -> list[str]:
+    devices = cast(list[Any], jax.devices())  # pyright: ignore[reportUnknownMemberType]
+    return [f"{d.platform}:{d.id} {d.device_kind}" for d in devices]
+
+
+def _builtin_model(name: str) -> str:
+    try:
+        return str(builtin_model_path(name))
+    except ZgenError as err:
+        return str(err)
+
+
+@app.command(cls=_Command)
+def info(as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False) -> None:
+    """Versions, platform, devices, built-in models and cache locations: what a bug report needs."""
+    python = f"{platform.python_version()} ({sys.executable})"
+    packages = {name: _installed(name) for name in _dependencies()}
+    models = {name: _builtin_model(name) for name in BUILTIN_MODELS}
+    caches = [(c, _size(c.path), len(_entries(c.path))) for c in cache_dirs()]
+    if as_json:
+        report = {
+            "zgen": _version(),
+            "python": python,
+            "platform": platform.platform(),
+            "packages": packages,
+            "devices": _devices(),
+            "models": models,
+            "caches": {c.name: {"path": str(c.path), "bytes": size, "entries": count} for c, size, count in caches},
+        }
+        print(json.dumps(report))
+        return
+    lines = {
+        "zgen": [_version()],
+        "python": [python],
+        "platform": [platform.platform()],
+        "packages": [f"{name} {version}" for name, version in packages.items()],
+        "devices": _devices(),
+        "models": [f"{name}: {where}" for name, where in models.items()],
+        "caches": [f"{c.name}: {decimal(size)} in {_count(count, 'entry', 'entries')}, {c.path}" for c, size, count in caches],
+    }
+    table = Table.grid(padding=(0, 2))
+    for key, values in lines.items():
+        table.add_row(f"[bold]{key}[/]", escape("\n".join(values)))
+    Console().print(table)
+
+
+@cache_app.command("ls", cls=_Command)
+def cache_ls() -> None:
+    """Each cache's location and size, and what the weights and contexts caches hold."""
+    table = Table("cache", "holds", "size", "entries", "location / entry")
+    for cache in cache_dirs():
+        entries = _entries(cache.path)
+        table.add_row(cache.name, cache.holds, decimal(_size(cache.path)), str(len(entries)), escape(str(cache.path)))
+        if cache.name != "xla":  # the XLA cache holds a file per program: too many to list
+            for entry in entries:
+                table.add_row("", "", decimal(_size(entry)), "", escape(f"  {entry.name}"))
+    Console().print(table)
+
+
+@cache_app.command("clear", cls=_Command)
+def cache_clear(
+    weights: Annotated[bool, typer.Option("--weights", help="Converted GGUF weights (a model converts again on its next load).")] = False,
+    xla: Annotated[bool, typer.Option("--xla", help="Compiled programs (they compile again).")] = False,
+    contexts: Annotated[bool, typer.Option("--contexts", help="Saved contexts (gone for good).")] = False,
+) -> None:
+    """Delete what zgen's caches hold: those the flags name, or all three without a flag (saved
+    contexts included)."""
+    named = {"weights": weights, "xla": xla, "contexts": contexts}
+    for cache in cache_dirs():
+        if any(named.values()) and not named[cache.name]:
+            continue
+        if cache.path in (Path.home(), Path(cache.path.anchor)):  # a misdirected variable must not empty a home
+            raise _fail(ConfigError(f"refusing to empty {cache.path}, the {cache.name} cache: give it a directory of its own"))
+        entries = _entries(cache.path)
+        freed = _size(cache.path)
+        for entry in entries:
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+        print(f"{cache.name}: removed {_count(len(entries), 'entry', 'entries')}, {decimal(freed)} ({cache.path})")
 
 
 if __name__ == "__main__":
-    main()
+    app()

@@ -218,19 +218,35 @@ class Session:
         return [] if self._seq is None else list(self._seq.tokens)
 
     def generate(self, prompt: Prompt, sampling: SamplingConfig | None = None) -> GenerationResult:
-        gen = self.generator
-        sampling = sampling or SamplingConfig()
-        ids = gen.encode_prompt(prompt)
-        gen._check_fits(len(ids), sampling.max_new_tokens)
+        ids, sampling = self._checked(prompt, sampling)
         with self._lock:
-            engine = gen.engine
-            seq = self._seq or engine.new_sequence(seed=secrets.randbits(63))
-            self._seq = seq
-            shared = _common_prefix(seq.tokens, ids[:-1])  # the last prompt token is fed for its logits
-            seq.keep(shared)
-            seq.append(ids[shared:])
-            _, job = gen._submit(Request(ids, sampling), ids, seq=seq)
-            return gen._result(engine.wait(job), ids)
+            job = self._submit(ids, sampling, stream=False)
+            return self.generator._result(self.generator.engine.wait(job), ids)
+
+    def generate_stream(self, prompt: Prompt, sampling: SamplingConfig | None = None) -> Iterator[str]:
+        """Yield the reply's text pieces as they are decoded; their concatenation equals what
+        :meth:`generate` returns, and the session keeps the turn's KV the same way. Finish or close the
+        iterator before the session's next call (it holds the session until then); closing it early
+        drops the unfinished reply."""
+        ids, sampling = self._checked(prompt, sampling)
+        with self._lock:
+            yield from self.generator.engine.stream(self._submit(ids, sampling, stream=True))
+
+    def _checked(self, prompt: Prompt, sampling: SamplingConfig | None) -> tuple[list[int], SamplingConfig]:
+        sampling = sampling or SamplingConfig()
+        ids = self.generator.encode_prompt(prompt)
+        self.generator._check_fits(len(ids), sampling.max_new_tokens)
+        return ids, sampling
+
+    def _submit(self, ids: list[int], sampling: SamplingConfig, *, stream: bool) -> Job:
+        """Queue the turn on this session's sequence, keeping the K/V of the prefix it shares (hold the lock)."""
+        gen = self.generator
+        seq = self._seq or gen.engine.new_sequence(seed=secrets.randbits(63))
+        self._seq = seq
+        shared = _common_prefix(seq.tokens, ids[:-1])  # the last prompt token is fed for its logits
+        seq.keep(shared)
+        seq.append(ids[shared:])
+        return gen._submit(Request(ids, sampling), ids, stream=stream, seq=seq)[1]
 
     def reset(self) -> None:
         with self._lock:
