@@ -29,6 +29,7 @@ from rich.markup import escape
 from rich.table import Table
 from typer.core import TyperCommand, TyperGroup
 
+from zgen.batch import run as run_batch
 from zgen.cache.factory import CACHE_KINDS, PAGED_KINDS, CacheOption, cache_kind, kv_dtype, prefix_cache, resolve
 from zgen.cache.formats import KV_DTYPES, kv_format
 from zgen.cli_progress import CompileClock, Phase, Phases, stderr_console
@@ -482,6 +483,47 @@ def _chat_reply(console: Console, pieces: Iterator[str], quiet: bool, waiting: s
         return None
     _write("\n")
     return "".join(text)
+
+
+@app.command("batch", cls=_Command)
+def batch_job(
+    input: Annotated[Path, typer.Option("--input", "-i", exists=True, dir_okay=False, readable=True, help="Requests, one OpenAI Batch API line each (/v1/chat/completions or /v1/completions).")],
+    output: Annotated[Path, typer.Option("--output", "-o", dir_okay=False, help="Results JSONL; appended to, so running the same command again resumes the job.")],
+    model: ModelOption = DEFAULT_MODEL,
+    max_batch_size: Annotated[int, typer.Option("--max-batch-size", min=1, help="Rows decoding together (more requests queue and take rows as others finish).")] = 64,
+    prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", min=1, help="Prompt tokens one request feeds per step.")] = 512,
+    data_parallel: Annotated[int, typer.Option("--data-parallel", min=1, help="Model replicas, one per local device, sharing the job.")] = 1,
+    dtype: DtypeOption = "float32",
+    kv_cache: KVCacheOption = None,
+    kv_dtype_name: KVDtypeOption = None,
+    use_prefix_cache: PrefixCacheOption = False,
+    summary: Annotated[Path | None, typer.Option("--summary", dir_okay=False, help="Also write the final summary to this file as JSON.")] = None,
+    quiet: QuietOption = False,
+) -> None:
+    """Run a batch file of OpenAI-format requests; each result is appended to --output as it finishes.
+
+    A bad line (not JSON, an unknown url, an invalid parameter, a prompt too long, a duplicate
+    custom_id) becomes an error record for its custom_id and the job goes on. Killed at any point, the
+    same command continues where it stopped (custom_ids already in --output are skipped). Exit code 0
+    when every request succeeded, 3 when some failed (the summary says how many).
+    """
+    path = _model_path(model)
+    if output.resolve() == input.resolve():
+        raise typer.BadParameter("the output would overwrite the input; choose another file", param_hint="'--output'")
+    options = _cache_options(kv_cache, kv_dtype_name, use_prefix_cache)
+    try:
+        with Phases.on_stderr(enabled=not quiet) as phases:
+            loaded = _load(phases, model, path, dtype, None)
+        result = run_batch(
+            loaded, input, output, *options, max_batch_size=max_batch_size, prefill_chunk=prefill_chunk,
+            data_parallel=data_parallel, model_name=model, progress=not quiet, summary=summary,
+        )
+    except ZgenError as err:
+        raise _fail(err) from None
+    if not quiet:
+        stderr_console().print(escape(result.describe()), highlight=False)
+    if result.failed:
+        raise typer.Exit(code=3)
 
 
 @eval_app.command("ppl", cls=_Command)

@@ -114,6 +114,22 @@ class Generator:
             for job in jobs:
                 self.engine.cancel(job)
 
+    def prepare(self, request: Request | Prompt) -> list[int]:
+        """The prompt's token ids, checked to fit the model's context with the request's
+        ``max_new_tokens`` (a typed error says what does not): what :meth:`submit` checks."""
+        request = request if isinstance(request, Request) else Request(request)
+        ids = self.encode_prompt(request.prompt)
+        self._check_fits(len(ids), request.sampling.max_new_tokens)
+        return ids
+
+    def submit(self, request: Request | Prompt, prompt_ids: Sequence[int] | None = None) -> Submitted:
+        """Queue one request and return at once (``prompt_ids``: what :meth:`prepare` returned, to skip
+        encoding again). ``engine.wait(submitted.job)`` or ``engine.wait_any(jobs)`` step the engine;
+        every queued request rides along in those steps (continuous batching)."""
+        request = request if isinstance(request, Request) else Request(request)
+        ids = self.prepare(request) if prompt_ids is None else list(prompt_ids)
+        return Submitted(self._submit(request, ids)[1], ids)
+
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """Next-token logits ``[len(token_ids), vocab]`` after every prefix, in float32."""
         ids = self.engine.check_ids(token_ids)
@@ -200,6 +216,24 @@ class Generator:
         )
 
 
+@dataclass(frozen=True, eq=False)
+class Submitted:
+    """A request queued with :meth:`Generator.submit`."""
+
+    job: Job
+    prompt_token_ids: list[int]
+
+    @property
+    def done(self) -> bool:
+        return self.job.done
+
+    def result(self) -> GenerationResult:
+        """The result of a done request (raises its error)."""
+        if not self.job.done:
+            raise InputError("this request is still running; wait for it with Generator.wait first")
+        return Generator._result(self.job.future.result(), self.prompt_token_ids)
+
+
 class Session:
     """A conversation that keeps its KV between turns, on every cache kind.
 
@@ -264,4 +298,4 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-__all__ = ["GenerationResult", "Generator", "Request", "Session", "Timings", "TokenUsage"]
+__all__ = ["GenerationResult", "Generator", "Request", "Session", "Submitted", "Timings", "TokenUsage"]

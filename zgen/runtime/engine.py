@@ -302,6 +302,14 @@ class Engine:
                     self.step()
         return job.future.result()
 
+    def wait_any(self, jobs: Seq[Job]) -> None:
+        """Step the engine until at least one of ``jobs`` is done (a front end that keeps many jobs in
+        flight, such as a batch job, refills freed rows as soon as one finishes)."""
+        while not any(job.done for job in jobs):
+            with self._step_lock:
+                if not any(job.done for job in jobs):
+                    self.step()
+
     async def wait_async(self, job: Job) -> ForwardResult:
         """Await ``job`` while the engine steps on this event loop (see the module docstring)."""
         loop = asyncio.get_running_loop()
@@ -462,7 +470,8 @@ class Engine:
         prefix if the prefix cache has one; the first step starts the job's clock."""
         seq = job.seq
         if seq.kv_len == 0 and not seq.custom_attention and not seq.any_masked and job.request.attention_mask is None:
-            cached = self.kv.match_prefix(seq.kv, seq.tokens[: job.feed_end()])
+            reads = (*job.request.sample_at, *job.request.logits_at)  # positions read out must be fed
+            cached = self.kv.match_prefix(seq.kv, seq.tokens[: min(job.feed_end(), min(reads, default=job.feed_end()) + 1)])
             if not job.admitted:
                 job.result.cached_tokens = cached
                 job.start = seq.kv_len

@@ -1,0 +1,421 @@
+"""A batch job: a JSONL file of OpenAI Batch API requests in, a resumable JSONL file of results out.
+
+The path of a job: read every input line → skip those whose custom_id the output already holds → check
+every remaining line (JSON, url, parameters, duplicate custom_ids, prompt length: a bad line becomes an
+error record for its custom_id and the job goes on) → queue the valid ones on the Generator's engine as
+room allows (a window of ``2 × max_batch_size`` choices in flight, topped up the moment one finishes,
+so finished rows are refilled at once and a shared prompt prefix is served from the prefix cache) →
+each request's record is appended and synced as soon as all its choices are done
+(:mod:`zgen.batch.output`).
+
+The job owns no decode loop: it translates lines into Generator requests (and, for ``top_logprobs``, a
+scoring pass on the engine) and records what comes back. With ``data_parallel=N``, N replicas of the
+model on N local devices pull requests from one queue and write into the one output file.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from zgen.batch.format import (
+    BatchRequest,
+    Choice,
+    LineError,
+    TokenLogprobs,
+    error_record,
+    parse_line,
+    read_custom_id,
+    success_record,
+)
+from zgen.batch.output import RecordWriter, ResultsFile
+from zgen.batch.progress import JobProgress
+from zgen.cache.factory import CacheOption
+from zgen.errors import ConfigError, InputError, PromptTooLongError, ZgenError
+from zgen.generator import Generator, Request, Submitted
+from zgen.model import Model, load_model
+from zgen.runtime.engine import ForwardRequest, Job
+from zgen.runtime.results import GenerationResult
+
+Device = Any  # a jax.Device (jax's stubs declare the name as a variable, not a type)
+
+
+@dataclass(frozen=True)
+class BatchSummary:
+    """What a job did. ``succeeded``/``failed`` count the whole output file (earlier runs included);
+    the token counts, ``written`` and the rate are this run's."""
+
+    requests: int  # input lines
+    succeeded: int
+    failed: int
+    skipped: int  # already in the output when this run started
+    written: int  # records this run appended
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    wall_s: float
+    output_tokens_per_s: float
+    data_parallel: int = 1
+
+    def to_json(self) -> dict[str, object]:
+        return asdict(self)
+
+    def describe(self) -> str:
+        return (
+            f"{self.requests} requests: {self.succeeded} succeeded, {self.failed} failed, {self.skipped} were already "
+            f"done; this run wrote {self.written} records, {self.completion_tokens} output tokens ({self.prompt_tokens} "
+            f"prompt, {self.cached_tokens} cached) in {self.wall_s:.1f} s, {self.output_tokens_per_s:,.1f} output tokens/s"
+        )
+
+
+@dataclass
+class _Checked:
+    """A valid request with its prompts' ids and each choice's request."""
+
+    request: BatchRequest
+    choices: list[tuple[int, Request]]  # (prompt index, request) per choice
+    prompt_ids: list[list[int]]
+
+
+def check_requests(
+    lines: Sequence[str], done: set[str], generator: Generator
+) -> tuple[list[_Checked], list[LineError], int]:
+    """Every line not in ``done`` checked: the runnable requests, the error records to write, and how
+    many lines were skipped as done."""
+    ids_of = [read_custom_id(line) for line in lines]
+    seen: dict[str, list[int]] = {}
+    for number, custom_id in enumerate(ids_of, 1):
+        if custom_id is not None:
+            seen.setdefault(custom_id, []).append(number)
+    runnable: list[_Checked] = []
+    errors: list[LineError] = []
+    skipped = 0
+    for number, (line, custom_id) in enumerate(zip(lines, ids_of, strict=True), 1):
+        key = custom_id if custom_id is not None else f"line:{number}"
+        if key in done:
+            skipped += 1
+            continue
+        if custom_id is not None and len(seen[custom_id]) > 1:
+            if number == seen[custom_id][0]:  # one error record per duplicated custom_id
+                where = ", ".join(map(str, seen[custom_id]))
+                errors.append(LineError(number, custom_id, "duplicate_custom_id", f"custom_id {custom_id!r} is on lines {where}; custom_ids must be unique", "custom_id"))
+            continue
+        parsed = parse_line(line, number)
+        if isinstance(parsed, LineError):
+            errors.append(parsed)
+            continue
+        checked = _encode(parsed, generator)
+        (errors if isinstance(checked, LineError) else runnable).append(checked)  # type: ignore[arg-type]
+    return runnable, errors, skipped
+
+
+def _encode(request: BatchRequest, generator: Generator) -> _Checked | LineError:
+    """The request's prompts tokenized and checked against the model's context."""
+    param = "messages" if request.url.endswith("chat/completions") else "prompt"
+    context = generator.model.config.max_position_embeddings
+    prompt_ids: list[list[int]] = []
+    choices: list[tuple[int, Request]] = []
+    try:
+        for p, prompt in enumerate(request.prompts):
+            ids = generator.encode_prompt(prompt)
+            sampling = request.sampling
+            if not request.max_tokens_given:  # a chat request without max_tokens: the rest of the context
+                if len(ids) >= context:
+                    raise PromptTooLongError(f"the prompt has {len(ids)} tokens and the model's context is {context}; shorten it")
+                sampling = replace(sampling, max_new_tokens=context - len(ids))
+            ids = generator.prepare(Request(ids, sampling))
+            prompt_ids.append(ids)
+            for i in range(request.n):
+                config = replace(sampling, seed=sampling.seed + i) if sampling.seed is not None and i else sampling
+                choices.append((p, Request(ids, config)))
+    except PromptTooLongError as err:
+        return LineError(request.line, request.custom_id, "prompt_too_long", str(err).replace("max_new_tokens", "max_tokens"), param)
+    except InputError as err:
+        return LineError(request.line, request.custom_id, "invalid_parameter", str(err), param)
+    return _Checked(request, choices, prompt_ids)
+
+
+# -- running requests on one generator ------------------------------------------------------------------
+
+
+class _Feed:
+    """The requests still to start, shared by the replicas (each takes the next when it has room)."""
+
+    def __init__(self, items: Sequence[_Checked]) -> None:
+        self._items: Iterator[_Checked] = iter(items)
+        self._lock = threading.Lock()
+
+    def next(self) -> _Checked | None:
+        with self._lock:
+            return next(self._items, None)
+
+
+@dataclass(eq=False)
+class _Running:
+    """A request in flight: its choices' handles and what they gave so far."""
+
+    item: _Checked
+    results: dict[int, Choice] = field(default_factory=lambda: {})
+    failed: bool = False
+
+
+@dataclass(eq=False)
+class _Slot:
+    """One choice in flight: its generation, then (for top_logprobs) its scoring pass."""
+
+    running: _Running
+    index: int
+    generation: Submitted
+    scoring: Job | None = None
+    result: GenerationResult | None = None
+
+    @property
+    def job(self) -> Job:
+        return self.scoring if self.scoring is not None else self.generation.job
+
+
+class Driver:
+    """Runs requests on one Generator: keeps up to ``window`` choices queued on its engine, and hands
+    each finished request's record to ``emit``."""
+
+    def __init__(self, generator: Generator, model_name: str, emit: Callable[[dict[str, object]], None], *, window: int) -> None:
+        self.generator = generator
+        self.model_name = model_name
+        self.emit = emit
+        self.window = window
+
+    def run(self, feed: _Feed) -> None:
+        active: list[_Slot] = []
+        try:
+            while True:
+                while len(active) < self.window and (item := feed.next()) is not None:
+                    active += self._start(item)
+                if not active:
+                    return
+                self.generator.engine.wait_any([slot.job for slot in active])
+                for slot in [slot for slot in active if slot.job.done]:
+                    active.remove(slot)
+                    if (next_slot := self._advance(slot)) is not None:
+                        active.append(next_slot)
+        finally:
+            for slot in active:
+                self.generator.engine.cancel(slot.job)
+
+    def _start(self, item: _Checked) -> list[_Slot]:
+        running = _Running(item)
+        return [
+            _Slot(running, i, self.generator.submit(request, item.prompt_ids[p])) for i, (p, request) in enumerate(item.choices)
+        ]
+
+    def _advance(self, slot: _Slot) -> _Slot | None:
+        """A slot's job is done: start its scoring pass, or record its choice (and the request's record
+        once every choice is in). Returns the slot if it goes on."""
+        running = slot.running
+        if running.failed:
+            return None
+        try:
+            if slot.scoring is None:
+                slot.result = slot.generation.result()
+                top = running.item.request.top_logprobs
+                if top and slot.result.token_ids:
+                    slot.scoring = self._score(slot.result)
+                    return slot
+                logprobs = None
+                if top is not None:
+                    logprobs = [TokenLogprobs(t, lp, []) for t, lp in zip(slot.result.token_ids, slot.result.logprobs, strict=True)]
+            else:
+                assert slot.result is not None
+                logprobs = _top_logprobs(slot.result, slot.scoring.future.result().logits, running.item.request.top_logprobs or 0)
+        except ZgenError as err:
+            running.failed = True
+            request = running.item.request
+            self.emit(error_record(LineError(request.line, request.custom_id, "generation_failed", str(err))))
+            return None
+        prompt_index = running.item.choices[slot.index][0]
+        running.results[slot.index] = Choice(prompt_index, slot.result, logprobs)
+        if len(running.results) == len(running.item.choices):
+            choices = [running.results[i] for i in range(len(running.item.choices))]
+            record = success_record(running.item.request, choices, self.generator.model.tokenizer, self.model_name)
+            self.emit(record)
+        return None
+
+    def _score(self, result: GenerationResult) -> Job:
+        """A forward pass over the prompt and the generated tokens that returns the logits before each
+        generated token (the engine serves it in the same batches as every other job)."""
+        engine = self.generator.engine
+        tokens = result.prompt_token_ids + result.token_ids[:-1]
+        first = len(result.prompt_token_ids) - 1
+        seq = engine.new_sequence(tokens)
+        try:
+            job = engine.submit(seq, ForwardRequest(end=len(tokens), logits_at=tuple(range(first, len(tokens)))))
+        except BaseException:
+            engine.release(seq)
+            raise
+        job.future.add_done_callback(lambda _: engine.release(seq))
+        return job
+
+
+def _top_logprobs(result: GenerationResult, logits: dict[int, np.ndarray], k: int) -> list[TokenLogprobs]:
+    first = len(result.prompt_token_ids) - 1
+    entries: list[TokenLogprobs] = []
+    for n, token in enumerate(result.token_ids):
+        row = logits[first + n].astype(np.float64)
+        logprobs = row - np.logaddexp.reduce(row)
+        best = np.argpartition(-logprobs, k - 1)[:k]
+        best = best[np.argsort(-logprobs[best], kind="stable")]
+        entries.append(TokenLogprobs(token, float(logprobs[token]), [(int(t), float(logprobs[t])) for t in best]))
+    return entries
+
+
+# -- the job ---------------------------------------------------------------------------------------
+
+
+def replica(model: Model, device: Device) -> Model:
+    """The model's weights copied to ``device``, with compiled steps of its own."""
+    return replace(model, params=jax.device_put(model.params, device), attachments={})
+
+
+def read_lines(path: Path) -> list[str]:
+    """The input's request lines (blank lines dropped, so line numbers count the others too)."""
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise InputError(f"cannot read the batch input {path}: {err.strerror}") from None
+    return [raw.decode("utf-8", errors="replace") for raw in data.splitlines()]
+
+
+def run(
+    model: Model | str | Path,
+    input: str | Path,
+    output: str | Path,
+    *options: CacheOption,
+    max_batch_size: int = 64,
+    prefill_chunk: int = 512,
+    data_parallel: int = 1,
+    dtype: str = "float32",
+    model_name: str | None = None,
+    progress: bool = True,
+    summary: str | Path | None = None,
+) -> BatchSummary:
+    """Run the OpenAI-format batch file ``input`` into ``output`` (see the module docstring).
+
+    ``model`` is a loaded model or what :func:`~zgen.model.load_model` takes; ``options`` choose the KV
+    cache (``prefix_cache(...)`` shares common prompt prefixes). Running it again with the same
+    arguments after a crash continues where it stopped. ``progress`` shows a bar on a terminal;
+    ``summary`` also writes the summary as JSON to that file.
+    """
+    start = time.perf_counter()
+    if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
+        raise ConfigError(f"data_parallel must be an integer >= 1, got {data_parallel!r}")
+    devices = jax.local_devices()
+    if data_parallel > len(devices):
+        raise ConfigError(
+            f"data_parallel={data_parallel} needs as many local devices; this process sees {len(devices)} "
+            "(on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N makes N)"
+        )
+    lines = read_lines(Path(input))
+    loaded = model if isinstance(model, Model) else load_model(model, dtype=dtype)
+    name = model_name or (str(model) if not isinstance(model, Model) else str(loaded.source or "zgen"))
+    models = [loaded] if data_parallel == 1 else [replica(loaded, d) for d in devices[:data_parallel]]
+    devs = [None] if data_parallel == 1 else devices[:data_parallel]
+    generators = []
+    for m, device in zip(models, devs, strict=True):
+        with jax.default_device(device):
+            generators.append(Generator(m, *options, max_batch_size=max_batch_size, prefill_chunk=prefill_chunk))
+    with ResultsFile(output) as results:
+        existing = results.open()
+        runnable, errors, skipped = check_requests(lines, existing.keys, generators[0])
+        totals = {"written": 0, "failed": 0, "prompt": 0, "cached": 0, "completion": 0}
+        with JobProgress(len(runnable) + len(errors), enabled=progress) as bar:
+
+            def written(records: list[dict[str, object]]) -> None:
+                failed = sum(r["error"] is not None for r in records)
+                tokens = 0
+                for record in records:
+                    usage = _usage(record)
+                    totals["prompt"] += usage.get("prompt_tokens", 0)
+                    totals["cached"] += usage.get("cached_tokens", 0)
+                    tokens += usage.get("completion_tokens", 0)
+                totals["written"] += len(records)
+                totals["failed"] += failed
+                totals["completion"] += tokens
+                bar.advance(len(records), tokens, failed)
+
+            writer = RecordWriter(results, written)
+            try:
+                for error in errors:
+                    writer.put(error_record(error))
+                _drive(generators, devs, runnable, name, writer, max_batch_size)
+            finally:
+                writer.close()
+                for generator in generators:
+                    generator.close()
+    wall = time.perf_counter() - start
+    done_before = len(existing.keys)
+    result = BatchSummary(
+        requests=len(lines),
+        succeeded=done_before - existing.failed + totals["written"] - totals["failed"],
+        failed=existing.failed + totals["failed"],
+        skipped=skipped,
+        written=totals["written"],
+        prompt_tokens=totals["prompt"],
+        cached_tokens=totals["cached"],
+        completion_tokens=totals["completion"],
+        wall_s=wall,
+        output_tokens_per_s=totals["completion"] / wall if wall > 0 else 0.0,
+        data_parallel=data_parallel,
+    )
+    if summary is not None:
+        Path(summary).write_text(json.dumps(result.to_json(), indent=2) + "\n", encoding="utf-8")
+    return result
+
+
+def _usage(record: dict[str, object]) -> dict[str, int]:
+    response = record.get("response")
+    if not isinstance(response, dict):
+        return {}
+    usage = response["body"]["usage"]  # type: ignore[index]
+    return {
+        "prompt_tokens": usage["prompt_tokens"],
+        "completion_tokens": usage["completion_tokens"],
+        "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+    }
+
+
+def _drive(
+    generators: list[Generator], devices: Sequence[Device | None], runnable: list[_Checked], name: str,
+    writer: RecordWriter, max_batch_size: int,
+) -> None:
+    """Each generator's driver on a thread of its own (one alone runs here), pulling from one feed."""
+    feed = _Feed(runnable)
+
+    def drive(generator: Generator, device: Device | None) -> None:
+        with jax.default_device(device):
+            Driver(generator, name, writer.put, window=2 * max_batch_size).run(feed)
+
+    if len(generators) == 1:
+        drive(generators[0], devices[0])
+        return
+    failures: list[BaseException] = []
+
+    def guarded(generator: Generator, device: Device | None) -> None:
+        try:
+            drive(generator, device)
+        except BaseException as err:  # the other replicas go on; the job reports it at the end
+            failures.append(err)
+
+    threads = [threading.Thread(target=guarded, args=(g, d), name=f"zgen-batch-replica-{i}") for i, (g, d) in enumerate(zip(generators, devices, strict=True))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if failures:
+        raise failures[0]
