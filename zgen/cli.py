@@ -521,7 +521,7 @@ def batch_job(
     except ZgenError as err:
         raise _fail(err) from None
     if not quiet:
-        stderr_console().print(escape(result.describe()), highlight=False)
+        stderr_console().print(escape(result.describe()), highlight=False, soft_wrap=True)
     if result.failed:
         raise typer.Exit(code=3)
 
