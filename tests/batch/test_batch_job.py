@@ -35,15 +35,14 @@ def write_lines(path: Path, lines: list[str]) -> Path:
 def test_records_follow_the_openai_types_and_match_the_generator(model: Model, tmp_path: Path) -> None:
     lines = [completion_line(f"c{i}", words(*range(5 + i, 13 + i)), max_tokens=4 + i, temperature=0) for i in range(5)]
     lines += [
-        chat_line("chat", words(10, 11, 12), max_completion_tokens=6, logprobs=True, top_logprobs=3, n=2, seed=5, top_k=20, min_p=0.01),
+        chat_line("chat", words(10, 11, 12), max_completion_tokens=6, logprobs=True, top_logprobs=3, n=2, seed=5),
         completion_line("ids", [[5, 6, 7], [8, 9]], max_tokens=5, logprobs=2, temperature=0, stop=["w60"]),
-        completion_line("penalties", words(20, 21), max_tokens=6, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2, top_p=0.9, seed=1),
     ]
     summary = run(model, write_lines(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl", max_batch_size=3, progress=False)
     records = by_id(read_records(tmp_path / "out.jsonl"))
-    assert sorted(records) == sorted(["c0", "c1", "c2", "c3", "c4", "chat", "ids", "penalties"])
-    assert (summary.succeeded, summary.failed, summary.written) == (8, 0, 8)
-    generator = Generator(model)
+    assert sorted(records) == sorted(["c0", "c1", "c2", "c3", "c4", "chat", "ids"])
+    assert (summary.succeeded, summary.failed, summary.written) == (7, 0, 7)
+    generator = Generator(model, max_batch_size=3)
     for i in range(5):  # greedy: what the Generator gives for the same prompt
         body = records[f"c{i}"]["response"]["body"]
         expected = generator.generate(words(*range(5 + i, 13 + i)), SamplingConfig(temperature=0.0, max_new_tokens=4 + i))
