@@ -131,11 +131,14 @@ def test_a_rerun_skips_done_requests_and_repairs_a_torn_line(model: Model, tmp_p
 def test_cli_exit_code_summary_and_foreign_output(model_dir: Path, tmp_path: Path) -> None:
     source = write_lines(tmp_path / "in.jsonl", [completion_line("a", "w5 w6", max_tokens=2), "oops"])
     args = ["batch", "--model", str(model_dir), "--input", str(source), "--output", str(tmp_path / "out.jsonl"), "--max-batch-size", "4"]
-    result = CliRunner().invoke(app, [*args, "--summary", str(tmp_path / "summary.json")])
+    result = CliRunner().invoke(app, [*args, "--summary", str(tmp_path / "summary.json")], env={"TTY_COMPATIBLE": "1", "COLUMNS": "200"})
     assert result.exit_code == 3, result.output
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert (summary["requests"], summary["succeeded"], summary["failed"], summary["completion_tokens"]) == (2, 1, 1, 2)
-    assert "1 failed" in result.stderr
+    assert "tok/s" in result.stderr and "2/2" in result.stderr  # the progress bar, on a terminal
+    assert "2 requests: 1 succeeded, 1 failed" in result.stderr
+    quiet = CliRunner().invoke(app, [*args, "--quiet"])  # nothing left to do; the failure still counts
+    assert (quiet.exit_code, quiet.stderr) == (3, "")
     (tmp_path / "foreign.jsonl").write_text("hello\n")
     result = CliRunner().invoke(app, [*args[:-4], "--output", str(tmp_path / "foreign.jsonl")])
     assert result.exit_code == 1 and "not a batch result record" in result.stderr

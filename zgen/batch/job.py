@@ -63,7 +63,7 @@ class BatchSummary:
     completion_tokens: int
     wall_s: float
     output_tokens_per_s: float
-    data_parallel: int = 1
+    replica_requests: tuple[int, ...] = ()  # requests each replica finished this run (data parallelism)
 
     def to_json(self) -> dict[str, object]:
         return asdict(self)
@@ -191,6 +191,7 @@ class Driver:
         self.model_name = model_name
         self.emit = emit
         self.window = window
+        self.finished = 0  # requests this driver recorded
 
     def run(self, feed: _Feed) -> None:
         active: list[_Slot] = []
@@ -238,6 +239,7 @@ class Driver:
             running.failed = True
             request = running.item.request
             self.emit(error_record(LineError(request.line, request.custom_id, "generation_failed", str(err))))
+            self.finished += 1
             return None
         prompt_index = running.item.choices[slot.index][0]
         running.results[slot.index] = Choice(prompt_index, slot.result, logprobs)
@@ -245,6 +247,7 @@ class Driver:
             choices = [running.results[i] for i in range(len(running.item.choices))]
             record = success_record(running.item.request, choices, self.generator.model.tokenizer, self.model_name)
             self.emit(record)
+            self.finished += 1
         return None
 
     def _score(self, result: GenerationResult) -> Job:
@@ -353,7 +356,7 @@ def run(
             try:
                 for error in errors:
                     writer.put(error_record(error))
-                _drive(generators, devs, runnable, name, writer, max_batch_size)
+                replica_requests = _drive(generators, devs, runnable, name, writer, max_batch_size)
             finally:
                 writer.close()
                 for generator in generators:
@@ -371,7 +374,7 @@ def run(
         completion_tokens=totals["completion"],
         wall_s=wall,
         output_tokens_per_s=totals["completion"] / wall if wall > 0 else 0.0,
-        data_parallel=data_parallel,
+        replica_requests=tuple(replica_requests),
     )
     if summary is not None:
         Path(summary).write_text(json.dumps(result.to_json(), indent=2) + "\n", encoding="utf-8")
@@ -393,29 +396,35 @@ def _usage(record: dict[str, object]) -> dict[str, int]:
 def _drive(
     generators: list[Generator], devices: Sequence[Device | None], runnable: list[_Checked], name: str,
     writer: RecordWriter, max_batch_size: int,
-) -> None:
-    """Each generator's driver on a thread of its own (one alone runs here), pulling from one feed."""
+) -> list[int]:
+    """Each generator's driver on a thread of its own (one alone runs here), pulling from one feed;
+    how many requests each finished."""
     feed = _Feed(runnable)
+    drivers = [Driver(g, name, writer.put, window=2 * max_batch_size) for g in generators]
 
-    def drive(generator: Generator, device: Device | None) -> None:
+    def drive(driver: Driver, device: Device | None) -> None:
         with jax.default_device(device):
-            Driver(generator, name, writer.put, window=2 * max_batch_size).run(feed)
+            driver.run(feed)
 
-    if len(generators) == 1:
-        drive(generators[0], devices[0])
-        return
+    if len(drivers) == 1:
+        drive(drivers[0], devices[0])
+        return [drivers[0].finished]
     failures: list[BaseException] = []
 
-    def guarded(generator: Generator, device: Device | None) -> None:
+    def guarded(driver: Driver, device: Device | None) -> None:
         try:
-            drive(generator, device)
+            drive(driver, device)
         except BaseException as err:  # the other replicas go on; the job reports it at the end
             failures.append(err)
 
-    threads = [threading.Thread(target=guarded, args=(g, d), name=f"zgen-batch-replica-{i}") for i, (g, d) in enumerate(zip(generators, devices, strict=True))]
+    threads = [
+        threading.Thread(target=guarded, args=(driver, device), name=f"zgen-batch-replica-{i}")
+        for i, (driver, device) in enumerate(zip(drivers, devices, strict=True))
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     if failures:
         raise failures[0]
+    return [driver.finished for driver in drivers]
