@@ -29,7 +29,7 @@ from rich.markup import escape
 from rich.table import Table
 from typer.core import TyperCommand, TyperGroup
 
-from zgen.batch import run as run_batch
+from zgen.batch import BatchSummary, run as run_batch
 from zgen.cache.factory import CACHE_KINDS, PAGED_KINDS, CacheOption, cache_kind, kv_dtype, prefix_cache, resolve
 from zgen.cache.formats import KV_DTYPES, kv_format
 from zgen.cli_progress import CompileClock, Phase, Phases, stderr_console
@@ -498,6 +498,9 @@ def batch_job(
     kv_dtype_name: KVDtypeOption = None,
     use_prefix_cache: PrefixCacheOption = False,
     summary: Annotated[Path | None, typer.Option("--summary", dir_okay=False, help="Also write the final summary to this file as JSON.")] = None,
+    on_ray: Annotated[bool, typer.Option("--ray", help="Generate on Ray actors (the cluster ray.init() finds, else a local one); needs zgen[ray].")] = False,
+    ray_actors: Annotated[int, typer.Option("--ray-actors", min=1, help="With --ray: actors, each loading the model once.")] = 1,
+    ray_gpus: Annotated[float, typer.Option("--ray-gpus", min=0.0, help="With --ray: GPUs per actor.")] = 0.0,
     quiet: QuietOption = False,
 ) -> None:
     """Run a batch file of OpenAI-format requests; each result is appended to --output as it finishes.
@@ -511,19 +514,39 @@ def batch_job(
     if output.resolve() == input.resolve():
         raise typer.BadParameter("the output would overwrite the input; choose another file", param_hint="'--output'")
     options = _cache_options(kv_cache, kv_dtype_name, use_prefix_cache)
+    if on_ray and data_parallel > 1:
+        raise typer.BadParameter("Ray places one model per actor; use --ray-actors instead", param_hint="'--data-parallel'")
     try:
-        with Phases.on_stderr(enabled=not quiet) as phases:
-            loaded = _load(phases, model, path, dtype, None)
-        result = run_batch(
+        if on_ray:
+            result = _batch_on_ray(
+                str(path), input, output, options, actors=ray_actors, gpus=ray_gpus, max_batch_size=max_batch_size,
+                prefill_chunk=prefill_chunk, dtype=dtype, model_name=model, quiet=quiet, summary=summary,
+            )
+        else:
+            with Phases.on_stderr(enabled=not quiet) as phases:
+                loaded = _load(phases, model, path, dtype, None)
+            result = run_batch(
             loaded, input, output, *options, max_batch_size=max_batch_size, prefill_chunk=prefill_chunk,
-            data_parallel=data_parallel, model_name=model, progress=not quiet, summary=summary,
-        )
+                data_parallel=data_parallel, model_name=model, progress=not quiet, summary=summary,
+            )
     except ZgenError as err:
         raise _fail(err) from None
     if not quiet:
         stderr_console().print(escape(result.describe()), highlight=False, soft_wrap=True)
     if result.failed:
         raise typer.Exit(code=3)
+
+
+def _batch_on_ray(
+    model: str, input: Path, output: Path, options: list[CacheOption], *, actors: int, gpus: float, max_batch_size: int,
+    prefill_chunk: int, dtype: str, model_name: str, quiet: bool, summary: Path | None,
+) -> BatchSummary:
+    from zgen.integrations.ray import run_on_ray  # Ray loads only for --ray
+
+    return run_on_ray(
+        model, input, output, *options, actors=actors, gpus_per_actor=gpus, max_batch_size=max_batch_size,
+        prefill_chunk=prefill_chunk, dtype=dtype, model_name=model_name, progress=not quiet, summary=summary,
+    )
 
 
 @eval_app.command("ppl", cls=_Command)

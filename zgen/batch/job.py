@@ -85,36 +85,49 @@ class _Checked:
     prompt_ids: list[list[int]]
 
 
-def check_requests(
-    lines: Sequence[str], done: set[str], generator: Generator
-) -> tuple[list[_Checked], list[LineError], int]:
-    """Every line not in ``done`` checked: the runnable requests, the error records to write, and how
-    many lines were skipped as done."""
+@dataclass
+class Screened:
+    """The input lines after what needs no model: lines still to run (numbered from 1), error records
+    for duplicated custom_ids, and how many lines the output already holds."""
+
+    pending: list[tuple[int, str]]
+    errors: list[LineError]
+    skipped: int
+
+
+def screen(lines: Sequence[str], done: set[str]) -> Screened:
+    """Skip the lines whose key the output holds; a custom_id on several lines gets one error record."""
     ids_of = [read_custom_id(line) for line in lines]
     seen: dict[str, list[int]] = {}
     for number, custom_id in enumerate(ids_of, 1):
         if custom_id is not None:
             seen.setdefault(custom_id, []).append(number)
+    screened = Screened([], [], 0)
+    for number, (line, custom_id) in enumerate(zip(lines, ids_of, strict=True), 1):
+        if (custom_id if custom_id is not None else f"line:{number}") in done:
+            screened.skipped += 1
+        elif custom_id is not None and len(seen[custom_id]) > 1:
+            if number == seen[custom_id][0]:
+                where = ", ".join(map(str, seen[custom_id]))
+                message = f"custom_id {custom_id!r} is on lines {where}; custom_ids must be unique"
+                screened.errors.append(LineError(number, custom_id, "duplicate_custom_id", message, "custom_id"))
+        else:
+            screened.pending.append((number, line))
+    return screened
+
+
+def check(pending: Sequence[tuple[int, str]], generator: Generator) -> tuple[list[_Checked], list[LineError]]:
+    """Each numbered line parsed and its prompts tokenized: the runnable requests and the errors."""
     runnable: list[_Checked] = []
     errors: list[LineError] = []
-    skipped = 0
-    for number, (line, custom_id) in enumerate(zip(lines, ids_of, strict=True), 1):
-        key = custom_id if custom_id is not None else f"line:{number}"
-        if key in done:
-            skipped += 1
-            continue
-        if custom_id is not None and len(seen[custom_id]) > 1:
-            if number == seen[custom_id][0]:  # one error record per duplicated custom_id
-                where = ", ".join(map(str, seen[custom_id]))
-                errors.append(LineError(number, custom_id, "duplicate_custom_id", f"custom_id {custom_id!r} is on lines {where}; custom_ids must be unique", "custom_id"))
-            continue
+    for number, line in pending:
         parsed = parse_line(line, number)
-        if isinstance(parsed, LineError):
-            errors.append(parsed)
-            continue
-        checked = _encode(parsed, generator)
-        (errors if isinstance(checked, LineError) else runnable).append(checked)  # type: ignore[arg-type]
-    return runnable, errors, skipped
+        checked = parsed if isinstance(parsed, LineError) else _encode(parsed, generator)
+        if isinstance(checked, LineError):
+            errors.append(checked)
+        else:
+            runnable.append(checked)
+    return runnable, errors
 
 
 def _encode(request: BatchRequest, generator: Generator) -> _Checked | LineError:
@@ -295,6 +308,75 @@ def read_lines(path: Path) -> list[str]:
     return [raw.decode("utf-8", errors="replace") for raw in data.splitlines()]
 
 
+class JobOutput:
+    """The output side of a job: the results file (resumed), the writer thread, the progress bar and
+    the totals the summary reports. Use it as a context manager; :meth:`start` once the work is known."""
+
+    def __init__(self, output: str | Path, *, progress: bool) -> None:
+        self._results = ResultsFile(output)
+        self._progress = progress
+        self._bar: JobProgress | None = None
+        self._writer: RecordWriter | None = None
+        self.started = time.perf_counter()
+        self.written = self.failed = self.prompt_tokens = self.cached_tokens = self.completion_tokens = 0
+
+    def __enter__(self) -> JobOutput:
+        self.existing = self._results.open()
+        return self
+
+    def start(self, total: int) -> None:
+        """Show a bar over ``total`` records and start writing."""
+        self._bar = JobProgress(total, enabled=self._progress).__enter__()
+        self._writer = RecordWriter(self._results, self._written)
+
+    def put(self, record: dict[str, object]) -> None:
+        assert self._writer is not None, "start the output first"
+        self._writer.put(record)
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        try:
+            if self._writer is not None:
+                self._writer.close()  # everything handed over is written, even when the job failed
+        finally:
+            if self._bar is not None:
+                self._bar.__exit__(None, None, None)
+            self._results.close()
+
+    def _written(self, records: list[dict[str, object]]) -> None:
+        failed = sum(r["error"] is not None for r in records)
+        tokens = 0
+        for record in records:
+            usage = _usage(record)
+            self.prompt_tokens += usage.get("prompt_tokens", 0)
+            self.cached_tokens += usage.get("cached_tokens", 0)
+            tokens += usage.get("completion_tokens", 0)
+        self.written += len(records)
+        self.failed += failed
+        self.completion_tokens += tokens
+        assert self._bar is not None
+        self._bar.advance(len(records), tokens, failed)
+
+    def summary(self, requests: int, skipped: int, replica_requests: Sequence[int], path: str | Path | None) -> BatchSummary:
+        """The job's summary (call after the ``with``); also written as JSON to ``path`` if given."""
+        wall = time.perf_counter() - self.started
+        result = BatchSummary(
+            requests=requests,
+            succeeded=len(self.existing.keys) - self.existing.failed + self.written - self.failed,
+            failed=self.existing.failed + self.failed,
+            skipped=skipped,
+            written=self.written,
+            prompt_tokens=self.prompt_tokens,
+            cached_tokens=self.cached_tokens,
+            completion_tokens=self.completion_tokens,
+            wall_s=wall,
+            output_tokens_per_s=self.completion_tokens / wall if wall > 0 else 0.0,
+            replica_requests=tuple(replica_requests),
+        )
+        if path is not None:
+            Path(path).write_text(json.dumps(result.to_json(), indent=2) + "\n", encoding="utf-8")
+        return result
+
+
 def run(
     model: Model | str | Path,
     input: str | Path,
@@ -315,7 +397,6 @@ def run(
     arguments after a crash continues where it stopped. ``progress`` shows a bar on a terminal;
     ``summary`` also writes the summary as JSON to that file.
     """
-    start = time.perf_counter()
     if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
         raise ConfigError(f"data_parallel must be an integer >= 1, got {data_parallel!r}")
     devices = jax.local_devices()
@@ -327,58 +408,33 @@ def run(
     lines = read_lines(Path(input))
     loaded = model if isinstance(model, Model) else load_model(model, dtype=dtype)
     name = model_name or (str(model) if not isinstance(model, Model) else str(loaded.source or "zgen"))
-    models = [loaded] if data_parallel == 1 else [replica(loaded, d) for d in devices[:data_parallel]]
-    devs = [None] if data_parallel == 1 else devices[:data_parallel]
-    generators = []
-    for m, device in zip(models, devs, strict=True):
+    devs: list[Device | None] = [None] if data_parallel == 1 else list(devices[:data_parallel])
+    generators: list[Generator] = []
+    for device in devs:
         with jax.default_device(device):
-            generators.append(Generator(m, *options, max_batch_size=max_batch_size, prefill_chunk=prefill_chunk))
-    with ResultsFile(output) as results:
-        existing = results.open()
-        runnable, errors, skipped = check_requests(lines, existing.keys, generators[0])
-        totals = {"written": 0, "failed": 0, "prompt": 0, "cached": 0, "completion": 0}
-        with JobProgress(len(runnable) + len(errors), enabled=progress) as bar:
+            replica_model = loaded if device is None else replica(loaded, device)
+            generators.append(Generator(replica_model, *options, max_batch_size=max_batch_size, prefill_chunk=prefill_chunk))
+    try:
+        with JobOutput(output, progress=progress) as out:
+            screened = screen(lines, out.existing.keys)
+            runnable, errors = check(screened.pending, generators[0])
+            out.start(len(runnable) + len(errors) + len(screened.errors))
+            for error in [*screened.errors, *errors]:
+                out.put(error_record(error))
+            replica_requests = _drive(generators, devs, runnable, name, out.put, max_batch_size)
+    finally:
+        for generator in generators:
+            generator.close()
+    return out.summary(len(lines), screened.skipped, replica_requests, summary)
 
-            def written(records: list[dict[str, object]]) -> None:
-                failed = sum(r["error"] is not None for r in records)
-                tokens = 0
-                for record in records:
-                    usage = _usage(record)
-                    totals["prompt"] += usage.get("prompt_tokens", 0)
-                    totals["cached"] += usage.get("cached_tokens", 0)
-                    tokens += usage.get("completion_tokens", 0)
-                totals["written"] += len(records)
-                totals["failed"] += failed
-                totals["completion"] += tokens
-                bar.advance(len(records), tokens, failed)
 
-            writer = RecordWriter(results, written)
-            try:
-                for error in errors:
-                    writer.put(error_record(error))
-                replica_requests = _drive(generators, devs, runnable, name, writer, max_batch_size)
-            finally:
-                writer.close()
-                for generator in generators:
-                    generator.close()
-    wall = time.perf_counter() - start
-    done_before = len(existing.keys)
-    result = BatchSummary(
-        requests=len(lines),
-        succeeded=done_before - existing.failed + totals["written"] - totals["failed"],
-        failed=existing.failed + totals["failed"],
-        skipped=skipped,
-        written=totals["written"],
-        prompt_tokens=totals["prompt"],
-        cached_tokens=totals["cached"],
-        completion_tokens=totals["completion"],
-        wall_s=wall,
-        output_tokens_per_s=totals["completion"] / wall if wall > 0 else 0.0,
-        replica_requests=tuple(replica_requests),
-    )
-    if summary is not None:
-        Path(summary).write_text(json.dumps(result.to_json(), indent=2) + "\n", encoding="utf-8")
-    return result
+def generate_records(generator: Generator, pending: Sequence[tuple[int, str]], model_name: str, *, window: int) -> list[dict[str, object]]:
+    """The records of these numbered lines (checked, then run on ``generator``): what one worker of a
+    distributed job (:mod:`zgen.integrations.ray`) computes for its share."""
+    runnable, errors = check(pending, generator)
+    records = [error_record(error) for error in errors]
+    Driver(generator, model_name, records.append, window=window).run(_Feed(runnable))
+    return records
 
 
 def _usage(record: dict[str, object]) -> dict[str, int]:
@@ -395,12 +451,12 @@ def _usage(record: dict[str, object]) -> dict[str, int]:
 
 def _drive(
     generators: list[Generator], devices: Sequence[Device | None], runnable: list[_Checked], name: str,
-    writer: RecordWriter, max_batch_size: int,
+    emit: Callable[[dict[str, object]], None], max_batch_size: int,
 ) -> list[int]:
     """Each generator's driver on a thread of its own (one alone runs here), pulling from one feed;
     how many requests each finished."""
     feed = _Feed(runnable)
-    drivers = [Driver(g, name, writer.put, window=2 * max_batch_size) for g in generators]
+    drivers = [Driver(g, name, emit, window=2 * max_batch_size) for g in generators]
 
     def drive(driver: Driver, device: Device | None) -> None:
         with jax.default_device(device):
