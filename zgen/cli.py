@@ -519,7 +519,7 @@ def batch_job(
     try:
         if on_ray:
             result = _batch_on_ray(
-                str(path), input, output, options, actors=ray_actors, gpus=ray_gpus, max_batch_size=max_batch_size,
+                model if model in BUILTIN_MODELS else str(path), input, output, options, actors=ray_actors, gpus=ray_gpus, max_batch_size=max_batch_size,
                 prefill_chunk=prefill_chunk, dtype=dtype, model_name=model, quiet=quiet, summary=summary,
             )
         else:
