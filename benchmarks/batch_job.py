@@ -68,7 +68,7 @@ def batch_job(model: Any, requests: list[dict[str, Any]], directory: Path, name:
     start = time.perf_counter()
     summary = run(
         model, write_jsonl(requests, directory / f"{name}.jsonl"), directory / f"{name}.out.jsonl", *options,
-        max_batch_size=args.max_batch_size, prefill_chunk=args.prefill_chunk, progress=False,
+        max_batch_size=args.max_batch_size, prefill_chunk=args.prefill_chunk, refill_rows=args.refill_rows, progress=False,
     )
     assert summary.failed == 0, summary
     return time.perf_counter() - start, summary.completion_tokens
@@ -98,6 +98,7 @@ def main() -> None:
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument("--prefill-chunk", type=int, default=512)
     parser.add_argument("--prefix-blocks", type=int, default=4096)
+    parser.add_argument("--refill-rows", type=int, default=None, help="The batch job's refill group (default: half the batch).")
     parser.add_argument("--no-prefix-cache", action="store_true")
     parser.add_argument("--bandwidth-gbs", type=float, default=0.0, help="Memory bandwidth for the weights-only roofline (H200 ~4800, H100 ~3350).")
     parser.add_argument("--seed", type=int, default=0)
@@ -128,6 +129,7 @@ def main() -> None:
         "prompt_tokens": sum(len(r["prompt"]) for r in requests),
         "max_batch_size": args.max_batch_size,
         "prefix_cache": not args.no_prefix_cache,
+        "refill_rows": args.refill_rows or max(1, args.max_batch_size // 2),
         "batch_job": {"seconds": job_s, "output_tokens": job_tokens, "output_tokens_per_s": job_tokens / job_s},
         "fixed_chunks": {"seconds": chunk_s, "output_tokens": chunk_tokens, "output_tokens_per_s": chunk_tokens / chunk_s},
         "speedup": (job_tokens / job_s) / (chunk_tokens / chunk_s),

@@ -273,7 +273,7 @@ def _sampling(
 # -- phases -----------------------------------------------------------------------------------------
 
 
-def _load(phases: Phases, model: str, path: Path, dtype: str, sampling: _Sampling | None) -> Model:
+def _load(phases: Phases, model: str, path: Path, dtype: str, sampling: _Sampling | None, tensor_parallel: int = 1) -> Model:
     phases.note(f"Model {path}" if model == str(path) else f"Model {model}: {path}")
     if sampling is not None:
         phases.note(f"Sampling: {_describe_sampling(sampling.config)}; knobs left out come from {sampling.source}")
@@ -283,7 +283,7 @@ def _load(phases: Phases, model: str, path: Path, dtype: str, sampling: _Samplin
             phase.describe("Converting GGUF weights to float32 (first load only)" if done < total else "Saving the converted weights")
             phase.measure(done, total)
 
-        loaded = load_model(path, dtype=dtype, progress=converting)
+        loaded = load_model(path, dtype=dtype, progress=converting, tensor_parallel=tensor_parallel)
         outcome = {"gguf": "Converted the GGUF weights and cached them", "converted-cache": "Loaded the converted weights from the cache"}
         phase.describe(f"{outcome.get(loaded.load_timings.source, 'Loaded the weights')} ({dtype})")
     return loaded
@@ -492,7 +492,9 @@ def batch_job(
     model: ModelOption = DEFAULT_MODEL,
     max_batch_size: Annotated[int, typer.Option("--max-batch-size", min=1, help="Rows decoding together (more requests queue and take rows as others finish).")] = 64,
     prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", min=1, help="Prompt tokens one request feeds per step.")] = 512,
+    refill_rows: Annotated[int | None, typer.Option("--refill-rows", min=1, help="Queued requests take freed rows this many at a time, prefilling together. Default: half of --max-batch-size.")] = None,
     data_parallel: Annotated[int, typer.Option("--data-parallel", min=1, help="Model replicas, one per local device, sharing the job.")] = 1,
+    tensor_parallel: Annotated[int, typer.Option("--tensor-parallel", min=1, help="Split the model's heads and MLP columns over this many local devices.")] = 1,
     dtype: DtypeOption = "float32",
     kv_cache: KVCacheOption = None,
     kv_dtype_name: KVDtypeOption = None,
@@ -514,8 +516,10 @@ def batch_job(
     if output.resolve() == input.resolve():
         raise typer.BadParameter("the output would overwrite the input; choose another file", param_hint="'--output'")
     options = _cache_options(kv_cache, kv_dtype_name, use_prefix_cache)
-    if on_ray and data_parallel > 1:
-        raise typer.BadParameter("Ray places one model per actor; use --ray-actors instead", param_hint="'--data-parallel'")
+    if on_ray and (data_parallel > 1 or tensor_parallel > 1):
+        raise typer.BadParameter("Ray places one model per actor; use --ray-actors instead", param_hint="'--data-parallel' / '--tensor-parallel'")
+    if data_parallel > 1 and tensor_parallel > 1:
+        raise typer.BadParameter("replicas of a split model are not available yet; choose one of the two", param_hint="'--data-parallel' / '--tensor-parallel'")
     try:
         if on_ray:
             result = _batch_on_ray(
@@ -524,9 +528,9 @@ def batch_job(
             )
         else:
             with Phases.on_stderr(enabled=not quiet) as phases:
-                loaded = _load(phases, model, path, dtype, None)
+                loaded = _load(phases, model, path, dtype, None, tensor_parallel)
             result = run_batch(
-            loaded, input, output, *options, max_batch_size=max_batch_size, prefill_chunk=prefill_chunk,
+                loaded, input, output, *options, max_batch_size=max_batch_size, prefill_chunk=prefill_chunk, refill_rows=refill_rows,
                 data_parallel=data_parallel, model_name=model, progress=not quiet, summary=summary,
             )
     except ZgenError as err:

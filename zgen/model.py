@@ -30,6 +30,7 @@ from zgen.loading.builtin import BUILTIN_MODELS, builtin_model_path
 from zgen.loading.gguf_file import config_from_gguf, open_gguf, params_from_gguf
 from zgen.loading.params import HostParams, check_values
 from zgen.loading.safetensors_dir import config_from_dir, params_from_dir
+from zgen.sharding import check_tensor_parallel, shard_params
 from zgen.tokenizer import Tokenizer
 
 T = TypeVar("T")
@@ -108,8 +109,12 @@ def load_model(
     dtype: str = "float32",
     cache_dir: Path | None = None,
     progress: Callable[[int, int], None] | None = None,
+    tensor_parallel: int = 1,
 ) -> Model:
     """Load a model by built-in name (``"smollm2"``), HF directory or GGUF file.
+
+    ``tensor_parallel=N`` splits the weights over N local devices (attention heads and MLP columns,
+    :mod:`zgen.sharding`); every front end then runs the model across them.
 
     GGUF weights are dequantized once and cached as float32 safetensors under ``cache_dir``
     (default ``$ZGEN_CACHE_DIR`` or ``~/.cache/zgen``) so later loads skip the dequantization.
@@ -136,12 +141,17 @@ def load_model(
         if source == "converted-cache":
             described = f"{path} (read from its converted copy under {cache / 'converted'}; delete that to convert again)"
     _check_special_ids(config, tokenizer, described)
+    if tensor_parallel != 1:
+        check_tensor_parallel(config, tensor_parallel)
     jdtype = DTYPES[dtype]
     graph = build_decoder(config)
     check_params(graph, host, described, jdtype)
     read_s = time.perf_counter() - start
     start = time.perf_counter()
-    params = {name: jnp.asarray(value, dtype=jdtype) for name, value in host.items()}
+    if tensor_parallel != 1:  # each device receives only its shards
+        params = shard_params({name: np.asarray(value, dtype=jdtype) for name, value in host.items()}, config, tensor_parallel)
+    else:
+        params = {name: jnp.asarray(value, dtype=jdtype) for name, value in host.items()}
     jax.block_until_ready(params)
     timings = LoadTimings(source, read_s, time.perf_counter() - start)
     return Model(config, tokenizer, graph, params, jdtype, path, timings)

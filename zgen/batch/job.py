@@ -384,6 +384,7 @@ def run(
     *options: CacheOption,
     max_batch_size: int = 64,
     prefill_chunk: int = 512,
+    refill_rows: int | None = None,
     data_parallel: int = 1,
     dtype: str = "float32",
     model_name: str | None = None,
@@ -395,8 +396,10 @@ def run(
     ``model`` is a loaded model or what :func:`~zgen.model.load_model` takes; ``options`` choose the KV
     cache (``prefix_cache(...)`` shares common prompt prefixes). Running it again with the same
     arguments after a crash continues where it stopped. ``progress`` shows a bar on a terminal;
-    ``summary`` also writes the summary as JSON to that file.
+    ``summary`` also writes the summary as JSON to that file. ``refill_rows`` (default: half of
+    ``max_batch_size``): queued requests take freed rows that many at a time, prefilling together.
     """
+    refill = max(1, max_batch_size // 2) if refill_rows is None else refill_rows
     if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
         raise ConfigError(f"data_parallel must be an integer >= 1, got {data_parallel!r}")
     devices = jax.local_devices()
@@ -407,13 +410,17 @@ def run(
         )
     lines = read_lines(Path(input))
     loaded = model if isinstance(model, Model) else load_model(model, dtype=dtype)
+    if data_parallel > 1 and any(len(p.sharding.device_set) > 1 for p in loaded.params.values()):
+        raise ConfigError("replicas of a model split over devices (tensor_parallel) are not available yet; use one or the other")
     name = model_name or (str(model) if not isinstance(model, Model) else str(loaded.source or "zgen"))
     devs: list[Device | None] = [None] if data_parallel == 1 else list(devices[:data_parallel])
     generators: list[Generator] = []
     for device in devs:
         with jax.default_device(device):
             replica_model = loaded if device is None else replica(loaded, device)
-            generators.append(Generator(replica_model, *options, max_batch_size=max_batch_size, prefill_chunk=prefill_chunk))
+            generators.append(
+                Generator(replica_model, *options, max_batch_size=max_batch_size, prefill_chunk=prefill_chunk, refill_rows=refill)
+            )
     try:
         with JobOutput(output, progress=progress) as out:
             screened = screen(lines, out.existing.keys)

@@ -72,9 +72,12 @@ class EngineConfig:
     prefill_chunk: int = 256  # pending tokens one sequence feeds per step
     steps_per_sync: int = 16  # decode steps per host round trip when something needs the host
     on_pool_exhausted: Literal["error", "wait"] = "error"
+    # New jobs wait until this many rows are free (while others decode), so their prompts prefill
+    # together: a mixed step is padded to [rows, chunk], and one admission per step wastes most of it.
+    refill_rows: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("max_batch", "prefill_chunk", "steps_per_sync"):
+        for name in ("max_batch", "prefill_chunk", "steps_per_sync", "refill_rows"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"EngineConfig.{name} must be an integer >= 1, got {value!r}")
@@ -375,7 +378,7 @@ class Engine:
             jobs = list(self._queue)
         if not jobs:
             return
-        candidates = jobs[: self.config.max_batch]
+        candidates, finishes = self._admissible(jobs[: self.config.max_batch], sum(not job.admitted for job in jobs))
         decode = all(job.loopable() for job in candidates)
         steps = self._loop_steps(candidates, waiting=len(jobs) > len(candidates)) if decode else 1
         rows: list[_Row] = []
@@ -408,7 +411,7 @@ class Engine:
         try:
             if decode:
                 waiting = bool(blocked) or bool(preempted) or len(jobs) > len(candidates)
-                self._run_decode(rows, steps, exit_on_finish=waiting)
+                self._run_decode(rows, steps, exit_on_finish=waiting, finishes=finishes)
             else:
                 self._run_mixed(rows)
         except BaseException as err:
@@ -416,6 +419,18 @@ class Engine:
                 self._fail(row.job, err if isinstance(err, Exception) else ZgenError(repr(err)))
             if not isinstance(err, Exception):
                 raise
+
+    def _admissible(self, candidates: list[Job], new_jobs: int) -> tuple[list[Job], int]:
+        """The candidates to serve now, and how many rows must finish before the decode loop returns
+        for the new jobs left waiting (``refill_rows``: they are admitted together once that many
+        rows are free, or as soon as nothing else runs)."""
+        new = sum(not job.admitted for job in candidates)
+        running = len(candidates) - new
+        wanted = min(self.config.refill_rows, new_jobs)
+        free = self.config.max_batch - running
+        if not new or not running or free >= wanted:
+            return candidates, 1
+        return [job for job in candidates if job.admitted], wanted - free
 
     def _loop_steps(self, jobs: list[Job], *, waiting: bool) -> int:
         """Iterations of this decode loop: every job's whole budget, unless one needs the host sooner."""
@@ -586,7 +601,7 @@ class Engine:
         row = raw.astype(np.float64)
         return int(token), float(row[int(token)] - np.logaddexp.reduce(row))
 
-    def _run_decode(self, rows: list[_Row], steps: int, *, exit_on_finish: bool) -> None:
+    def _run_decode(self, rows: list[_Row], steps: int, *, exit_on_finish: bool, finishes: int = 1) -> None:
         width, index, state = self._step_rows(rows, 1)
         token = np.zeros(width, np.int32)
         position = np.full(width, -1, np.int32)
@@ -603,7 +618,8 @@ class Engine:
             last_step=jnp.asarray(last_step), stop_ids=jnp.asarray(stop_ids), keys=keys, penalties=penalties,
             out_tokens=jnp.full((width, steps), -1, jnp.int32), out_logprobs=jnp.zeros((width, steps), jnp.float32),
             step=jnp.asarray(0, jnp.int32), max_steps=jnp.asarray(steps, jnp.int32),
-            exit_on_finish=jnp.asarray(exit_on_finish), done_at_start=jnp.asarray(int(done.sum()), jnp.int32),
+            # the loop leaves once more than done_at_start rows are done: after `finishes` of them
+            exit_on_finish=jnp.asarray(exit_on_finish), done_at_start=jnp.asarray(int(done.sum()) + finishes - 1, jnp.int32),
         )
         loop, state = self.runner.decode(state, loop, params, flags=flags)
         self.kv.absorb(state)

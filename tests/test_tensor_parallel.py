@@ -1,0 +1,62 @@
+"""load_model(..., tensor_parallel=N) on forced host devices: the same greedy tokens as one device,
+through the Generator (dense and paged caches) and a batch job; heads that N does not divide are refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import zgen
+from hf_reference import save_random_checkpoint, small_configs
+from zgen import load_model
+from zgen.errors import ConfigError
+
+SCRIPT = """
+import json, sys
+import jax
+from zgen import Generator, Request, SamplingConfig, load_model
+from zgen.cache.factory import paged_kv
+from zgen.sharding import partition_spec
+
+assert len(jax.devices()) == 2
+one = load_model(sys.argv[1])
+two = load_model(sys.argv[1], tensor_parallel=2)
+assert two.params["layers.0.qkv"].sharding.spec == partition_spec("layers.0.qkv")
+assert len(two.params["layers.0.gate_up"].sharding.device_set) == 2
+requests = [Request(p, SamplingConfig(temperature=0.0, max_new_tokens=10, ignore_eos=True)) for p in ("w5 w9 w13 w20", "w40 w41", "w7 w3 w88 w60 w61 w62")]
+requests.append(Request("w11 w12 w13", SamplingConfig(temperature=0.9, top_p=0.9, seed=7, max_new_tokens=10, ignore_eos=True)))
+out = {}
+for name, model in (("one", one), ("two", two)):
+    for cache in ("tensor", "paged"):
+        options = [paged_kv(max_memory_mb=8)] if cache == "paged" else []
+        generator = Generator(model, *options, max_batch_size=4)
+        out[f"{name}-{cache}"] = [r.token_ids for r in generator.batch_generate(requests)]
+print(json.dumps(out))
+"""
+
+
+def test_two_way_tensor_parallel_matches_one_device(tmp_path: Path) -> None:
+    save_random_checkpoint(small_configs()["llama"], tmp_path)
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "PYTHONPATH": os.pathsep.join([str(Path(zgen.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+    }
+    done = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.splitlines()[-1])
+    assert out["two-tensor"] == out["one-tensor"] == out["two-paged"] == out["one-paged"]
+    assert len({tuple(ids) for ids in out["one-tensor"]}) == 4
+
+
+def test_heads_that_do_not_divide_are_refused(tmp_path: Path) -> None:
+    save_random_checkpoint(small_configs()["llama"], tmp_path)  # 4 heads, 2 KV heads
+    with pytest.raises(ConfigError, match=r"tensor_parallel=3 must divide .*attention heads \(4\), KV heads \(2\)"):
+        load_model(tmp_path, tensor_parallel=3)
+    with pytest.raises(ConfigError, match="needs as many local devices"):
+        load_model(tmp_path, tensor_parallel=2)  # this process has one CPU device
