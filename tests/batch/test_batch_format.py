@@ -8,7 +8,7 @@ import pytest
 
 from batch_helpers import chat_line, completion_line
 from zgen.batch import BatchRequest, LineError, parse_line
-from zgen.batch.format import COMPLETIONS_DEFAULT_MAX_TOKENS
+from zgen.batch.format import COMPLETIONS_DEFAULT_MAX_TOKENS, choice_sampling
 
 
 def parsed(line: str) -> BatchRequest:
@@ -26,7 +26,7 @@ def test_every_sampling_parameter_reaches_the_config() -> None:
     assert (s.max_new_tokens, s.temperature, s.top_p, s.seed, s.stop) == (7, 0.5, 0.9, 3, ("w9",))
     assert (s.presence_penalty, s.frequency_penalty, s.top_k, s.min_p, s.repetition_penalty) == (0.5, -0.5, 40, 0.05, 1.1)
     assert (request.n, request.top_logprobs, request.prompts) == (2, 3, ("w5",))
-    assert request.choice_sampling(1).seed == 4  # the n choices of a seeded request differ, repeatably
+    assert choice_sampling(s, 1).seed == 4  # the n choices of a seeded request differ, repeatably
 
 
 def test_chat_defaults_and_content_parts() -> None:

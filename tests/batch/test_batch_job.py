@@ -87,6 +87,7 @@ def test_bad_lines_become_error_records_and_the_job_goes_on(model: Model, tmp_pa
         json.dumps({"custom_id": "", "url": "/v1/completions", "body": {"prompt": "w5"}}),
         completion_line("badid", [5, 96]),
         completion_line("empty", ""),
+        "   ",  # a blank line is no request
     ]
     summary = run(model, write_lines(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl", progress=False)
     records = read_records(tmp_path / "out.jsonl")

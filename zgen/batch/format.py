@@ -17,7 +17,7 @@ import math
 import secrets
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, cast
 
 from zgen.errors import ConfigError
@@ -74,15 +74,14 @@ class BatchRequest:
     top_logprobs: int | None = None  # None: no log-probs; k >= 0: each token's log-prob and its k best alternatives
     max_tokens_given: bool = True  # False: a chat request may use the rest of the context
 
-    def choice_sampling(self, index: int) -> SamplingConfig:
-        seed = self.sampling.seed
-        if seed is None or index == 0:
-            return self.sampling
-        return SamplingConfig(**{**_fields(self.sampling), "seed": seed + index})
 
 
-def _fields(config: SamplingConfig) -> dict[str, Any]:
-    return {name: getattr(config, name) for name in config.__dataclass_fields__}
+def choice_sampling(sampling: SamplingConfig, index: int) -> SamplingConfig:
+    """Choice ``index`` of a seeded request samples with ``seed + index``: the n choices differ, and
+    each is repeatable."""
+    if sampling.seed is None or index == 0:
+        return sampling
+    return replace(sampling, seed=sampling.seed + index)
 
 
 class _Invalid(Exception):

@@ -31,6 +31,7 @@ from zgen.batch.format import (
     Choice,
     LineError,
     TokenLogprobs,
+    choice_sampling,
     error_record,
     parse_line,
     read_custom_id,
@@ -104,6 +105,8 @@ def screen(lines: Sequence[str], done: set[str]) -> Screened:
             seen.setdefault(custom_id, []).append(number)
     screened = Screened([], [], 0)
     for number, (line, custom_id) in enumerate(zip(lines, ids_of, strict=True), 1):
+        if not line.strip():
+            continue  # blank lines are no requests (numbers still count them, as editors do)
         if (custom_id if custom_id is not None else f"line:{number}") in done:
             screened.skipped += 1
         elif custom_id is not None and len(seen[custom_id]) > 1:
@@ -146,9 +149,7 @@ def _encode(request: BatchRequest, generator: Generator) -> _Checked | LineError
                 sampling = replace(sampling, max_new_tokens=context - len(ids))
             ids = generator.prepare(Request(ids, sampling))
             prompt_ids.append(ids)
-            for i in range(request.n):
-                config = replace(sampling, seed=sampling.seed + i) if sampling.seed is not None and i else sampling
-                choices.append((p, Request(ids, config)))
+            choices += [(p, Request(ids, choice_sampling(sampling, i))) for i in range(request.n)]
     except PromptTooLongError as err:
         return LineError(request.line, request.custom_id, "prompt_too_long", str(err).replace("max_new_tokens", "max_tokens"), param)
     except InputError as err:
@@ -219,6 +220,9 @@ class Driver:
                     active.remove(slot)
                     if (next_slot := self._advance(slot)) is not None:
                         active.append(next_slot)
+                for slot in [slot for slot in active if slot.running.failed]:  # a failed request's other choices
+                    active.remove(slot)
+                    self.generator.engine.cancel(slot.job)
         finally:
             for slot in active:
                 self.generator.engine.cancel(slot.job)
@@ -300,7 +304,7 @@ def replica(model: Model, device: Device) -> Model:
 
 
 def read_lines(path: Path) -> list[str]:
-    """The input's request lines (blank lines dropped, so line numbers count the others too)."""
+    """The input's lines (line ``n`` at index ``n - 1``; :func:`screen` passes over blank ones)."""
     try:
         data = path.read_bytes()
     except OSError as err:
@@ -432,7 +436,11 @@ def run(
     finally:
         for generator in generators:
             generator.close()
-    return out.summary(len(lines), screened.skipped, replica_requests, summary)
+    return out.summary(count_requests(lines), screened.skipped, replica_requests, summary)
+
+
+def count_requests(lines: Sequence[str]) -> int:
+    return sum(bool(line.strip()) for line in lines)
 
 
 def generate_records(generator: Generator, pending: Sequence[tuple[int, str]], model_name: str, *, window: int) -> list[dict[str, object]]:

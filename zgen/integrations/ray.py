@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from zgen.batch.format import error_record
-from zgen.batch.job import BatchSummary, JobOutput, generate_records, read_lines, screen
+from zgen.batch.job import BatchSummary, JobOutput, count_requests, generate_records, read_lines, screen
 from zgen.cache.factory import CacheOption
 from zgen.errors import ConfigError, InputError
 from zgen.generator import Generator, Prompt, Request
@@ -145,7 +145,7 @@ def run_on_ray(
             for batch in dataset.iter_batches(batch_size=None, batch_format="numpy"):
                 for text in batch["record"]:
                     out.put(json.loads(str(text)))
-    return out.summary(len(lines), screened.skipped, (), summary)
+    return out.summary(count_requests(lines), screened.skipped, (), summary)
 
 
 __all__ = ["BatchLineWorker", "ZgenPredictor", "run_on_ray"]
