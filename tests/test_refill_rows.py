@@ -1,5 +1,5 @@
-"""EngineConfig.refill_rows: queued requests wait for that many free rows and prefill together; the
-tokens are the same as with one admission per freed row."""
+"""EngineConfig.refill_rows (queued requests wait for that many free rows and prefill together) and
+prefill_apart (decoding rows sit out prefill steps): the tokens are the same either way."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 
 from hf_reference import save_random_checkpoint, small_configs
 from zgen import Generator, Request, SamplingConfig, load_model
+from zgen.cache.factory import paged_kv
 from zgen.errors import ConfigError
 from zgen.runtime.engine import EngineConfig
 
@@ -27,6 +28,12 @@ def test_grouped_refills_give_the_same_tokens_in_fewer_steps(tmp_path: Path) -> 
         steps.append(generator.engine.stats.steps)
     assert outputs[0] == outputs[1]
     assert steps[1] < steps[0]
+    rows = []
+    for apart in (False, True):  # decoding rows sit out the prefill steps of a paged cache
+        paged = Generator(model, paged_kv(max_memory_mb=4), max_batch_size=4, refill_rows=2, prefill_apart=apart)
+        assert [r.token_ids for r in paged.batch_generate(requests)] == outputs[0]
+        rows.append(paged.engine.stats.rows)
+    assert rows[1] < rows[0]
 
 
 def test_refill_rows_is_checked() -> None:

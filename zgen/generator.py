@@ -47,7 +47,8 @@ class Generator:
     many tokens the device loop runs between host checks when stop strings or streaming need the host;
     ``host_sampler`` picks every token with a Python callable on (ids sorted by probability, their
     probabilities) — a host round trip per token. ``refill_rows``: queued requests wait until that
-    many rows are free, then prefill together (:class:`~zgen.runtime.engine.EngineConfig`).
+    many rows are free, then prefill together; ``prefill_apart``: on a paged cache, prefill steps leave the
+    decoding rows out (:class:`~zgen.runtime.engine.EngineConfig`).
 
     A generator is a context manager: :meth:`close` frees what its cache holds outside the device (a
     tiered cache's host RAM and disk files; garbage collection frees them too). It is safe to use from
@@ -63,12 +64,13 @@ class Generator:
         prefill_chunk: int = 512,
         host_sampler: HostSampler | None = None,
         refill_rows: int = 1,
+        prefill_apart: bool = False,
     ) -> None:
         self.model = model
         self.host_sampler = host_sampler
         config = EngineConfig(
             max_batch=max_batch_size, steps_per_sync=sync_interval, prefill_chunk=prefill_chunk, on_pool_exhausted="wait",
-            refill_rows=refill_rows,
+            refill_rows=refill_rows, prefill_apart=prefill_apart,
         )
         self.engine = Engine(model, *options, config=config, default_kind="tensor")
 

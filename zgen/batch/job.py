@@ -423,7 +423,10 @@ def run(
         with jax.default_device(device):
             replica_model = loaded if device is None else replica(loaded, device)
             generators.append(
-                Generator(replica_model, *options, max_batch_size=max_batch_size, prefill_chunk=prefill_chunk, refill_rows=refill)
+                Generator(
+                    replica_model, *options, max_batch_size=max_batch_size, prefill_chunk=prefill_chunk, refill_rows=refill,
+                    prefill_apart=True,
+                )
             )
     try:
         with JobOutput(output, progress=progress) as out:

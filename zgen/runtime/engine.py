@@ -75,12 +75,17 @@ class EngineConfig:
     # New jobs wait until this many rows are free (while others decode), so their prompts prefill
     # together: a mixed step is padded to [rows, chunk], and one admission per step wastes most of it.
     refill_rows: int = 1
+    # On a paged cache, a step that prefills leaves the decoding rows out (they would each be padded to
+    # the chunk's width for one token); they go on in the next decode loop.
+    prefill_apart: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "prefill_chunk", "steps_per_sync", "refill_rows"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"EngineConfig.{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.prefill_apart, bool):
+            raise ConfigError(f"EngineConfig.prefill_apart must be a bool, got {self.prefill_apart!r}")
         if self.on_pool_exhausted not in ("error", "wait"):
             raise ConfigError(f"EngineConfig.on_pool_exhausted must be 'error' or 'wait', got {self.on_pool_exhausted!r}")
 
@@ -380,6 +385,8 @@ class Engine:
             return
         candidates, finishes = self._admissible(jobs[: self.config.max_batch], sum(not job.admitted for job in jobs))
         decode = all(job.loopable() for job in candidates)
+        if not decode and self.config.prefill_apart and self.kv.pages:
+            candidates = [job for job in candidates if not job.loopable()]
         steps = self._loop_steps(candidates, waiting=len(jobs) > len(candidates)) if decode else 1
         rows: list[_Row] = []
         blocked: list[tuple[Job, PoolExhaustedError]] = []
