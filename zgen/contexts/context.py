@@ -338,6 +338,8 @@ class Context:
         Produces exactly what :meth:`generate_result_async` produces with the same sampler and seed.
         """
         sampler = sampler or GREEDY
+        if sampler.grammar is not None:
+            raise ConfigError("speculative decoding does not take a grammar yet; use generate with the grammar")
         stop = stop or StopCondition.from_sampling(sampler, self.engine.model.eos_token_ids)
         self._add_generation_prompt()
         self._ensure_pending()

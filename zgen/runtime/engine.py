@@ -53,6 +53,7 @@ from zgen.errors import CacheError, ConfigError, InputError, PoolExhaustedError,
 from zgen.model import Model
 from zgen.pallas.paged_attention.layouts import KeyCalibration
 from zgen.runtime.calibration import key_calibration as model_key_calibration
+from zgen.runtime.grammar import GrammarMatcher, fill_masks, mask_words
 from zgen.runtime.results import FinishReason
 from zgen.runtime.runner import runner_for
 from zgen.runtime.sampling import PenaltyState, SamplingConfig, SamplingFlags, SamplingParams, make_row_keys, penalty_state
@@ -148,6 +149,7 @@ class Job:
         self.pieces: list[str] = []
         self.cancelled = False
         self.admitted = False
+        self.grammar: GrammarMatcher | None = None  # a constrained generation's parser (SamplingConfig.grammar)
         self._started: float | None = None
         self._first_token: float | None = None
 
@@ -173,7 +175,7 @@ class Job:
     def loopable(self) -> bool:
         """One token left to feed, sampled on the device, nothing else asked of it: the decode loop serves it."""
         r = self.request
-        if self.sampling.choose is not None or r.attention_mask is not None:
+        if self.sampling.choose is not None or self.grammar is not None or r.attention_mask is not None:
             return False
         if self.generating:
             return self.seq.kv_len == self.seq.num_tokens - 1  # (a preempted job feeds its tokens again first)
@@ -288,6 +290,8 @@ class Engine:
         self._check(seq, request)
         stream = None if request.generate is None else TextStream(self.model.tokenizer, request.generate, incremental=request.stream)
         job = Job(seq, request, stream)
+        if request.sampling.grammar is not None and request.generate is not None:
+            job.grammar = GrammarMatcher(request.sampling.grammar, self.model, request.generate.device_token_ids)
         seq.busy = True
         job.future.add_done_callback(lambda _: setattr(seq, "busy", False))
         with self._queue_lock:
@@ -533,8 +537,20 @@ class Engine:
         batch = MixedBatch(
             jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(read_rows), jnp.asarray(draw_index), keys, params, penalties
         )
-        out, state = self.runner.mixed(state, batch, flags=flags, logits=want_logits, filtered=host_choice)
-        self.kv.absorb(state)
+        constrained = [(row.job.grammar, i) for row, i in zip(rows, index, strict=True) if row.job.grammar is not None and row.reads]
+        if constrained:
+            # The forward is dispatched first; the grammar masks are computed on the host while it runs.
+            out_logits, state = self.runner.forward(state, batch.tokens, batch.positions, batch.read_rows)
+            self.kv.absorb(state)
+            masks = np.full((width, mask_words(self.model.config.vocab_size)), -1, np.int32)
+            failed = fill_masks(constrained, masks)
+            for row, i in zip(rows, index, strict=True):
+                if i in failed:
+                    self._fail(row.job, failed[i])
+            out = self.runner.draw(out_logits, batch, jnp.asarray(masks), flags=flags, logits=want_logits, filtered=host_choice)
+        else:
+            out, state = self.runner.mixed(state, batch, flags=flags, logits=want_logits, filtered=host_choice)
+            self.kv.absorb(state)
         sampled, logprobs, logits, filtered = jax.device_get((out.tokens, out.logprobs, out.logits, out.filtered))
         self.stats.steps += 1
         self.stats.forward_passes += 1
@@ -631,10 +647,14 @@ class Engine:
         assert job.text is not None
         if job.text.done:
             return  # drawn past a stop on the device: rolled back when the job finishes
+        if job.grammar is not None:
+            job.grammar.consume(token)
         piece = job.text.push(token)
         job.drawn.append(token)
         job.result.tokens.append(token)
         job.result.logprobs.append(logprob)
+        if job.grammar is not None and job.grammar.complete and not job.text.done:
+            piece += job.text.finish("stop")  # the grammar is complete: nothing else may follow
         if piece and r.stream:
             job.pieces.append(piece)
 
@@ -683,6 +703,8 @@ class Engine:
                 raise InputError(f"position {p} is not among the fed positions [{start}, {end})")
         if request.generate is not None and (end - 1) not in request.sample_at:
             raise InputError("generating needs a sample at the last fed position")
+        if request.sampling.grammar is not None and (request.generate is None or request.sample_at != (end - 1,)):
+            raise InputError("a grammar constrains a generation: sample only at the last fed position and generate")
         if end > self.max_len:
             raise PromptTooLongError(f"{end} tokens exceed the model's context of {self.max_len}")
         mask = request.attention_mask
