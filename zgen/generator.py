@@ -22,6 +22,7 @@ from zgen.cache.factory import CacheOption
 from zgen.errors import ConfigError, InputError, PromptTooLongError
 from zgen.model import Model
 from zgen.runtime.engine import Engine, EngineConfig, ForwardRequest, ForwardResult, Job
+from zgen.runtime.metrics import EngineMetrics
 from zgen.runtime.results import GenerationResult, Timings, TokenUsage
 from zgen.runtime.sampling import HostSampler, SamplingConfig
 from zgen.runtime.sequence import Sequence as TokenSequence
@@ -128,6 +129,11 @@ class Generator:
 
     def new_session(self) -> Session:
         return Session(self)
+
+    def metrics(self) -> EngineMetrics:
+        """What this generator's engine has done: requests, tokens, latencies, batch occupancy, KV
+        pages (see :mod:`zgen.runtime.metrics`; ``.prometheus()`` gives the Prometheus text)."""
+        return self.engine.metrics()
 
     # -- prompt handling -----------------------------------------------------------------------
 

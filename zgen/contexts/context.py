@@ -360,6 +360,7 @@ class Context:
             accepted = 0
             while accepted < len(draft) and draft[accepted] == out.tokens[accepted]:
                 accepted += 1
+            self.engine.collector.speculation(len(draft), accepted)
             self.keep_fed(n + accepted)
             new = draft[:accepted] + [out.tokens[accepted]]
             self.seq.append(new[-1:])

@@ -49,11 +49,13 @@ import numpy as np
 from zgen.cache.base import KVManager, KVState, StepRow
 from zgen.cache.factory import CacheOption, make_kv, resolve
 from zgen.cache.formats import kv_dtype_of, kv_format
+from zgen.cache.paged_manager import PagedKVManager
 from zgen.errors import CacheError, ConfigError, InputError, PoolExhaustedError, PromptTooLongError, TokenIdError, ZgenError
 from zgen.model import Model
 from zgen.pallas.paged_attention.layouts import KeyCalibration
 from zgen.runtime.calibration import key_calibration as model_key_calibration
 from zgen.runtime.grammar import GrammarMatcher, fill_masks, mask_words
+from zgen.runtime.metrics import EngineMetrics, MetricsCollector
 from zgen.runtime.results import FinishReason
 from zgen.runtime.runner import runner_for
 from zgen.runtime.sampling import PenaltyState, SamplingConfig, SamplingFlags, SamplingParams, make_row_keys, penalty_state
@@ -152,6 +154,8 @@ class Job:
         self.grammar: GrammarMatcher | None = None  # a constrained generation's parser (SamplingConfig.grammar)
         self._started: float | None = None
         self._first_token: float | None = None
+        self.submitted = time.perf_counter()
+        self.delivered: float | None = None  # when its last generated tokens reached the host
 
     @property
     def done(self) -> bool:
@@ -226,6 +230,8 @@ class Engine:
         )
         self.runner = runner_for(model)
         self.stats = EngineStats()
+        self.collector = MetricsCollector(self.config.max_batch)
+        self._step_started = time.perf_counter()
         self._queue: list[Job] = []
         self._queue_lock = threading.Lock()
         self._step_lock = threading.Lock()
@@ -241,6 +247,18 @@ class Engine:
     def close(self) -> None:
         """Free what the cache holds outside the device (a tiered store's RAM and files)."""
         self.kv.close()
+
+    def metrics(self) -> EngineMetrics:
+        """What this engine has done so far, as plain numbers (see :mod:`zgen.runtime.metrics`)."""
+        snapshot = self.collector.snapshot(steps=self.stats.steps, forward_passes=self.stats.forward_passes)
+        if not isinstance(self.kv, PagedKVManager):
+            return snapshot
+        pool = self.kv.pool.stats()
+        snapshot = replace(snapshot, kv_pages_total=pool.num_blocks, kv_pages_used=pool.num_used, kv_pages_shared=pool.shared_blocks)
+        if self.kv.radix is None:
+            return snapshot
+        radix = self.kv.radix.stats
+        return replace(snapshot, prefix_cache_lookups=radix.lookups, prefix_cache_hits=radix.hits, prefix_cache_hit_tokens=radix.hit_tokens)
 
     # -- sequences ------------------------------------------------------------------------------
 
@@ -296,6 +314,7 @@ class Engine:
         job.future.add_done_callback(lambda _: setattr(seq, "busy", False))
         with self._queue_lock:
             self._queue.append(job)
+        self.collector.submitted()
         return job
 
     def wait(self, job: Job) -> ForwardResult:
@@ -340,6 +359,7 @@ class Engine:
             return
         with self._step_lock:
             if not job.done:
+                job.cancelled = True
                 self._fail(job, ZgenError("the request was cancelled"))
 
     def _schedule(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -401,6 +421,8 @@ class Engine:
             return
         for row in rows:
             row.job.seq.last_step = self.stats.steps
+        self.collector.step(len(rows))
+        self._step_started = time.perf_counter()
         try:
             if decode:
                 waiting = bool(blocked) or bool(preempted) or len(jobs) > len(candidates)
@@ -569,8 +591,7 @@ class Engine:
                         if job.sampling.choose is not None:
                             token, logprob = self._host_choice(job, logits[i, k], filtered[i, k])
                         self._take(job, p, token, logprob)
-                job.seq.append(job.drawn)
-                job.drawn = []
+                self._deliver(job)
                 job.result.steps += 1
                 if not job.generating and row.start + row.count >= job.request.end and job.text is None:
                     self._finish(job)
@@ -625,8 +646,7 @@ class Engine:
             job.seq.kv.truncate(row.start + len(drawn))  # fed: the input and all but the last draw
             for n, t in enumerate(drawn):
                 self._take(job, row.start + n, t, float(logprobs[i, n]))
-            job.seq.append(job.drawn)
-            job.drawn = []
+            self._deliver(job)
             job.result.steps += 1
             if job.text is None:
                 self._finish(job)  # a single draw, nothing continues
@@ -658,6 +678,17 @@ class Engine:
         if piece and r.stream:
             job.pieces.append(piece)
 
+    def _deliver(self, job: Job) -> None:
+        """Append the step's generated tokens to the sequence and count them (metrics)."""
+        if job.drawn:
+            now = time.perf_counter()
+            first = now - job.submitted if job.delivered is None else None
+            since = job.delivered if job.delivered is not None else self._step_started
+            self.collector.tokens(len(job.drawn), first_token_s=first, interval_s=now - since)
+            job.delivered = now
+        job.seq.append(job.drawn)
+        job.drawn = []
+
     def _after_generation_step(self, job: Job) -> None:
         assert job.text is not None
         if not job.text.done and job.draws_left(self.max_len) <= 0:
@@ -676,6 +707,8 @@ class Engine:
         started = job._started or now
         first = job._first_token or now
         result.prefill_s, result.decode_s = first - started, now - first
+        reason = result.finish_reason if job.text is not None else "done"
+        self.collector.finished_request(reason, prompt_tokens=job.request.end, cached_tokens=result.cached_tokens)
         job.future.set_result(result)
 
     def _fail(self, job: Job, err: BaseException) -> None:
@@ -690,6 +723,7 @@ class Engine:
             pass  # the cache itself is broken (a step failed after donating it); the job's error says why
         finally:
             if not job.done:
+                self.collector.finished_request("cancelled" if job.cancelled else "failed")
                 job.future.set_exception(err)
 
     # -- checks ---------------------------------------------------------------------------------
