@@ -107,7 +107,8 @@ class ForwardRequest:
     end]``, ``start`` the sequence's KV length at submission) replaces the causal rule for the fed
     tokens. ``generate``: the last sample (at ``end - 1``) is the first generated token; append it and
     go on until this stop condition (or the model's context is full). ``stream``: keep the generated
-    text's pieces for :meth:`Engine.stream` as they come.
+    text's pieces for :meth:`Engine.stream` as they come. ``per_token``: the host takes every token as
+    it is drawn (the batch it runs in then decodes one token per host round trip).
     """
 
     end: int
@@ -117,6 +118,7 @@ class ForwardRequest:
     attention_mask: np.ndarray | None = None
     generate: StopCondition | None = None
     stream: bool = False
+    per_token: bool = False
 
 
 @dataclass
@@ -353,6 +355,28 @@ class Engine:
             if not job.done:
                 self.cancel(job)
 
+    def stream_many(self, jobs: Seq[Job]) -> Iterator[tuple[int, str]]:
+        """Step until every job is done, yielding ``(index in jobs, text piece)`` as pieces come,
+        interleaved; each job's pieces join to its text. The first failed job's error is raised;
+        closing the iterator early cancels the jobs still running."""
+        try:
+            while True:
+                for i, job in enumerate(jobs):
+                    if job.pieces:
+                        pieces, job.pieces = job.pieces, []
+                        yield i, "".join(pieces)
+                    if job.done and job.future.exception() is not None:
+                        job.future.result()  # raises the job's error
+                if all(job.done and not job.pieces for job in jobs):
+                    return
+                with self._step_lock:
+                    if not any(job.pieces for job in jobs):
+                        self.step()
+        finally:
+            for job in jobs:
+                if not job.done:
+                    self.cancel(job)
+
     def cancel(self, job: Job) -> None:
         """Drop a job: its sequence goes back to what it was at submission."""
         if job.done:
@@ -438,6 +462,8 @@ class Engine:
     def _loop_steps(self, jobs: list[Job], *, waiting: bool) -> int:
         """Iterations of this decode loop: every job's whole budget, unless one needs the host sooner."""
         draws = max(job.draws_left(self.max_len) for job in jobs)
+        if any(job.request.per_token for job in jobs):
+            return 1
         if waiting or any(job.needs_host() for job in jobs):
             draws = min(draws, self.config.steps_per_sync)
         return next_pow2(max(draws, 1))
