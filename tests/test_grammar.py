@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -208,3 +209,25 @@ def test_cli_grammar_flags_are_checked_before_loading(args: list[str], flag: str
     result = runner.invoke(app, ["generate", *args])
     assert result.exit_code == 2, result.output
     assert flag in result.stderr and "Traceback" not in result.output
+
+
+def test_end_tokens_are_allowed_only_where_the_grammar_may_end(tiny: Model) -> None:
+    from zgen.runtime.grammar import GrammarMatcher, fill_masks, mask_words
+
+    eos, stop_id = tiny.eos_token_ids[0], 5
+
+    def allowed(matcher: GrammarMatcher) -> np.ndarray:
+        masks = np.zeros((1, mask_words(tiny.config.vocab_size)), np.int32)
+        assert not fill_masks([(matcher, 0)], masks)
+        return np.unpackbits(masks.view(np.uint8), bitorder="little")[: tiny.config.vocab_size].astype(bool)
+
+    (a,) = tiny.tokenizer.encode("a")
+    matcher = GrammarMatcher(Grammar.regex("a+"), tiny, (stop_id,))  # ends where the generation's stop id is drawn
+    start = allowed(matcher)
+    assert start[a] and not start[stop_id] and not start[eos]  # "" does not match a+
+    matcher.consume(a)
+    after = allowed(matcher)
+    assert after[a] and after[stop_id] and not after[eos]  # the model's EOS is no stop of this generation
+    matcher.consume(stop_id)  # ends the generation; the grammar took "a"
+    with pytest.raises(GrammarError):
+        GrammarMatcher(Grammar.regex("b"), tiny, (eos,)).consume(a)
