@@ -63,3 +63,15 @@ def test_chat_defaults_and_content_parts() -> None:
 def test_invalid_parameters_name_themselves(line: str, param: str) -> None:
     error = parse_line(line, 4)
     assert isinstance(error, LineError) and error.param == param and error.custom_id == "x" and error.line == 4, error
+
+
+def test_response_format_becomes_a_grammar() -> None:
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    request = parsed(chat_line("j", "w5", response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}))
+    grammar = request.sampling.grammar
+    assert grammar is not None and grammar.kind == "json_schema" and json.loads(grammar.source) == schema
+    assert parsed(chat_line("o", "w5", response_format={"type": "json_object"})).sampling.grammar is not None
+    assert parsed(chat_line("t", "w5", response_format={"type": "text"})).sampling.grammar is None
+    for bad in ({"type": "yaml"}, {"type": "json_schema", "json_schema": {"schema": 3}}, {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}):
+        error = parse_line(chat_line("b", "w5", response_format=bad), 1)
+        assert isinstance(error, LineError) and error.param == "response_format", error

@@ -20,7 +20,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal, cast
 
-from zgen.errors import ConfigError
+from zgen.errors import ConfigError, ZgenError
+from zgen.runtime.grammar import Grammar
 from zgen.runtime.results import GenerationResult
 from zgen.runtime.sampling import SamplingConfig
 from zgen.tokenizer import Tokenizer
@@ -41,7 +42,7 @@ _SAMPLING_KEYS = {
     "temperature", "top_p", "seed", "stop", "n", "presence_penalty", "frequency_penalty", "top_k", "min_p",
     "repetition_penalty", "max_tokens", "logprobs", "stream",
 }
-_CHAT_KEYS = _SAMPLING_KEYS | {"messages", "max_completion_tokens", "top_logprobs"}
+_CHAT_KEYS = _SAMPLING_KEYS | {"messages", "max_completion_tokens", "top_logprobs", "response_format"}
 _COMPLETIONS_KEYS = _SAMPLING_KEYS | {"prompt", "echo", "best_of", "suffix"}
 
 Message = dict[str, str]
@@ -150,6 +151,8 @@ def _parse_request(record: dict[str, object], custom_id: str, line: int) -> Batc
     top = _logprobs(body, chat)
     model = body.get("model")
     sampling = _sampling(body, max_tokens if max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS)
+    if chat and (grammar := _response_format(body.get("response_format"))) is not None:
+        sampling = replace(sampling, grammar=grammar)
     return BatchRequest(
         line, custom_id, cast(Endpoint, url), model if isinstance(model, str) else None, prompts, sampling,
         n=1 if n is None else n, top_logprobs=top, max_tokens_given=max_tokens is not None or not chat,
@@ -232,6 +235,31 @@ def _completion_prompts(value: object) -> tuple[Prompt, ...]:
             return tuple(cast(list[list[int]], items))
     raise _Invalid(
         "invalid_parameter", "prompt must be non-empty text, a list of token ids, or a list of either", "prompt"
+    )
+
+
+def _response_format(value: object) -> Grammar | None:
+    """``{"type": "text"}`` (no constraint), ``{"type": "json_object"}`` (any JSON object) or
+    ``{"type": "json_schema", "json_schema": {"schema": {...}}}``, as a :class:`Grammar`."""
+    if value is None:
+        return None
+    kind = cast(dict[str, object], value).get("type") if isinstance(value, dict) else None
+    try:
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return Grammar.json_schema({"type": "object"})
+        if kind == "json_schema":
+            spec = cast(dict[str, object], value).get("json_schema")
+            schema = cast(dict[str, object], spec).get("schema", True) if isinstance(spec, dict) else None
+            if isinstance(schema, (dict, bool)):
+                return Grammar.json_schema(cast(dict[str, object] | bool, schema))
+    except ZgenError as err:  # a malformed schema, or structured output not installed
+        raise _Invalid("invalid_parameter", f"response_format: {err}", "response_format") from None
+    raise _Invalid(
+        "invalid_parameter",
+        'response_format must be {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": {...}}}',
+        "response_format",
     )
 
 
