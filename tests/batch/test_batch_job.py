@@ -101,6 +101,9 @@ def test_bad_lines_become_error_records_and_the_job_goes_on(model: Model, tmp_pa
     assert [r["custom_id"] for r in records].count("dup") == 1
     assert by_id(records)["good"]["response"]["body"]["usage"]["completion_tokens"] == 3
     assert (summary.requests, summary.succeeded, summary.failed) == (17, 1, 15)
+    again = run(model, tmp_path / "in.jsonl", tmp_path / "out.jsonl", progress=False)  # error records count as done
+    assert (again.written, again.skipped, again.failed) == (0, 17, 15)
+    assert len(read_records(tmp_path / "out.jsonl")) == len(records)
 
 
 def test_prefix_cache_serves_the_shared_system_prompt(model: Model, tmp_path: Path) -> None:

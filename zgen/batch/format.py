@@ -321,22 +321,21 @@ class Choice:
     logprobs: list[TokenLogprobs] | None = None
 
 
-def record_key(record: Mapping[str, object]) -> str | None:
+RecordKey = str | int  # a custom_id, or the line number of a line whose custom_id could not be read
+
+
+def record_key(record: Mapping[str, object]) -> RecordKey | None:
     """What identifies an output record when resuming: its custom_id, or for a line that had none
-    readable, ``"line:N"``. None for something that is not a record."""
+    readable, its line number. None for something that is not a record."""
     custom_id = record.get("custom_id")
     if isinstance(custom_id, str):
         return custom_id
     error = record.get("error")
     if custom_id is None and isinstance(error, dict):
         line = cast(dict[str, object], error).get("line")
-        if isinstance(line, int):
-            return f"line:{line}"
+        if isinstance(line, int) and not isinstance(line, bool):
+            return line
     return None
-
-
-def error_key(error: LineError) -> str:
-    return error.custom_id if error.custom_id is not None else f"line:{error.line}"
 
 
 def error_record(error: LineError) -> dict[str, object]:

@@ -30,6 +30,7 @@ from zgen.batch.format import (
     BatchRequest,
     Choice,
     LineError,
+    RecordKey,
     TokenLogprobs,
     choice_sampling,
     error_record,
@@ -96,7 +97,7 @@ class Screened:
     skipped: int
 
 
-def screen(lines: Sequence[str], done: set[str]) -> Screened:
+def screen(lines: Sequence[str], done: set[RecordKey]) -> Screened:
     """Skip the lines whose key the output holds; a custom_id on several lines gets one error record."""
     ids_of = [read_custom_id(line) for line in lines]
     seen: dict[str, list[int]] = {}
@@ -107,7 +108,7 @@ def screen(lines: Sequence[str], done: set[str]) -> Screened:
     for number, (line, custom_id) in enumerate(zip(lines, ids_of, strict=True), 1):
         if not line.strip():
             continue  # blank lines are no requests (numbers still count them, as editors do)
-        if (custom_id if custom_id is not None else f"line:{number}") in done:
+        if (custom_id if custom_id is not None else number) in done:
             screened.skipped += 1
         elif custom_id is not None and len(seen[custom_id]) > 1:
             if number == seen[custom_id][0]:

@@ -23,7 +23,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Self, cast
 
-from zgen.batch.format import record_key
+from zgen.batch.format import RecordKey, record_key
 from zgen.errors import InputError
 
 
@@ -31,7 +31,7 @@ from zgen.errors import InputError
 class Existing:
     """What an output file held when the job started."""
 
-    keys: set[str] = field(default_factory=lambda: set[str]())
+    keys: set[RecordKey] = field(default_factory=lambda: set[RecordKey]())
     failed: int = 0  # records with an error
     repaired_bytes: int = 0  # a torn last line cut off
 
