@@ -60,3 +60,18 @@ def test_heads_that_do_not_divide_are_refused(tmp_path: Path) -> None:
         load_model(tmp_path, tensor_parallel=3)
     with pytest.raises(ConfigError, match="needs as many local devices"):
         load_model(tmp_path, tensor_parallel=2)  # this process has one CPU device
+
+
+def test_cli_refuses_what_the_devices_cannot_do(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from zgen.cli import app
+
+    save_random_checkpoint(small_configs()["llama"], tmp_path / "model")
+    (tmp_path / "in.jsonl").write_text('{"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "w5"}}\n')
+    args = ["batch", "--model", str(tmp_path / "model"), "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl")]
+    both = CliRunner().invoke(app, [*args, "--tensor-parallel", "2", "--data-parallel", "2"])
+    assert both.exit_code == 2 and "not available yet" in both.output
+    split = CliRunner().invoke(app, [*args, "--tensor-parallel", "2", "--quiet"])
+    assert split.exit_code == 1 and "needs as many local devices" in split.stderr
+    assert not (tmp_path / "out.jsonl").exists()
