@@ -1,5 +1,5 @@
 """load_model(..., tensor_parallel=N) on forced host devices: the same greedy tokens as one device,
-through the Generator (dense and paged caches) and a batch job; heads that N does not divide are refused."""
+through the Generator (dense and paged caches) and a context; heads that N does not divide are refused."""
 
 from __future__ import annotations
 
@@ -36,6 +36,11 @@ for name, model in (("one", one), ("two", two)):
         options = [paged_kv(max_memory_mb=8)] if cache == "paged" else []
         generator = Generator(model, *options, max_batch_size=4)
         out[f"{name}-{cache}"] = [r.token_ids for r in generator.batch_generate(requests)]
+from zgen import Context, Sampler, stop
+for name, model in (("one", one), ("two", two)):  # contexts, on the model's own paged engine
+    ctx = Context(model)
+    ctx.fill_tokens([5, 9, 13, 20, 40])
+    out[f"{name}-context"] = ctx.generate_result(Sampler.greedy(), stop.max_len(8)).token_ids
 print(json.dumps(out))
 """
 
@@ -51,6 +56,7 @@ def test_two_way_tensor_parallel_matches_one_device(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout.splitlines()[-1])
     assert out["two-tensor"] == out["one-tensor"] == out["two-paged"] == out["one-paged"]
+    assert out["two-context"] == out["one-context"] and len(out["one-context"]) == 8
     assert len({tuple(ids) for ids in out["one-tensor"]}) == 4
 
 
