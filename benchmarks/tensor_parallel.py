@@ -1,7 +1,7 @@
 """Decode on N GPUs with tensor parallelism vs one GPU (random bf16 weights, same run).
 
 For each batch size, the same greedy requests on the model as it is (one device) and split over
-``--devices`` local devices (``zgen.sharding.shard_params``: heads and MLP columns on a ``"tp"`` mesh
+``--devices`` local devices (``zgen.model.split_model``: heads and MLP columns on a ``"tp"`` mesh
 axis); ms per decode step by the method of ``gpu_decode.py`` (generate(N) − generate(1), median after
 warm-up, EOS ignored), and whether the greedy tokens agree.
 
@@ -18,7 +18,6 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -43,12 +42,11 @@ def main() -> None:
     from zgen import Generator, ModelConfig, Request, SamplingConfig
     from zgen.cache.factory import dense_attention
     from zgen.cache.tensor import DenseAttention
-    from zgen.model import random_model
-    from zgen.sharding import shard_params
+    from zgen.model import random_model, split_model
 
     config = ModelConfig.from_hf({**SHAPES[args.shape], "model_type": "llama", "rms_norm_eps": 1e-5})
     one = random_model(config, dtype=args.dtype)
-    split = replace(one, params=shard_params(one.params, config, args.devices), attachments={})
+    split = split_model(one, args.devices)
     prompt = prompt_ids(args.prompt_tokens)
     rows: list[dict[str, Any]] = []
     for batch in args.batch:

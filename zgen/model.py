@@ -12,7 +12,7 @@ import hashlib
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TypeVar, cast
 
@@ -144,7 +144,7 @@ def load_model(
     if tensor_parallel != 1:
         check_tensor_parallel(config, tensor_parallel)
     jdtype = DTYPES[dtype]
-    graph = build_decoder(config)
+    graph = build_decoder(config, shards=tensor_parallel)
     check_params(graph, host, described, jdtype)
     read_s = time.perf_counter() - start
     start = time.perf_counter()
@@ -155,6 +155,13 @@ def load_model(
     jax.block_until_ready(params)
     timings = LoadTimings(source, read_s, time.perf_counter() - start)
     return Model(config, tokenizer, graph, params, jdtype, path, timings)
+
+
+def split_model(model: Model, tensor_parallel: int) -> Model:
+    """``model`` with its weights split over ``tensor_parallel`` local devices (:mod:`zgen.sharding`),
+    as ``load_model(..., tensor_parallel=N)`` loads it."""
+    params = shard_params(model.params, model.config, tensor_parallel)
+    return replace(model, graph=build_decoder(model.config, shards=tensor_parallel), params=params, attachments={})
 
 
 def random_model(config: ModelConfig, *, dtype: str = "bfloat16", seed: int = 0) -> Model:

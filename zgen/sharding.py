@@ -2,19 +2,21 @@
 
 Every weight has logical axes (:data:`LOGICAL_AXES`, by the last part of its name); :data:`RULES` map
 them to the mesh's ``"tp"`` axis (attention heads and MLP columns) or to nothing (replicated: the
-embedding, norms, the output head). The compiled steps are ordinary ``jax.jit`` programs: XLA's SPMD
-partitioner splits each matmul the way its weights are split and inserts the collectives, and the KV
-cache it writes comes out split by KV heads. Outputs equal one device's (greedy tokens; logits up to
-the order of the sums that the split reduction changes).
+embedding, norms, the output head). The fused ``qkv`` and ``gate_up`` matrices are first laid out
+shard-major (:func:`shard_major`: each device's block holds its own query, key and value heads, its
+own gate and up columns; the graph built with ``shards=N`` reads them so), so each device computes its
+heads and columns alone and the output projections end in one all-reduce per block. The compiled
+steps stay ordinary ``jax.jit`` programs: XLA's SPMD partitioner splits them from the weights'
+shardings, and the KV cache comes out split by KV heads. Greedy outputs equal one device's.
 
-Where it stands: the fused ``qkv`` and ``gate_up`` matrices are split in row blocks, which do not
-line up with heads or with the gate/up halves (shard 0 of ``qkv`` holds query heads, the last one keys
-and values), so XLA moves activations between devices beyond the one all-reduce per block that a
-per-shard layout would need; and attention kernels are not wrapped in ``shard_map``, so a sharded model
-is meant for the XLA attention path.
+Not yet: attention kernels are not wrapped in ``shard_map``, so a split model is meant for the XLA
+attention path (Pallas kernels are custom calls the partitioner cannot split).
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import numpy as np
@@ -72,8 +74,28 @@ def partition_spec(name: str) -> PartitionSpec:
     return PartitionSpec() if axes is None else PartitionSpec(*(RULES[a] for a in axes))
 
 
-def shard_params(params: dict[str, jax.Array] | dict[str, np.ndarray], config: ModelConfig, n: int) -> dict[str, jax.Array]:
-    """``params`` placed on a mesh of ``n`` devices, each split by :func:`partition_spec`."""
+def shard_major(name: str, value: Any, config: ModelConfig, n: int) -> Any:
+    """Weight ``name`` with its fused rows reordered for ``n`` shards: ``qkv`` (and its bias) from
+    ``[q | k | v]`` to ``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]``, ``gate_up`` from ``[gate | up]`` to
+    ``[gate_0 up_0 | gate_1 up_1 | ...]``; other weights as they are."""
+    kind = name.rsplit(".", 1)[-1]
+    if kind in ("qkv", "qkv_bias"):
+        parts = [config.num_heads * config.head_dim] + [config.num_kv_heads * config.head_dim] * 2
+    elif kind == "gate_up":
+        parts = [config.intermediate_size] * 2
+    else:
+        return value
+    starts = np.cumsum([0, *parts[:-1]])
+    order = np.concatenate([start + np.arange(s * size // n, (s + 1) * size // n) for s in range(n) for start, size in zip(starts, parts)])
+    return value[order]
+
+
+def shard_params(params: Mapping[str, Any], config: ModelConfig, n: int) -> dict[str, jax.Array]:
+    """``params`` laid out by :func:`shard_major` and placed on a mesh of ``n`` devices, each split by
+    :func:`partition_spec` (for a graph built with ``shards=n``)."""
     check_tensor_parallel(config, n)
     mesh = tensor_parallel_mesh(n)
-    return {name: jax.device_put(value, NamedSharding(mesh, partition_spec(name))) for name, value in params.items()}
+    return {
+        name: jax.device_put(shard_major(name, value, config, n), NamedSharding(mesh, partition_spec(name)))
+        for name, value in params.items()
+    }
