@@ -36,6 +36,13 @@ for name, model in (("one", one), ("two", two)):
         options = [paged_kv(max_memory_mb=8)] if cache == "paged" else []
         generator = Generator(model, *options, max_batch_size=4)
         out[f"{name}-{cache}"] = [r.token_ids for r in generator.batch_generate(requests)]
+import re
+from zgen.runtime.runner import runner_for
+collectives = set()
+for compiled in runner_for(two)._executables.values():  # one all-reduce per block, nothing gathered
+    text = compiled.as_text()
+    collectives.add((len(re.findall(r"all-reduce\(", text)), len(re.findall(r"all-gather\(|all-to-all\(", text))))
+out["collectives"] = sorted(collectives)
 from zgen import Context, Sampler, stop
 for name, model in (("one", one), ("two", two)):  # contexts, on the model's own paged engine
     ctx = Context(model)
@@ -57,6 +64,7 @@ def test_two_way_tensor_parallel_matches_one_device(tmp_path: Path) -> None:
     out = json.loads(done.stdout.splitlines()[-1])
     assert out["two-tensor"] == out["one-tensor"] == out["two-paged"] == out["one-paged"]
     assert out["two-context"] == out["one-context"] and len(out["one-context"]) == 8
+    assert out["collectives"] == [[2 * 2, 0]]  # 2 layers: the attention and the MLP block each end in one all-reduce
     assert len({tuple(ids) for ids in out["one-tensor"]}) == 4
 
 
