@@ -23,11 +23,18 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def local_ray() -> Iterator[None]:
-    # Workers import zgen from this checkout, as the tests do.
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(zgen.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+    # Workers import zgen from this checkout, as the tests do (they inherit the environment).
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(zgen.__file__).parents[1]), before or ""])
+    try:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        yield
+        ray.shutdown()
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
 
 
 @pytest.fixture(scope="module")
