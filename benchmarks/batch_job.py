@@ -4,9 +4,10 @@ The job (the issue's shape): 1,000 requests, prompts of 256–1,024 tokens, 128�
 shared 200-token system prompt on half of them; random weights of the SmolLM2 or Llama-3-8B shape,
 greedy, token-id prompts (``/v1/completions`` takes them), the same requests on both sides in one run:
 
-* **batch job** — ``zgen.batch.run`` on the JSONL file: every request queued on the engine as room
-  allows (a finished row is refilled at once), the prefix cache serving the shared system prompt
-  (``--no-prefix-cache`` turns it off), results appended and synced as they finish.
+* **batch job** — ``zgen.batch.run`` on the JSONL file, on a paged cache (``--kv-memory-mb``): requests
+  queued on the engine as room allows (freed rows refilled ``--refill-rows`` at a time), the prefix
+  cache serving the shared system prompt (``--no-prefix-cache`` turns it off), results appended and
+  synced as they finish.
 * **fixed chunks** — the baseline a user writes without a job runner: ``Generator.batch_generate``
   over consecutive chunks of ``--max-batch-size`` requests, each chunk waiting for its longest request.
 
@@ -62,9 +63,10 @@ def write_jsonl(requests: list[dict[str, Any]], path: Path) -> Path:
 
 def batch_job(model: Any, requests: list[dict[str, Any]], directory: Path, name: str, args: argparse.Namespace) -> tuple[float, int]:
     from zgen.batch import run
-    from zgen.cache.factory import prefix_cache
+    from zgen.cache.factory import paged_kv, prefix_cache
 
-    options = [] if args.no_prefix_cache else [prefix_cache(capacity_blocks=args.prefix_blocks)]
+    options = [paged_kv(max_memory_mb=args.kv_memory_mb)]
+    options += [] if args.no_prefix_cache else [prefix_cache(capacity_blocks=args.prefix_blocks)]
     start = time.perf_counter()
     summary = run(
         model, write_jsonl(requests, directory / f"{name}.jsonl"), directory / f"{name}.out.jsonl", *options,
@@ -100,6 +102,7 @@ def main() -> None:
     parser.add_argument("--prefix-blocks", type=int, default=4096)
     parser.add_argument("--refill-rows", type=int, default=None, help="The batch job's refill group (default: half the batch).")
     parser.add_argument("--no-prefix-cache", action="store_true")
+    parser.add_argument("--kv-memory-mb", type=float, default=None, help="The batch job's page pool (default: 1.5x what max-batch-size rows of the longest request need).")
     parser.add_argument("--bandwidth-gbs", type=float, default=0.0, help="Memory bandwidth for the weights-only roofline (H200 ~4800, H100 ~3350).")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -111,6 +114,9 @@ def main() -> None:
 
     config = ModelConfig.from_hf({**SHAPES[args.shape], "model_type": "llama", "rms_norm_eps": 1e-5})
     model = random_model(config, dtype=args.dtype)
+    if args.kv_memory_mb is None:  # K and V of every layer, per token, for full rows of the longest request
+        per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * model.dtype.itemsize
+        args.kv_memory_mb = 1.5 * args.max_batch_size * round((1024 + 512) * args.scale + 16) * per_token / 2**20
     n = max(2, round(args.requests * args.scale))
     requests = make_requests(n, args.scale, config.vocab_size, args.seed)
     warmup = make_requests(2 * args.max_batch_size, args.scale, config.vocab_size, args.seed + 1)
@@ -129,6 +135,7 @@ def main() -> None:
         "prompt_tokens": sum(len(r["prompt"]) for r in requests),
         "max_batch_size": args.max_batch_size,
         "prefix_cache": not args.no_prefix_cache,
+        "kv_memory_mb": args.kv_memory_mb,
         "refill_rows": args.refill_rows or max(1, args.max_batch_size // 2),
         "batch_job": {"seconds": job_s, "output_tokens": job_tokens, "output_tokens_per_s": job_tokens / job_s},
         "fixed_chunks": {"seconds": chunk_s, "output_tokens": chunk_tokens, "output_tokens_per_s": chunk_tokens / chunk_s},

@@ -30,7 +30,7 @@ from rich.table import Table
 from typer.core import TyperCommand, TyperGroup
 
 from zgen.batch import BatchSummary, run as run_batch
-from zgen.cache.factory import CACHE_KINDS, PAGED_KINDS, CacheOption, cache_kind, kv_dtype, prefix_cache, resolve
+from zgen.cache.factory import CACHE_KINDS, PAGED_KINDS, CacheOption, cache_kind, kv_dtype, paged_kv, prefix_cache, resolve
 from zgen.cache.formats import KV_DTYPES, kv_format
 from zgen.cli_progress import CompileClock, Phase, Phases, stderr_console
 from zgen.contexts.snapshot import store_dir
@@ -525,6 +525,7 @@ def batch_job(
     kv_cache: KVCacheOption = None,
     kv_dtype_name: KVDtypeOption = None,
     use_prefix_cache: PrefixCacheOption = False,
+    kv_memory_mb: Annotated[float | None, typer.Option("--kv-memory-mb", callback=_positive(), help="The page pool's budget in MiB (makes the cache paged; default 512). Size it for --max-batch-size rows of your longest request.")] = None,
     summary: Annotated[Path | None, typer.Option("--summary", dir_okay=False, help="Also write the final summary to this file as JSON.")] = None,
     on_ray: Annotated[bool, typer.Option("--ray", help="Generate on Ray actors (the cluster ray.init() finds, else a local one); needs zgen[ray].")] = False,
     ray_actors: Annotated[int, typer.Option("--ray-actors", min=1, help="With --ray: actors, each loading the model once.")] = 1,
@@ -542,6 +543,10 @@ def batch_job(
     if output.resolve() == input.resolve():
         raise typer.BadParameter("the output would overwrite the input; choose another file", param_hint="'--output'")
     options = _cache_options(kv_cache, kv_dtype_name, use_prefix_cache)
+    if kv_memory_mb is not None:
+        if kv_cache is not None and kv_cache not in PAGED_KINDS:
+            raise typer.BadParameter(f"the {kv_cache} cache has no page pool; use --kv-cache paged or tiered", param_hint="'--kv-memory-mb'")
+        options.append(paged_kv(max_memory_mb=kv_memory_mb))
     if on_ray and (data_parallel > 1 or tensor_parallel > 1):
         raise typer.BadParameter("Ray places one model per actor; use --ray-actors instead", param_hint="'--data-parallel' / '--tensor-parallel'")
     if data_parallel > 1 and tensor_parallel > 1:

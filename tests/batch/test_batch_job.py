@@ -141,8 +141,10 @@ def test_cli_exit_code_summary_and_foreign_output(model_dir: Path, tmp_path: Pat
     assert (summary["requests"], summary["succeeded"], summary["failed"], summary["completion_tokens"]) == (2, 1, 1, 2)
     assert "tok/s" in result.stderr and "2/2" in result.stderr  # the progress bar, on a terminal
     assert "2 requests: 1 succeeded, 1 failed" in result.stderr
-    quiet = CliRunner().invoke(app, [*args, "--quiet"])  # nothing left to do; the failure still counts
+    quiet = CliRunner().invoke(app, [*args, "--quiet", "--kv-memory-mb", "4"])  # nothing left to do; the failure still counts
     assert (quiet.exit_code, quiet.stderr) == (3, "")
+    rows = CliRunner().invoke(app, [*args, "--kv-cache", "tensor", "--kv-memory-mb", "4"])
+    assert rows.exit_code == 2 and "no page pool" in rows.output
     (tmp_path / "foreign.jsonl").write_text("hello\n")
     result = CliRunner().invoke(app, [*args[:-4], "--output", str(tmp_path / "foreign.jsonl")])
     assert result.exit_code == 1 and "not a batch result record" in result.stderr
