@@ -519,7 +519,7 @@ def batch_job(
     max_batch_size: Annotated[int, typer.Option("--max-batch-size", min=1, help="Rows decoding together (more requests queue and take rows as others finish).")] = 64,
     prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", min=1, help="Prompt tokens one request feeds per step.")] = 512,
     refill_rows: Annotated[int | None, typer.Option("--refill-rows", min=1, help="Queued requests take freed rows this many at a time, prefilling together. Default: half of --max-batch-size.")] = None,
-    data_parallel: Annotated[int, typer.Option("--data-parallel", min=1, help="Model replicas, one per local device, sharing the job.")] = 1,
+    data_parallel: Annotated[int, typer.Option("--data-parallel", min=1, help="Model replicas sharing the job, one per local device (or per group of --tensor-parallel devices).")] = 1,
     tensor_parallel: Annotated[int, typer.Option("--tensor-parallel", min=1, help="Split the model's heads and MLP columns over this many local devices.")] = 1,
     dtype: DtypeOption = "float32",
     kv_cache: KVCacheOption = None,
@@ -549,8 +549,6 @@ def batch_job(
         options.append(paged_kv(max_memory_mb=kv_memory_mb))
     if on_ray and (data_parallel > 1 or tensor_parallel > 1):
         raise typer.BadParameter("Ray places one model per actor; use --ray-actors instead", param_hint="'--data-parallel' / '--tensor-parallel'")
-    if data_parallel > 1 and tensor_parallel > 1:
-        raise typer.BadParameter("replicas of a split model are not available yet; choose one of the two", param_hint="'--data-parallel' / '--tensor-parallel'")
     try:
         if on_ray:
             result = _batch_on_ray(
@@ -559,10 +557,12 @@ def batch_job(
             )
         else:
             with Phases.on_stderr(enabled=not quiet) as phases:
-                loaded = _load(phases, model, path, dtype, None, tensor_parallel)
+                split_here = data_parallel == 1  # one split model is loaded split; replicas are split per group
+                loaded = _load(phases, model, path, dtype, None, tensor_parallel if split_here else 1)
             result = run_batch(
                 loaded, input, output, *options, max_batch_size=max_batch_size, prefill_chunk=prefill_chunk, refill_rows=refill_rows,
-                data_parallel=data_parallel, model_name=model, progress=not quiet, summary=summary,
+                data_parallel=data_parallel, tensor_parallel=1 if split_here else tensor_parallel, model_name=model,
+                progress=not quiet, summary=summary,
             )
     except ZgenError as err:
         raise _fail(err) from None

@@ -11,10 +11,10 @@ import glob
 import hashlib
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import gguf
 import jax
@@ -157,10 +157,10 @@ def load_model(
     return Model(config, tokenizer, graph, params, jdtype, path, timings)
 
 
-def split_model(model: Model, tensor_parallel: int) -> Model:
-    """``model`` with its weights split over ``tensor_parallel`` local devices (:mod:`zgen.sharding`),
-    as ``load_model(..., tensor_parallel=N)`` loads it."""
-    params = shard_params(model.params, model.config, tensor_parallel)
+def split_model(model: Model, tensor_parallel: int, devices: Sequence[Any] | None = None) -> Model:
+    """``model`` with its weights split over ``tensor_parallel`` local devices (``devices``, default the
+    first ones; :mod:`zgen.sharding`), as ``load_model(..., tensor_parallel=N)`` loads it."""
+    params = shard_params(model.params, model.config, tensor_parallel, devices)
     return replace(model, graph=build_decoder(model.config, shards=tensor_parallel), params=params, attachments={})
 
 

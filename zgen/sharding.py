@@ -15,7 +15,7 @@ attention path (Pallas kernels are custom calls the partitioner cannot split).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -63,9 +63,12 @@ def check_tensor_parallel(config: ModelConfig, n: int) -> None:
         )
 
 
-def tensor_parallel_mesh(n: int) -> Mesh:
-    """A one-axis mesh (``"tp"``) over the first ``n`` local devices."""
-    return Mesh(np.array(jax.local_devices()[:n]), (TP_AXIS,))
+def tensor_parallel_mesh(n: int, devices: Sequence[Any] | None = None) -> Mesh:
+    """A one-axis mesh (``"tp"``) over ``devices`` (default: the first ``n`` local devices)."""
+    chosen = list(jax.local_devices()[:n] if devices is None else devices)
+    if len(chosen) != n:
+        raise ConfigError(f"a mesh of {n} devices was given {len(chosen)}")
+    return Mesh(np.array(chosen), (TP_AXIS,))
 
 
 def partition_spec(name: str) -> PartitionSpec:
@@ -90,11 +93,13 @@ def shard_major(name: str, value: Any, config: ModelConfig, n: int) -> Any:
     return value[order]
 
 
-def shard_params(params: Mapping[str, Any], config: ModelConfig, n: int) -> dict[str, jax.Array]:
-    """``params`` laid out by :func:`shard_major` and placed on a mesh of ``n`` devices, each split by
-    :func:`partition_spec` (for a graph built with ``shards=n``)."""
+def shard_params(
+    params: Mapping[str, Any], config: ModelConfig, n: int, devices: Sequence[Any] | None = None
+) -> dict[str, jax.Array]:
+    """``params`` laid out by :func:`shard_major` and placed on a mesh of ``n`` devices (``devices``,
+    default the first ``n``), each split by :func:`partition_spec` (for a graph built with ``shards=n``)."""
     check_tensor_parallel(config, n)
-    mesh = tensor_parallel_mesh(n)
+    mesh = tensor_parallel_mesh(n, devices)
     return {
         name: jax.device_put(shard_major(name, value, config, n), NamedSharding(mesh, partition_spec(name)))
         for name, value in params.items()

@@ -43,7 +43,7 @@ from zgen.batch.progress import JobProgress
 from zgen.cache.factory import CacheOption
 from zgen.errors import ConfigError, InputError, PromptTooLongError, ZgenError
 from zgen.generator import Generator, Request, Submitted
-from zgen.model import Model, load_model
+from zgen.model import Model, load_model, split_model
 from zgen.runtime.engine import ForwardRequest, Job
 from zgen.runtime.results import GenerationResult
 
@@ -391,6 +391,7 @@ def run(
     prefill_chunk: int = 512,
     refill_rows: int | None = None,
     data_parallel: int = 1,
+    tensor_parallel: int = 1,
     dtype: str = "float32",
     model_name: str | None = None,
     progress: bool = True,
@@ -401,28 +402,35 @@ def run(
     ``model`` is a loaded model or what :func:`~zgen.model.load_model` takes; ``options`` choose the KV
     cache (``prefix_cache(...)`` shares common prompt prefixes). Running it again with the same
     arguments after a crash continues where it stopped. ``progress`` shows a bar on a terminal;
-    ``summary`` also writes the summary as JSON to that file. ``refill_rows`` (default: half of
+    ``summary`` also writes the summary as JSON to that file. ``data_parallel`` replicas of the model
+    each run on one local device, or with ``tensor_parallel=T`` on a group of T devices. ``refill_rows`` (default: half of
     ``max_batch_size``): queued requests take freed rows that many at a time, prefilling together.
     """
     refill = max(1, max_batch_size // 2) if refill_rows is None else refill_rows
-    if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
-        raise ConfigError(f"data_parallel must be an integer >= 1, got {data_parallel!r}")
+    for what, value in (("data_parallel", data_parallel), ("tensor_parallel", tensor_parallel)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{what} must be an integer >= 1, got {value!r}")
     devices = jax.local_devices()
-    if data_parallel > len(devices):
+    if data_parallel * tensor_parallel > len(devices):
         raise ConfigError(
-            f"data_parallel={data_parallel} needs as many local devices; this process sees {len(devices)} "
-            "(on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N makes N)"
+            f"data_parallel={data_parallel} x tensor_parallel={tensor_parallel} needs as many local devices; this "
+            f"process sees {len(devices)} (on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N makes N)"
         )
     lines = read_lines(Path(input))
     loaded = model if isinstance(model, Model) else load_model(model, dtype=dtype)
-    if data_parallel > 1 and any(len(p.sharding.device_set) > 1 for p in loaded.params.values()):
-        raise ConfigError("replicas of a model split over devices (tensor_parallel) are not available yet; use one or the other")
+    if (data_parallel > 1 or tensor_parallel > 1) and any(len(p.sharding.device_set) > 1 for p in loaded.params.values()):
+        raise ConfigError("the model is already split over devices; pass it unsplit with data_parallel / tensor_parallel")
     name = model_name or (str(model) if not isinstance(model, Model) else str(loaded.source or "zgen"))
-    devs: list[Device | None] = [None] if data_parallel == 1 else list(devices[:data_parallel])
+    # Replica i runs on devices [i*T, (i+1)*T): one device, or a tensor-parallel group of T.
+    groups = [list(devices[i * tensor_parallel : (i + 1) * tensor_parallel]) for i in range(data_parallel)]
+    devs: list[Device | None] = [None] if data_parallel * tensor_parallel == 1 else [group[0] for group in groups]
     generators: list[Generator] = []
-    for device in devs:
+    for device, group in zip(devs, groups, strict=True):
         with jax.default_device(device):
-            replica_model = loaded if device is None else replica(loaded, device)
+            if tensor_parallel > 1:
+                replica_model = split_model(loaded, tensor_parallel, group)
+            else:
+                replica_model = loaded if device is None else replica(loaded, device)
             generators.append(
                 Generator(
                     replica_model, *options, max_batch_size=max_batch_size, prefill_chunk=prefill_chunk, refill_rows=refill,
