@@ -273,7 +273,7 @@ class Submitted:
     def result(self) -> GenerationResult:
         """The result of a done request (raises its error)."""
         if not self.job.done:
-            raise InputError("this request is still running; wait for it with Generator.wait first")
+            raise InputError("this request is still running; wait for it first (generator.engine.wait(submitted.job))")
         return Generator._result(self.job.future.result(), self.prompt_token_ids)
 
 
