@@ -3,8 +3,9 @@
 The path of a job: read every input line → skip those whose custom_id the output already holds → check
 every remaining line (JSON, url, parameters, duplicate custom_ids, prompt length: a bad line becomes an
 error record for its custom_id and the job goes on) → queue the valid ones on the Generator's engine as
-room allows (a window of ``2 × max_batch_size`` choices in flight, topped up the moment one finishes,
-so finished rows are refilled at once and a shared prompt prefix is served from the prefix cache) →
+room allows (a window of ``2 × max_batch_size`` choices in flight, topped up the moment one finishes;
+the engine refills freed rows ``refill_rows`` at a time so their prompts prefill together, and a shared
+prompt prefix is served from the prefix cache) →
 each request's record is appended and synced as soon as all its choices are done
 (:mod:`zgen.batch.output`).
 
@@ -403,10 +404,10 @@ def run(
     cache (``prefix_cache(...)`` shares common prompt prefixes). Running it again with the same
     arguments after a crash continues where it stopped. ``progress`` shows a bar on a terminal;
     ``summary`` also writes the summary as JSON to that file. ``data_parallel`` replicas of the model
-    each run on one local device, or with ``tensor_parallel=T`` on a group of T devices. ``refill_rows`` (default: half of
-    ``max_batch_size``): queued requests take freed rows that many at a time, prefilling together.
+    each run on one local device, or with ``tensor_parallel=T`` on a group of T devices.
+    ``refill_rows`` (default: half of ``max_batch_size``): queued requests take freed rows that many at
+    a time, prefilling together.
     """
-    refill = max(1, max_batch_size // 2) if refill_rows is None else refill_rows
     for what, value in (("data_parallel", data_parallel), ("tensor_parallel", tensor_parallel)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{what} must be an integer >= 1, got {value!r}")
@@ -431,12 +432,7 @@ def run(
                 replica_model = split_model(loaded, tensor_parallel, group)
             else:
                 replica_model = loaded if device is None else replica(loaded, device)
-            generators.append(
-                Generator(
-                    replica_model, *options, max_batch_size=max_batch_size, prefill_chunk=prefill_chunk, refill_rows=refill,
-                    prefill_apart=True,
-                )
-            )
+            generators.append(job_generator(replica_model, options, max_batch_size, prefill_chunk, refill_rows))
     try:
         with JobOutput(output, progress=progress) as out:
             screened = screen(lines, out.existing.keys)
@@ -453,6 +449,17 @@ def run(
 
 def count_requests(lines: Sequence[str]) -> int:
     return sum(bool(line.strip()) for line in lines)
+
+
+def job_generator(
+    model: Model, options: Sequence[CacheOption], max_batch_size: int, prefill_chunk: int, refill_rows: int | None = None
+) -> Generator:
+    """The Generator a batch job runs on: freed rows refilled ``refill_rows`` at a time (default half
+    the batch), decoding rows sitting out the prefill steps of a paged cache."""
+    refill = max(1, max_batch_size // 2) if refill_rows is None else refill_rows
+    return Generator(
+        model, *options, max_batch_size=max_batch_size, prefill_chunk=prefill_chunk, refill_rows=refill, prefill_apart=True
+    )
 
 
 def generate_records(generator: Generator, pending: Sequence[tuple[int, str]], model_name: str, *, window: int) -> list[dict[str, object]]:

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from zgen.batch.format import error_record
-from zgen.batch.job import BatchSummary, JobOutput, count_requests, generate_records, read_lines, screen
+from zgen.batch.job import BatchSummary, JobOutput, count_requests, generate_records, job_generator, read_lines, screen
 from zgen.cache.factory import CacheOption
 from zgen.errors import ConfigError, InputError
 from zgen.generator import Generator, Prompt, Request
@@ -84,7 +84,7 @@ class BatchLineWorker:
         self, model: str, *cache_options: CacheOption, dtype: str = "float32", max_batch_size: int = 64,
         prefill_chunk: int = 512, model_name: str | None = None,
     ) -> None:
-        self.generator = Generator(load_model(model, dtype=dtype), *cache_options, max_batch_size=max_batch_size, prefill_chunk=prefill_chunk)
+        self.generator = job_generator(load_model(model, dtype=dtype), cache_options, max_batch_size, prefill_chunk)
         self.model_name = model_name or model
         self.window = 2 * max_batch_size
 
