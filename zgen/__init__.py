@@ -10,6 +10,7 @@ from zgen.config import ModelConfig
 from zgen.contexts import Context
 from zgen.errors import ZgenError
 from zgen.generator import Generator, Request, Session
+from zgen.lora import LoraAdapter, load_adapter
 from zgen.model import Model, load_model
 from zgen.runtime import (
     Engine,
@@ -28,6 +29,7 @@ __all__ = [
     "EngineConfig",
     "GenerationResult",
     "Generator",
+    "LoraAdapter",
     "Model",
     "ModelConfig",
     "Request",
@@ -37,6 +39,7 @@ __all__ = [
     "StopCondition",
     "TokenUsage",
     "ZgenError",
+    "load_adapter",
     "load_model",
     "stop",
 ]

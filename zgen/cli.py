@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections.abc
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import re
@@ -37,6 +38,7 @@ from zgen.errors import ConfigError, ZgenError
 from zgen.evaluation import perplexity, read_text_file
 from zgen.generator import Generator, Prompt
 from zgen.loading.builtin import BUILTIN_MODELS, DEFAULT_MODEL, builtin_model_path
+from zgen.lora import load_adapter
 from zgen.model import DTYPES, Model, default_cache_dir, load_model, resolve_model
 from zgen.runtime.sampling import SamplingConfig
 
@@ -165,6 +167,39 @@ PrefixCacheOption = Annotated[
         "--prefix-cache",
         help="Share prompt prefixes across requests, up to 4096 blocks on the device (needs pages: makes the "
         "default cache paged; tiered always has one, unbounded without this flag).",
+    ),
+]
+
+
+def _lora_specs(values: list[str] | None) -> list[str] | None:
+    for value in values or []:
+        _split_lora(value)
+    return values
+
+
+def _split_lora(value: str) -> tuple[str, float]:
+    """``PATH[:SCALE]`` as (path, scale); a suffix that is not a number belongs to the path."""
+    path, _, scale = value.rpartition(":")
+    if path and scale:
+        try:
+            number = float(scale)
+        except ValueError:
+            return value, 1.0
+        if not math.isfinite(number):
+            raise typer.BadParameter(f"the scale of {value!r} must be a finite number")
+        return path, number
+    if not value:
+        raise typer.BadParameter("an adapter path cannot be empty")
+    return value, 1.0
+
+
+LoraOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--lora",
+        metavar="PATH[:SCALE]",
+        callback=_lora_specs,
+        help="A PEFT LoRA adapter directory, with an optional scale (default 1). Repeat the flag to stack adapters.",
     ),
 ]
 QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="No progress on stderr (it is also off when stderr is not a terminal).")]
@@ -343,6 +378,7 @@ def generate(
     kv_cache: KVCacheOption = None,
     kv_dtype_name: KVDtypeOption = None,
     use_prefix_cache: PrefixCacheOption = False,
+    lora: LoraOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (text, ids, log-probs, usage, timings) instead of streaming text.")] = False,
     quiet: QuietOption = False,
 ) -> None:
@@ -362,8 +398,11 @@ def generate(
     request: Prompt = [{"role": "user", "content": prompt}] if chat else prompt
     show = not (quiet or as_json)
     try:
+        adapters = [(load_adapter(p), scale) for p, scale in map(_split_lora, lora or [])]
         with Phases.on_stderr(enabled=show) as phases:
             loaded = _load(phases, model, path, dtype, sampling)
+            for adapter, scale in adapters:
+                loaded.push_adapter(adapter, scale)
             generator = Generator(loaded, *options)
         with generator:
             if as_json:

@@ -53,3 +53,7 @@ class PoolExhaustedError(CacheError):
 
 class SnapshotError(ZgenError):
     """A saved context that cannot be opened: missing, damaged, or from another model or page format."""
+
+
+class AdapterError(ZgenError):
+    """A LoRA adapter that cannot be read, or does not fit the model it is applied to."""

@@ -20,6 +20,7 @@ import numpy as np
 
 from zgen.cache.factory import CacheOption
 from zgen.errors import ConfigError, InputError, PromptTooLongError
+from zgen.lora.adapter import AdapterChoice, adapter_pairs
 from zgen.model import Model
 from zgen.runtime.engine import Engine, EngineConfig, ForwardRequest, ForwardResult, Job
 from zgen.runtime.results import GenerationResult, Timings, TokenUsage
@@ -36,6 +37,7 @@ class Request:
     prompt: Prompt
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     stop: StopCondition | None = None  # more stop rules, on top of the sampling config's own
+    adapter: AdapterChoice | None = None  # LoRA adapter(s) for this request, on top of the model's pushed ones
 
 
 class Generator:
@@ -84,8 +86,10 @@ class Generator:
 
     # -- public API ----------------------------------------------------------------------------
 
-    def generate(self, prompt: Prompt, sampling: SamplingConfig | None = None) -> GenerationResult:
-        return self.batch_generate([Request(prompt, sampling or SamplingConfig())])[0]
+    def generate(
+        self, prompt: Prompt, sampling: SamplingConfig | None = None, *, adapter: AdapterChoice | None = None
+    ) -> GenerationResult:
+        return self.batch_generate([Request(prompt, sampling or SamplingConfig(), adapter=adapter)])[0]
 
     def chat(self, messages: Sequence[Message], sampling: SamplingConfig | None = None) -> GenerationResult:
         return self.generate(list(messages), sampling)
@@ -114,14 +118,15 @@ class Generator:
             for job in jobs:
                 self.engine.cancel(job)
 
-    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+    def logits(self, token_ids: Sequence[int], *, adapter: AdapterChoice | None = None) -> np.ndarray:
         """Next-token logits ``[len(token_ids), vocab]`` after every prefix, in float32."""
         ids = self.engine.check_ids(token_ids)
         if not ids:
             raise InputError("logits needs at least one token")
         seq = self.engine.new_sequence(ids)
         try:
-            result = self.engine.wait(self.engine.submit(seq, ForwardRequest(end=len(ids), logits_at=tuple(range(len(ids))))))
+            request = ForwardRequest(end=len(ids), logits_at=tuple(range(len(ids))), adapters=adapter_pairs(adapter))
+            result = self.engine.wait(self.engine.submit(seq, request))
         finally:
             self.engine.release(seq)
         return np.stack([result.logits[p] for p in range(len(ids))])
@@ -174,7 +179,10 @@ class Generator:
         stop = StopCondition.from_sampling(config, self.model.eos_token_ids)
         if request.stop is not None:
             stop = stop | request.stop
-        forward = ForwardRequest(end=len(ids), sample_at=(len(ids) - 1,), sampling=config, generate=stop, stream=stream)
+        forward = ForwardRequest(
+            end=len(ids), sample_at=(len(ids) - 1,), sampling=config, generate=stop, stream=stream,
+            adapters=adapter_pairs(request.adapter),
+        )
         if seq is not None:
             return seq, self.engine.submit(seq, forward)
         seq = self.engine.new_sequence(ids, seed=secrets.randbits(63))

@@ -49,7 +49,9 @@ import numpy as np
 from zgen.cache.base import KVManager, KVState, StepRow
 from zgen.cache.factory import CacheOption, make_kv, resolve
 from zgen.cache.formats import kv_dtype_of, kv_format
-from zgen.errors import CacheError, ConfigError, InputError, PoolExhaustedError, PromptTooLongError, TokenIdError, ZgenError
+from zgen.errors import AdapterError, CacheError, ConfigError, InputError, PoolExhaustedError, PromptTooLongError, TokenIdError, ZgenError
+from zgen.lora.adapter import LoraAdapter, check_adapter
+from zgen.lora.bank import stack_mixes
 from zgen.model import Model
 from zgen.pallas.paged_attention.layouts import KeyCalibration
 from zgen.runtime.calibration import key_calibration as model_key_calibration
@@ -62,6 +64,7 @@ from zgen.runtime.stop import StopCondition, TextStream
 from zgen.shapes import next_pow2
 
 GREEDY = SamplingConfig(temperature=0.0)
+_KEPT_BANKS = 4  # LoRA banks (distinct sets of adapter mixes) kept for reuse by later steps
 
 
 @dataclass(frozen=True)
@@ -104,7 +107,8 @@ class ForwardRequest:
     end]``, ``start`` the sequence's KV length at submission) replaces the causal rule for the fed
     tokens. ``generate``: the last sample (at ``end - 1``) is the first generated token; append it and
     go on until this stop condition (or the model's context is full). ``stream``: keep the generated
-    text's pieces for :meth:`Engine.stream` as they come.
+    text's pieces for :meth:`Engine.stream` as they come. ``adapters``: LoRA adapters with their
+    scales this request runs with, on top of the model's pushed ones (``Model.push_adapter``).
     """
 
     end: int
@@ -114,6 +118,7 @@ class ForwardRequest:
     attention_mask: np.ndarray | None = None
     generate: StopCondition | None = None
     stream: bool = False
+    adapters: tuple[tuple[LoraAdapter, float], ...] = ()
 
 
 @dataclass
@@ -148,6 +153,8 @@ class Job:
         self.pieces: list[str] = []
         self.cancelled = False
         self.admitted = False
+        # The LoRA adapters it runs with: the model's stack when it was submitted, then its own.
+        self.adapters = request.adapters
         self._started: float | None = None
         self._first_token: float | None = None
 
@@ -230,6 +237,7 @@ class Engine:
         self._scheduled: set[asyncio.AbstractEventLoop] = set()
         self._seeds = itertools.count(0x5EED)
         self._sequences: weakref.WeakSet[Sequence] = weakref.WeakSet()  # every live sequence (preemption victims)
+        self._banks: dict[tuple[object, ...], tuple[list[tuple[LoraAdapter, float]], dict[str, jax.Array]]] = {}
 
     @property
     def max_len(self) -> int:
@@ -288,6 +296,7 @@ class Engine:
         self._check(seq, request)
         stream = None if request.generate is None else TextStream(self.model.tokenizer, request.generate, incremental=request.stream)
         job = Job(seq, request, stream)
+        job.adapters = (*self.model.adapters, *request.adapters)
         seq.busy = True
         job.future.add_done_callback(lambda _: setattr(seq, "busy", False))
         with self._queue_lock:
@@ -461,7 +470,8 @@ class Engine:
         """A job's first step (or a preempted one's next): an empty sequence starts from a cached
         prefix if the prefix cache has one; the first step starts the job's clock."""
         seq = job.seq
-        if seq.kv_len == 0 and not seq.custom_attention and not seq.any_masked and job.request.attention_mask is None:
+        plain = job.request.attention_mask is None and not job.adapters
+        if seq.kv_len == 0 and not seq.custom_attention and not seq.any_masked and plain:
             cached = self.kv.match_prefix(seq.kv, seq.tokens[: job.feed_end()])
             if not job.admitted:
                 job.result.cached_tokens = cached
@@ -481,7 +491,7 @@ class Engine:
                 override = np.asarray(r.attention_mask, bool)[first : first + row.count]
                 seq.custom_attention = True
             masked = np.flatnonzero(seq.masked) if seq.any_masked else None
-            if masked is not None:
+            if masked is not None or row.job.adapters:  # K/V unlike a plain prefill's: never a shared prefix
                 seq.custom_attention = True
             step_rows.append(StepRow(seq.kv, row.start, row.count, masked, override))
         return width, index, self.kv.step_state(step_rows, width, tokens)
@@ -499,6 +509,27 @@ class Engine:
         keys = jax.random.key_data(make_row_keys(seeds))
         penalties = self._penalties(rows, index, width) if flags.penalties else None
         return SamplingParams.from_configs(configs, vocab), flags, keys, penalties
+
+    def _adapter_bank(
+        self, rows: list[_Row], index: list[int], width: int
+    ) -> tuple[jax.Array | None, dict[str, jax.Array] | None]:
+        """Each row's LoRA slot and the step's adapter bank (None, None when no row has an adapter):
+        rows with the same adapters share a slot; banks are kept for the next steps of the same mixes."""
+        keys = [tuple((id(a), scale) for a, scale in row.job.adapters) for row in rows]
+        distinct = sorted({k for k in keys if k})
+        if not distinct:
+            return None, None
+        mixes = {k: next(row.job.adapters for row, kk in zip(rows, keys, strict=True) if kk == k) for k in distinct}
+        bank_key = tuple(distinct)
+        if bank_key not in self._banks:
+            if len(self._banks) >= _KEPT_BANKS:
+                self._banks.pop(next(iter(self._banks)))
+            held = [pair for k in distinct for pair in mixes[k]]  # keeps the adapters alive (their ids key the bank)
+            self._banks[bank_key] = (held, stack_mixes([mixes[k] for k in distinct], self.model.config, self.model.dtype))
+        slots = np.zeros(width, np.int32)
+        for key, i in zip(keys, index, strict=True):
+            slots[i] = distinct.index(key) + 1 if key else 0
+        return jnp.asarray(slots), self._banks[bank_key][1]
 
     def _penalties(self, rows: list[_Row], index: list[int], width: int) -> PenaltyState:
         """Penalty state from token ids: each row has seen its sequence, and generated its job's tokens."""
@@ -530,10 +561,12 @@ class Engine:
         params, flags, keys, penalties = self._sampling(rows, index, width)
         host_choice = any(row.job.sampling.choose is not None for row in rows)
         want_logits = host_choice or any(p in row.job.request.logits_at for row in rows for p in row.reads if not row.job.generating)
+        slots, bank = self._adapter_bank(rows, index, width)
         batch = MixedBatch(
-            jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(read_rows), jnp.asarray(draw_index), keys, params, penalties
+            jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(read_rows), jnp.asarray(draw_index), keys, params,
+            penalties, slots,
         )
-        out, state = self.runner.mixed(state, batch, flags=flags, logits=want_logits, filtered=host_choice)
+        out, state = self.runner.mixed(state, batch, flags=flags, logits=want_logits, filtered=host_choice, adapters=bank)
         self.kv.absorb(state)
         sampled, logprobs, logits, filtered = jax.device_get((out.tokens, out.logprobs, out.logits, out.filtered))
         self.stats.steps += 1
@@ -589,14 +622,16 @@ class Engine:
             token[i], position[i], done[i], last_step[i] = row.job.seq.tokens[row.start], row.start, row.count <= 0, row.count - 1
             stop_ids[i, : len(ids)] = ids
         params, flags, keys, penalties = self._sampling(rows, index, width)
+        slots, bank = self._adapter_bank(rows, index, width)
         loop = DecodeLoop(
             token=jnp.asarray(token), position=jnp.asarray(position), done=jnp.asarray(done),
             last_step=jnp.asarray(last_step), stop_ids=jnp.asarray(stop_ids), keys=keys, penalties=penalties,
             out_tokens=jnp.full((width, steps), -1, jnp.int32), out_logprobs=jnp.zeros((width, steps), jnp.float32),
             step=jnp.asarray(0, jnp.int32), max_steps=jnp.asarray(steps, jnp.int32),
             exit_on_finish=jnp.asarray(exit_on_finish), done_at_start=jnp.asarray(int(done.sum()), jnp.int32),
+            adapter_slots=slots,
         )
-        loop, state = self.runner.decode(state, loop, params, flags=flags)
+        loop, state = self.runner.decode(state, loop, params, flags=flags, adapters=bank)
         self.kv.absorb(state)
         out, logprobs, iterations = jax.device_get((loop.out_tokens, loop.out_logprobs, loop.step))
         self.stats.steps += 1
@@ -690,6 +725,10 @@ class Engine:
             raise InputError(f"attention_mask must be bool [{end - start}, {end}] (fed tokens x all tokens), got {np.shape(mask)}")
         if (mask is not None or seq.any_masked) and not self.kv.pages:
             raise ConfigError(f"masks need a paged cache (paged or tiered); this engine uses {self.kv.kind}")
+        for pair in request.adapters:
+            if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], LoraAdapter)):
+                raise AdapterError(f"a request's adapters are (LoraAdapter, scale) pairs, got {pair!r}")
+            check_adapter(pair[0], self.model.config)
 
 
 def _row_draws(out: list[int], stop_ids: tuple[int, ...]) -> list[int]:

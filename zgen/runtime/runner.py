@@ -10,7 +10,7 @@ one model share its :class:`Runner` (:func:`runner_for`).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -18,6 +18,7 @@ import jax
 from jaxtyping import Array, Float, Int
 
 from zgen.cache.base import KVState
+from zgen.lora.graph import inject_lora
 from zgen.model import Model, attached
 from zgen.runtime.sampling import SamplingFlags, SamplingParams
 from zgen.runtime.step import DecodeLoop, MixedBatch, MixedOutput, ModelSpec, decode_loop, forward, mixed_step
@@ -44,12 +45,16 @@ class Runner:
     def __init__(self, model: Model) -> None:
         enable_persistent_compilation_cache()
         self.model = model
-        self.spec = ModelSpec(model.graph, model.config.sliding_window)
+        self.spec = ModelSpec(model.graph, model.config.sliding_window, inject_lora(model.graph))
         self._executables: dict[Hashable, Any] = {}
 
     @property
     def params(self) -> Any:
         return self.model.params
+
+    def _params(self, adapters: Mapping[str, jax.Array] | None) -> Any:
+        """The model's parameters, with a step's LoRA bank (:func:`zgen.lora.bank.stack_mixes`) beside them."""
+        return self.params if adapters is None else {**self.params, **adapters}
 
     def forward(
         self, kv: S, tokens: Int[Array, "B T"], positions: Int[Array, "B T"], read_rows: Int[Array, "B R"]
@@ -60,10 +65,11 @@ class Runner:
         return self._compiled(key, lambda: jax.jit(self._forward, donate_argnums=(1,)).lower(*args))(*args)
 
     def mixed(
-        self, kv: S, batch: MixedBatch, *, flags: SamplingFlags, logits: bool = False, filtered: bool = False
+        self, kv: S, batch: MixedBatch, *, flags: SamplingFlags, logits: bool = False, filtered: bool = False,
+        adapters: Mapping[str, jax.Array] | None = None,
     ) -> tuple[MixedOutput, S]:
-        key = ("mixed", _shape_key(kv), _shape_key(batch), flags, logits, filtered)
-        args = (self.params, kv, batch)
+        key = ("mixed", _shape_key(kv), _shape_key(batch), flags, logits, filtered, _bank_key(adapters))
+        args = (self._params(adapters), kv, batch)
 
         def lower() -> Any:
             fn = jax.jit(self._mixed, donate_argnums=(1,), static_argnames=("flags", "logits", "filtered"))
@@ -71,9 +77,12 @@ class Runner:
 
         return self._compiled(key, lower)(*args)
 
-    def decode(self, kv: S, loop: DecodeLoop, sampling: SamplingParams, *, flags: SamplingFlags) -> tuple[DecodeLoop, S]:
-        key = ("decode", _shape_key(kv), _shape_key(loop), flags)
-        args = (self.params, kv, loop, sampling)
+    def decode(
+        self, kv: S, loop: DecodeLoop, sampling: SamplingParams, *, flags: SamplingFlags,
+        adapters: Mapping[str, jax.Array] | None = None,
+    ) -> tuple[DecodeLoop, S]:
+        key = ("decode", _shape_key(kv), _shape_key(loop), flags, _bank_key(adapters))
+        args = (self._params(adapters), kv, loop, sampling)
 
         def lower() -> Any:
             return jax.jit(self._decode, donate_argnums=(1, 2), static_argnames=("flags",)).lower(*args, flags=flags)
@@ -123,6 +132,10 @@ class Runner:
 def runner_for(model: Model) -> Runner:
     """The model's runner, shared by every engine and front end of it."""
     return attached(model, "runner", lambda: Runner(model))
+
+
+def _bank_key(adapters: Mapping[str, jax.Array] | None) -> tuple[Any, ...] | None:
+    return None if adapters is None else tuple((name, value.shape) for name, value in sorted(adapters.items()))
 
 
 def _shape_key(tree: Any) -> tuple[Any, ...]:

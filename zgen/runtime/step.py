@@ -30,6 +30,7 @@ from zgen.cache.base import KVState
 from zgen.graph.core import ForwardContext, Graph
 from zgen.graph.decoder import LOGIT_ROWS, POSITIONS, TOKENS
 from zgen.graph.nodes import rotary
+from zgen.lora.graph import ADAPTER_SLOTS
 from zgen.runtime.sampling import PenaltyState, SamplingFlags, SamplingParams, filter_logits, sample, update_penalty_state
 
 Params = Mapping[str, jax.Array]
@@ -58,10 +59,12 @@ class _CacheContext(ForwardContext, Generic[S]):
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """What a step needs of a model: its graph and sliding window (static), its parameters (traced)."""
+    """What a step needs of a model: its graph and sliding window (static), its parameters (traced).
+    ``lora_graph`` is the graph with LoRA injected, run for steps where a row has an adapter."""
 
     graph: Graph
     sliding_window: int | None
+    lora_graph: Graph | None = None
 
 
 def forward(
@@ -71,11 +74,18 @@ def forward(
     tokens: Int[Array, "B T"],
     positions: Int[Array, "B T"],
     read_rows: Int[Array, "B R"],
+    adapter_slots: Int[Array, " B"] | None = None,
 ) -> tuple[Float[Array, "B R V"], S]:
     """Run the model over ``tokens`` at ``positions``, writing their K/V; float32 logits at ``read_rows``
-    (indices into T)."""
+    (indices into T). With ``adapter_slots`` the graph is the LoRA-injected one (:mod:`zgen.lora.graph`)
+    and ``params`` carry the adapter bank."""
     ctx = _CacheContext(kv, model.sliding_window)
-    (logits,) = model.graph.run(params, {TOKENS: tokens, POSITIONS: positions, LOGIT_ROWS: read_rows}, ctx)
+    feeds = {TOKENS: tokens, POSITIONS: positions, LOGIT_ROWS: read_rows}
+    graph = model.graph
+    if adapter_slots is not None:
+        assert model.lora_graph is not None, "adapter slots given to a model spec without a LoRA graph"
+        feeds[ADAPTER_SLOTS], graph = adapter_slots, model.lora_graph
+    (logits,) = graph.run(params, feeds, ctx)
     return logits, ctx.state
 
 
@@ -105,6 +115,7 @@ class MixedBatch:
     keys: UInt32[Array, "B 2"]
     sampling: SamplingParams
     penalties: PenaltyState | None
+    adapter_slots: Int[Array, " B"] | None = None  # each row's LoRA bank slot (0: none), when any row has one
 
 
 @jax.tree_util.register_dataclass
@@ -120,7 +131,7 @@ def mixed_step(
     model: ModelSpec, params: Params, kv: S, batch: MixedBatch, *, flags: SamplingFlags, logits: bool, filtered: bool
 ) -> tuple[MixedOutput, S]:
     """One forward of ``batch``, then a draw at every read row (a row's reads share its penalties)."""
-    out, kv = forward(model, params, kv, batch.tokens, batch.positions, batch.read_rows)
+    out, kv = forward(model, params, kv, batch.tokens, batch.positions, batch.read_rows, batch.adapter_slots)
     b, r, v = out.shape
     repeat = lambda x: jnp.repeat(x, r, axis=0)  # noqa: E731 - one row per read
     sampling = jax.tree_util.tree_map(repeat, batch.sampling)
@@ -149,6 +160,7 @@ class DecodeLoop:
     max_steps: Int[Array, ""]  # leave after this many iterations (<= N)
     exit_on_finish: Bool[Array, ""]  # leave as soon as a row finishes (another request waits for a slot)
     done_at_start: Int[Array, ""]  # rows done when the loop began
+    adapter_slots: Int[Array, " B"] | None = None  # each row's LoRA bank slot (0: none), when any row has one
 
 
 def decode_loop(
@@ -168,7 +180,9 @@ def decode_loop(
     def body(carry: tuple[DecodeLoop, S]) -> tuple[DecodeLoop, S]:
         s, kv = carry
         active = ~s.done
-        logits, kv = forward(model, params, kv, s.token[:, None], s.position[:, None], jnp.zeros_like(s.token)[:, None])
+        logits, kv = forward(
+            model, params, kv, s.token[:, None], s.position[:, None], jnp.zeros_like(s.token)[:, None], s.adapter_slots
+        )
         new, logprob = draw(logits[:, 0], sampling, s.penalties, s.keys, s.position, flags)
         ends = jnp.any(new[:, None] == s.stop_ids, axis=1) | (s.step >= s.last_step)
         s = replace(

@@ -1,0 +1,185 @@
+"""LoRA adapters: PEFT-format loading, parity with peft + transformers, per-row adapters in one batch,
+the push/pop stack, merging, and typed errors for adapters that do not fit."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import peft
+import pytest
+import torch
+import transformers
+
+from tests.hf_reference import SMALL, hf_greedy, hf_logits, save_random_checkpoint
+from zgen import Context, Generator, Request, SamplingConfig, load_adapter, load_model
+from zgen.errors import AdapterError
+from zgen.lora import LoraAdapter
+from zgen.model import Model
+
+IDS = [1, 17, 42, 5, 88, 3, 60, 61, 9, 33, 70, 12]
+GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _make_adapter(base_dir: Path, out: Path, seed: int, **lora: Any) -> Any:
+    """A PEFT LoRA on a fresh copy of the base with random A and B (B nonzero), saved to ``out``;
+    returns the PEFT model (the reference)."""
+    torch.manual_seed(seed)
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, attn_implementation="eager")
+    model = peft.get_peft_model(base, peft.LoraConfig(init_lora_weights=False, lora_dropout=0.1, **lora)).eval()
+    model.save_pretrained(out)
+    return model
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("lora")
+    config = transformers.LlamaConfig(**SMALL, tie_word_embeddings=False)
+    hf = save_random_checkpoint(config, root / "base")
+    peft_a = _make_adapter(root / "base", root / "a", 1, r=4, lora_alpha=8, target_modules=ALL_TARGETS)
+    peft_b = _make_adapter(
+        root / "base", root / "b", 2, r=8, lora_alpha=4, use_rslora=True, target_modules=["q_proj", "v_proj", "down_proj"],
+        rank_pattern={"down_proj": 2}, alpha_pattern={"v_proj": 12},
+    )
+    return {
+        "root": root, "model": load_model(root / "base", dtype="float32"), "hf": hf,
+        "peft_a": peft_a, "peft_b": peft_b, "a": load_adapter(root / "a"), "b": load_adapter(root / "b"),
+    }
+
+
+@pytest.mark.parametrize("which", ["a", "b"])
+def test_logits_and_greedy_match_peft(setup: dict[str, Any], which: str) -> None:
+    model, adapter, reference = setup["model"], setup[which], setup[f"peft_{which}"]
+    generator = Generator(model)
+    ours = generator.logits(IDS, adapter=adapter)
+    ref = hf_logits(reference, IDS)
+    assert np.abs(ours - ref).max() <= 1e-4
+    assert np.abs(ref - hf_logits(setup["hf"], IDS)).max() > 1e-2  # the adapter really changes the model
+    result = generator.generate(IDS[:5], GREEDY, adapter=adapter)
+    ref_tokens, ref_logprobs = hf_greedy(reference, IDS[:5], 12, eos=[10_000])
+    assert result.token_ids == ref_tokens
+    np.testing.assert_allclose(result.logprobs, ref_logprobs, atol=1e-4)
+
+
+def test_mixed_batch_equals_each_alone(setup: dict[str, Any]) -> None:
+    model, a, b = setup["model"], setup["a"], setup["b"]
+    generator = Generator(model)
+    requests = [
+        Request(IDS[:5], GREEDY, adapter=a), Request(IDS[2:9], GREEDY, adapter=b), Request(IDS[:5], GREEDY),
+        Request(IDS[1:4], GREEDY, adapter=(a, 0.5)), Request(IDS[:5], GREEDY, adapter=[a, b]),
+    ]
+    together = generator.batch_generate(requests)
+    for request, result in zip(requests, together, strict=True):
+        alone = Generator(model).generate(request.prompt, request.sampling, adapter=request.adapter)
+        assert result.token_ids == alone.token_ids
+        np.testing.assert_allclose(result.logprobs, alone.logprobs, atol=1e-5)
+    assert together[0].token_ids != together[2].token_ids  # the rows really ran different weights
+
+
+def test_push_pop_and_merge_equal_per_request(setup: dict[str, Any]) -> None:
+    model, a, b = setup["model"], setup["a"], setup["b"]
+    generator = Generator(model)
+    base = generator.logits(IDS)
+    mixed = generator.logits(IDS, adapter=[(a, 0.5), b])
+    model.push_adapter(a, 0.5)
+    try:
+        model.push_adapter(b)
+        np.testing.assert_allclose(generator.logits(IDS), mixed, atol=1e-5)
+        assert model.pop_adapter() is b
+        np.testing.assert_allclose(generator.logits(IDS), generator.logits(IDS, adapter=[]), atol=0)
+    finally:
+        model.adapters.clear()
+    np.testing.assert_allclose(generator.logits(IDS), base, atol=0)
+    with pytest.raises(AdapterError):
+        model.pop_adapter()
+
+    per_request = generator.generate(IDS[:5], GREEDY, adapter=[(a, 0.5), b])
+    model.merge_adapter(a, 0.5)
+    model.merge_adapter(b)
+    try:
+        merged = generator.generate(IDS[:5], GREEDY)
+        assert merged.token_ids == per_request.token_ids
+        np.testing.assert_allclose(merged.logprobs, per_request.logprobs, atol=1e-4)
+        np.testing.assert_allclose(generator.logits(IDS), mixed, atol=1e-4)
+    finally:
+        assert model.unmerge_adapter(a) is a
+        model.unmerge_adapter()
+    np.testing.assert_allclose(generator.logits(IDS), base, atol=1e-5)
+    with pytest.raises(AdapterError):
+        model.unmerge_adapter()
+
+
+def test_context_stack(setup: dict[str, Any]) -> None:
+    model, a = setup["model"], setup["a"]
+    expected = Generator(model).generate(IDS[:5], GREEDY, adapter=a).token_ids
+    ctx = Context(model)
+    ctx.fill_tokens(IDS[:5])
+    ctx.push_adapter(a)
+    twin = ctx.fork()
+    assert ctx.generate_result(GREEDY).token_ids == expected
+    assert twin.generate_result(GREEDY).token_ids == expected  # a fork keeps the stack
+    assert twin.pop_adapter() is a
+    plain = Context(model)
+    plain.fill_tokens(IDS[:5])
+    assert plain.generate_result(GREEDY).token_ids == Generator(model).generate(IDS[:5], GREEDY).token_ids
+
+
+def _edited(setup: dict[str, Any], name: str, **changes: Any) -> Path:
+    target = setup["root"] / name
+    shutil.copytree(setup["root"] / "a", target)
+    config_file = target / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    config.update(changes)
+    config_file.write_text(json.dumps(config))
+    return target
+
+
+def test_mismatched_adapters_get_typed_errors(setup: dict[str, Any], tmp_path: Path) -> None:
+    model: Model = setup["model"]
+    with pytest.raises(AdapterError, match="unknown target modules"):
+        load_adapter(_edited(setup, "unknown", target_modules=["q_proj", "lm_head"]))
+    with pytest.raises(AdapterError, match="rank"):
+        load_adapter(_edited(setup, "rank", r=6))
+    with pytest.raises(AdapterError, match="positive integer"):
+        load_adapter(_edited(setup, "zero", r=0))
+    with pytest.raises(AdapterError, match="no adapter_config.json"):
+        load_adapter(tmp_path)
+    # An adapter trained for a wider base.
+    wide = transformers.LlamaConfig(**{**SMALL, "hidden_size": 32, "intermediate_size": 48})
+    save_random_checkpoint(wide, tmp_path / "wide")
+    _make_adapter(tmp_path / "wide", tmp_path / "wide_lora", 3, r=2, target_modules=["q_proj"])
+    foreign: LoraAdapter = load_adapter(tmp_path / "wide_lora")
+    generator = Generator(model)
+    with pytest.raises(AdapterError, match="another base model"):
+        generator.generate(IDS[:5], GREEDY, adapter=foreign)
+    with pytest.raises(AdapterError, match="another base model"):
+        model.push_adapter(foreign)
+    with pytest.raises(AdapterError, match="another base model"):
+        model.merge_adapter(foreign)
+    with pytest.raises(AdapterError, match="adapter="):
+        generator.generate(IDS[:5], GREEDY, adapter="a")  # type: ignore[arg-type]
+    assert not model.adapters and not model.merged_adapters
+    assert generator.generate(IDS[:5], GREEDY).token_ids  # nothing was left broken
+
+
+def test_cli_lora_flag(setup: dict[str, Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from zgen.cli import app
+
+    monkeypatch.setenv("ZGEN_XLA_CACHE_DIR", str(tmp_path / "xla"))
+    root, model = setup["root"], setup["model"]
+    base = ["generate", "-m", str(root / "base"), "-p", "w17 w42 w5", "--temperature", "0", "-n", "8", "--ignore-eos", "--json"]
+    result = CliRunner().invoke(app, [*base, "--lora", f"{root / 'a'}:0.5", "--lora", str(root / "b")])
+    assert result.exit_code == 0, result.output
+    expected = Generator(model).generate("w17 w42 w5", SamplingConfig(temperature=0.0, max_new_tokens=8, ignore_eos=True),
+                                         adapter=[(setup["a"], 0.5), setup["b"]])
+    assert json.loads(result.stdout)["token_ids"] == expected.token_ids
+    missing = CliRunner().invoke(app, [*base, "--lora", str(tmp_path / "nowhere")])
+    assert missing.exit_code == 1 and "adapter_config.json" in missing.output
+    bad_scale = CliRunner().invoke(app, [*base, "--lora", f"{root / 'a'}:nan"])
+    assert bad_scale.exit_code == 2 and "finite" in bad_scale.output
