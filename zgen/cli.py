@@ -171,6 +171,12 @@ PrefixCacheOption = Annotated[
 ]
 
 
+def _finite(value: float) -> float:
+    if not math.isfinite(value):
+        raise typer.BadParameter(f"must be a finite number, got {value}")
+    return value
+
+
 def _lora_specs(values: list[str] | None) -> list[str] | None:
     for value in values or []:
         _split_lora(value)
@@ -379,6 +385,12 @@ def generate(
     kv_dtype_name: KVDtypeOption = None,
     use_prefix_cache: PrefixCacheOption = False,
     lora: LoraOption = None,
+    num_beams: Annotated[
+        int, typer.Option("--num-beams", min=1, help="Beam search with this many beams (1: sample as the flags say). Prints the best beam; --json gives every beam.")
+    ] = 1,
+    length_penalty: Annotated[
+        float, typer.Option("--length-penalty", callback=_finite, help="Beam scores are summed log-probs / length ** this (> 0 favours longer beams).")
+    ] = 1.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (text, ids, log-probs, usage, timings) instead of streaming text.")] = False,
     quiet: QuietOption = False,
 ) -> None:
@@ -405,6 +417,9 @@ def generate(
                 loaded.push_adapter(adapter, scale)
             generator = Generator(loaded, *options)
         with generator:
+            if num_beams > 1:
+                _print_beams(generator, request, num_beams, length_penalty, max_new_tokens, as_json)
+                return
             if as_json:
                 print(json.dumps(_json_result(generator, request, sampling.config), ensure_ascii=False))
                 return
@@ -418,6 +433,15 @@ def generate(
             _write("\n")
     except ZgenError as err:
         raise _fail(err) from None
+
+
+def _print_beams(generator: Generator, request: Prompt, num_beams: int, length_penalty: float, max_new: int, as_json: bool) -> None:
+    beams = generator.beam_search(request, num_beams, length_penalty=length_penalty, max_new_tokens=max_new)
+    if as_json:
+        listed = [{"text": b.text, "token_ids": b.token_ids, "score": b.score, "finish_reason": b.finish_reason} for b in beams]
+        print(json.dumps({"beams": listed, "prompt_token_ids": generator.encode_prompt(request)}, ensure_ascii=False))
+    else:
+        _write(beams[0].text + "\n")
 
 
 def _json_result(generator: Generator, request: Prompt, sampling: SamplingConfig) -> dict[str, object]:

@@ -22,6 +22,7 @@ from zgen.cache.factory import CacheOption
 from zgen.errors import ConfigError, InputError, PromptTooLongError
 from zgen.lora.adapter import AdapterChoice, adapter_pairs
 from zgen.model import Model
+from zgen.runtime.beam import Beam, EarlyStopping, beam_search, check_beam_options
 from zgen.runtime.engine import Engine, EngineConfig, ForwardRequest, ForwardResult, Job
 from zgen.runtime.results import GenerationResult, Timings, TokenUsage
 from zgen.runtime.sampling import HostSampler, SamplingConfig
@@ -70,6 +71,7 @@ class Generator:
             max_batch=max_batch_size, steps_per_sync=sync_interval, prefill_chunk=prefill_chunk, on_pool_exhausted="wait"
         )
         self.engine = Engine(model, *options, config=config, default_kind="tensor")
+        self._paged_engine: Engine | None = None  # for beam search when the chosen cache cannot fork
 
     def __enter__(self) -> Self:
         return self
@@ -83,6 +85,8 @@ class Generator:
         """Free what the cache holds outside the device (a tiered store's RAM and files); a tiered
         generator cannot generate after."""
         self.engine.close()
+        if self._paged_engine is not None:
+            self._paged_engine.close()
 
     # -- public API ----------------------------------------------------------------------------
 
@@ -130,6 +134,33 @@ class Generator:
         finally:
             self.engine.release(seq)
         return np.stack([result.logits[p] for p in range(len(ids))])
+
+    def beam_search(
+        self,
+        prompt: Prompt,
+        num_beams: int,
+        *,
+        length_penalty: float = 1.0,
+        early_stopping: EarlyStopping = False,
+        max_new_tokens: int = 256,
+        adapter: AdapterChoice | None = None,
+    ) -> list[Beam]:
+        """The ``num_beams`` best continuations of ``prompt`` by beam search, best first, with HF
+        transformers' choices and scores (``generate(num_beams=..., do_sample=False)``; see
+        :mod:`zgen.runtime.beam`). Beams share KV pages copy-on-write: on a cache without pages the
+        generator keeps a paged engine for them."""
+        check_beam_options(num_beams, max_new_tokens, length_penalty, early_stopping)
+        ids = self.encode_prompt(prompt)
+        self._check_fits(len(ids), max_new_tokens)
+        engine = self.engine
+        if not engine.kv.pages:
+            if self._paged_engine is None:
+                self._paged_engine = Engine(self.model, config=self.engine.config)
+            engine = self._paged_engine
+        return beam_search(
+            engine, ids, num_beams=num_beams, max_new_tokens=max_new_tokens, eos_token_ids=self.model.eos_token_ids,
+            length_penalty=length_penalty, early_stopping=early_stopping, adapters=adapter_pairs(adapter),
+        )
 
     def new_session(self) -> Session:
         return Session(self)
@@ -272,4 +303,4 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-__all__ = ["GenerationResult", "Generator", "Request", "Session", "Timings", "TokenUsage"]
+__all__ = ["Beam", "GenerationResult", "Generator", "Request", "Session", "Timings", "TokenUsage"]
