@@ -8,6 +8,7 @@ and attention kernels (``zgen.pallas``) → text.
 
 from zgen.config import ModelConfig
 from zgen.contexts import Context
+from zgen.embeddings import embed
 from zgen.errors import ZgenError
 from zgen.generator import Generator, Request, Session
 from zgen.lora import LoraAdapter, load_adapter
@@ -39,6 +40,7 @@ __all__ = [
     "StopCondition",
     "TokenUsage",
     "ZgenError",
+    "embed",
     "load_adapter",
     "load_model",
     "stop",

@@ -34,6 +34,7 @@ from zgen.cache.factory import CACHE_KINDS, PAGED_KINDS, CacheOption, cache_kind
 from zgen.cache.formats import KV_DTYPES, kv_format
 from zgen.cli_progress import CompileClock, Phase, Phases, stderr_console
 from zgen.contexts.snapshot import store_dir
+from zgen.embeddings import embed, parse_inputs
 from zgen.errors import ConfigError, ZgenError
 from zgen.evaluation import perplexity, read_text_file
 from zgen.generator import Generator, Prompt
@@ -41,6 +42,7 @@ from zgen.loading.builtin import BUILTIN_MODELS, DEFAULT_MODEL, builtin_model_pa
 from zgen.lora import load_adapter
 from zgen.model import DTYPES, Model, default_cache_dir, load_model, resolve_model
 from zgen.runtime.sampling import SamplingConfig
+from zgen.runtime.step import POOLINGS, Pooling
 
 
 def _untyped_flags(params: list[Any]) -> list[Any]:
@@ -584,6 +586,42 @@ def eval_ppl(
         print(json.dumps(fields))
     else:
         Console().print(fields)
+
+
+@app.command("embed", cls=_Command)
+def embed_command(
+    input_file: Annotated[
+        Path, typer.Option("--input", "-i", exists=True, dir_okay=False, readable=True, help="Texts: a .txt file (one per line) or .jsonl ({\"text\": ..., \"id\": ...} per line).")
+    ],
+    output_file: Annotated[Path, typer.Option("--output", "-o", dir_okay=False, help="Where to write one JSON object per text (index, id, embedding).")],
+    model: ModelOption = DEFAULT_MODEL,
+    pooling: Annotated[str, _choice("--pooling", POOLINGS, "How each text's last hidden states become one vector.")] = "mean",
+    normalize: Annotated[bool, typer.Option("--normalize/--no-normalize", help="Scale every embedding to unit length.")] = True,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Texts per step.")] = 32,
+    dtype: DtypeOption = "float32",
+    quiet: QuietOption = False,
+) -> None:
+    """Embed texts: the model's last hidden states (after the final norm) pooled per text."""
+    try:
+        items = parse_inputs(read_text_file(input_file), jsonl=input_file.suffix == ".jsonl", source=str(input_file))
+    except ZgenError as err:
+        raise typer.BadParameter(str(err), param_hint="'--input'") from None
+    path = _model_path(model)
+    try:
+        with Phases.on_stderr(enabled=not quiet) as phases:
+            loaded = _load(phases, model, path, dtype, None)
+            with phases.phase(f"Embedding {len(items)} texts"):
+                vectors = embed(loaded, [text for text, _ in items], pooling=cast(Pooling, pooling), normalize=normalize, batch_size=batch_size)
+    except ZgenError as err:
+        raise _fail(err) from None
+    partial = output_file.with_name(f".{output_file.name}.partial")
+    with open(partial, "w", encoding="utf-8") as out:
+        for index, ((_, key), vector) in enumerate(zip(items, vectors.tolist(), strict=True)):
+            row: dict[str, object] = {"index": index, "embedding": vector}
+            if key is not None:
+                row["id"] = key
+            out.write(json.dumps(row) + "\n")
+    os.replace(partial, output_file)
 
 
 # -- information and caches -------------------------------------------------------------------------

@@ -18,10 +18,11 @@ import jax
 from jaxtyping import Array, Float, Int
 
 from zgen.cache.base import KVState
+from zgen.graph.decoder import hidden_state_graph
 from zgen.lora.graph import inject_lora
 from zgen.model import Model, attached
 from zgen.runtime.sampling import SamplingFlags, SamplingParams
-from zgen.runtime.step import DecodeLoop, MixedBatch, MixedOutput, ModelSpec, decode_loop, forward, mixed_step
+from zgen.runtime.step import DecodeLoop, Pooling, MixedBatch, MixedOutput, ModelSpec, decode_loop, forward, hidden_states, mixed_step, pool_hidden
 
 S = TypeVar("S", bound=KVState)
 
@@ -47,6 +48,7 @@ class Runner:
         self.model = model
         self.spec = ModelSpec(model.graph, model.config.sliding_window, inject_lora(model.graph))
         self._executables: dict[Hashable, Any] = {}
+        self._hidden_graph = hidden_state_graph(model.graph)
 
     @property
     def params(self) -> Any:
@@ -89,6 +91,20 @@ class Runner:
 
         return self._compiled(key, lower)(*args)
 
+    def embed(
+        self, kv: KVState, tokens: Int[Array, "B T"], positions: Int[Array, "B T"], lengths: Int[Array, " B"], *,
+        pooling: Pooling, normalize: bool,
+    ) -> Float[Array, "B H"]:
+        """Pooled last hidden states of ``tokens`` (see :mod:`zgen.runtime.embedding`); ``kv`` is scratch."""
+        key = ("embed", _shape_key(kv), tokens.shape, pooling, normalize)
+        args = (self.params, kv, tokens, positions, lengths)
+
+        def lower() -> Any:
+            fn = jax.jit(self._embed, static_argnames=("pooling", "normalize"))  # the scratch KV is not returned
+            return fn.lower(*args, pooling=pooling, normalize=normalize)
+
+        return self._compiled(key, lower)(*args)
+
     def analysis(self) -> dict[str, dict[str, Any]]:
         """XLA's cost and memory analysis of every executable compiled so far."""
         report: dict[str, dict[str, Any]] = {}
@@ -120,6 +136,10 @@ class Runner:
         self, params: Any, kv: S, loop: DecodeLoop, sampling: SamplingParams, *, flags: SamplingFlags
     ) -> tuple[DecodeLoop, S]:
         return decode_loop(self.spec, params, kv, loop, sampling, flags=flags)
+
+    def _embed(self, params: Any, kv: KVState, tokens: Array, positions: Array, lengths: Array, *, pooling: Pooling, normalize: bool) -> Array:
+        hidden, _ = hidden_states(self._hidden_graph, self.spec.sliding_window, params, kv, tokens, positions)
+        return pool_hidden(hidden, lengths, pooling, normalize)
 
     def _compiled(self, key: Hashable, lower: Callable[[], Any]) -> Any:
         compiled = self._executables.get(key)

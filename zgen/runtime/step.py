@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Generic, TypeVar, cast
+from typing import Generic, Literal, TypeVar, cast, get_args
 
 import jax
 import jax.numpy as jnp
@@ -87,6 +87,39 @@ def forward(
         feeds[ADAPTER_SLOTS], graph = adapter_slots, model.lora_graph
     (logits,) = graph.run(params, feeds, ctx)
     return logits, ctx.state
+
+
+def hidden_states(
+    graph: Graph, sliding_window: int | None, params: Params, kv: S, tokens: Int[Array, "B T"], positions: Int[Array, "B T"]
+) -> tuple[Float[Array, "B T H"], S]:
+    """Run a graph cut after the final norm (:func:`~zgen.graph.decoder.hidden_state_graph`) over
+    ``tokens`` at ``positions`` (-1: padding), writing their K/V; the hidden states of every token."""
+    ctx = _CacheContext(kv, sliding_window)
+    (hidden,) = graph.run(params, {TOKENS: tokens, POSITIONS: positions}, ctx)
+    return hidden, ctx.state
+
+
+Pooling = Literal["mean", "last", "cls", "max"]
+POOLINGS: tuple[str, ...] = get_args(Pooling)
+
+
+def pool_hidden(
+    hidden: Float[Array, "B T H"], lengths: Int[Array, " B"], pooling: Pooling, normalize: bool
+) -> Float[Array, "B H"]:
+    """Pool each row's first ``lengths[b]`` hidden states, in float32."""
+    hidden = hidden.astype(jnp.float32)
+    real = jnp.arange(hidden.shape[1])[None, :] < lengths[:, None]  # [B, T]
+    if pooling == "mean":
+        pooled = jnp.sum(jnp.where(real[..., None], hidden, 0.0), axis=1) / jnp.maximum(lengths, 1)[:, None]
+    elif pooling == "max":
+        pooled = jnp.max(jnp.where(real[..., None], hidden, -jnp.inf), axis=1)
+    elif pooling == "last":
+        pooled = jnp.take_along_axis(hidden, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
+    else:
+        pooled = hidden[:, 0]
+    if normalize:
+        pooled = pooled / jnp.maximum(jnp.linalg.norm(pooled, axis=-1, keepdims=True), 1e-12)
+    return pooled
 
 
 def draw(
