@@ -115,6 +115,24 @@ def load_adapter(path: str | Path, *, name: str | None = None) -> LoraAdapter:
     return LoraAdapter(name or directory.name, rank, alpha, rslora, modules, directory)
 
 
+def random_adapter(
+    config: ModelConfig, rank: int, *, seed: int = 0, targets: Sequence[str] = ("q", "k", "v", "o", "gate", "up", "down"),
+    alpha: float | None = None, name: str | None = None,
+) -> LoraAdapter:
+    """An adapter of ``rank`` on every layer's ``targets`` with random A and B (B nonzero, unlike a
+    freshly initialised one), for speed runs and tests where no trained adapter is at hand."""
+    rng = np.random.default_rng(seed)
+    alpha = float(2 * rank if alpha is None else alpha)
+    modules: dict[tuple[int, str], LoraModule] = {}
+    for layer in range(config.num_layers):
+        for proj in targets:
+            out, into = projection_shape(config, proj)
+            a = (rng.standard_normal((rank, into)) * into**-0.5).astype(np.float32)
+            b = (rng.standard_normal((out, rank)) * rank**-0.5 * 0.1).astype(np.float32)
+            modules[(layer, proj)] = LoraModule(a, b, alpha / rank)
+    return LoraAdapter(name or f"random-{seed}", rank, alpha, False, modules)
+
+
 def check_adapter(adapter: LoraAdapter, config: ModelConfig) -> None:
     """``adapter`` fits a model of ``config``: its layers exist and every pair has the projection's shape."""
     for (layer, proj), module in adapter.modules.items():

@@ -4,6 +4,7 @@ rows gather their own pair by slot (:mod:`zgen.lora.graph`)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +19,15 @@ from zgen.shapes import next_pow2
 _MIN_RANK, _MIN_SLOTS = 8, 2
 
 
-def stack_mixes(mixes: Sequence[AdapterMix], config: ModelConfig, dtype: jnp.dtype) -> dict[str, jax.Array]:
+@dataclass(frozen=True, eq=False)
+class LoraBank:
+    """A step's adapter banks by parameter name, and their shapes (what picks the compiled program)."""
+
+    arrays: dict[str, jax.Array]
+    shapes: tuple[tuple[str, tuple[int, ...]], ...]
+
+
+def stack_mixes(mixes: Sequence[AdapterMix], config: ModelConfig, dtype: jnp.dtype) -> LoraBank:
     """Banks ``[slots, R, in]`` / ``[slots, out, R]`` per adapted fused weight; slot 0 is zeros (rows
     without adapters), slot ``k + 1`` holds ``mixes[k]``."""
     slots = next_pow2(len(mixes) + 1, _MIN_SLOTS)
@@ -39,4 +48,4 @@ def stack_mixes(mixes: Sequence[AdapterMix], config: ModelConfig, dtype: jnp.dty
                 b_bank[k + 1, :, : b.shape[1]] = b
             a_name, b_name = bank_names(f"layers.{layer}.{fused}")
             bank[a_name], bank[b_name] = jnp.asarray(a_bank, dtype), jnp.asarray(b_bank, dtype)
-    return bank
+    return LoraBank(bank, tuple((name, tuple(value.shape)) for name, value in sorted(bank.items())))

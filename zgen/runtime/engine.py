@@ -51,7 +51,7 @@ from zgen.cache.factory import CacheOption, make_kv, resolve
 from zgen.cache.formats import kv_dtype_of, kv_format
 from zgen.errors import AdapterError, CacheError, ConfigError, InputError, PoolExhaustedError, PromptTooLongError, TokenIdError, ZgenError
 from zgen.lora.adapter import LoraAdapter, check_adapter
-from zgen.lora.bank import stack_mixes
+from zgen.lora.bank import LoraBank, stack_mixes
 from zgen.model import Model
 from zgen.pallas.paged_attention.layouts import KeyCalibration
 from zgen.runtime.calibration import key_calibration as model_key_calibration
@@ -237,7 +237,7 @@ class Engine:
         self._scheduled: set[asyncio.AbstractEventLoop] = set()
         self._seeds = itertools.count(0x5EED)
         self._sequences: weakref.WeakSet[Sequence] = weakref.WeakSet()  # every live sequence (preemption victims)
-        self._banks: dict[tuple[object, ...], tuple[list[tuple[LoraAdapter, float]], dict[str, jax.Array]]] = {}
+        self._banks: dict[tuple[object, ...], tuple[list[tuple[LoraAdapter, float]], LoraBank]] = {}
 
     @property
     def max_len(self) -> int:
@@ -512,7 +512,7 @@ class Engine:
 
     def _adapter_bank(
         self, rows: list[_Row], index: list[int], width: int
-    ) -> tuple[jax.Array | None, dict[str, jax.Array] | None]:
+    ) -> tuple[jax.Array | None, LoraBank | None]:
         """Each row's LoRA slot and the step's adapter bank (None, None when no row has an adapter):
         rows with the same adapters share a slot; banks are kept for the next steps of the same mixes."""
         keys = [tuple((id(a), scale) for a, scale in row.job.adapters) for row in rows]

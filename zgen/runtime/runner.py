@@ -10,7 +10,7 @@ one model share its :class:`Runner` (:func:`runner_for`).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -19,6 +19,7 @@ from jaxtyping import Array, Float, Int
 
 from zgen.cache.base import KVState
 from zgen.graph.decoder import hidden_state_graph
+from zgen.lora.bank import LoraBank
 from zgen.lora.graph import inject_lora
 from zgen.model import Model, attached
 from zgen.runtime.sampling import SamplingFlags, SamplingParams
@@ -54,9 +55,9 @@ class Runner:
     def params(self) -> Any:
         return self.model.params
 
-    def _params(self, adapters: Mapping[str, jax.Array] | None) -> Any:
+    def _params(self, adapters: LoraBank | None) -> Any:
         """The model's parameters, with a step's LoRA bank (:func:`zgen.lora.bank.stack_mixes`) beside them."""
-        return self.params if adapters is None else {**self.params, **adapters}
+        return self.params if adapters is None else {**self.params, **adapters.arrays}
 
     def forward(
         self, kv: S, tokens: Int[Array, "B T"], positions: Int[Array, "B T"], read_rows: Int[Array, "B R"]
@@ -68,9 +69,9 @@ class Runner:
 
     def mixed(
         self, kv: S, batch: MixedBatch, *, flags: SamplingFlags, logits: bool = False, filtered: bool = False,
-        adapters: Mapping[str, jax.Array] | None = None,
+        adapters: LoraBank | None = None,
     ) -> tuple[MixedOutput, S]:
-        key = ("mixed", _shape_key(kv), _shape_key(batch), flags, logits, filtered, _bank_key(adapters))
+        key = ("mixed", _shape_key(kv), _shape_key(batch), flags, logits, filtered, None if adapters is None else adapters.shapes)
         args = (self._params(adapters), kv, batch)
 
         def lower() -> Any:
@@ -81,9 +82,9 @@ class Runner:
 
     def decode(
         self, kv: S, loop: DecodeLoop, sampling: SamplingParams, *, flags: SamplingFlags,
-        adapters: Mapping[str, jax.Array] | None = None,
+        adapters: LoraBank | None = None,
     ) -> tuple[DecodeLoop, S]:
-        key = ("decode", _shape_key(kv), _shape_key(loop), flags, _bank_key(adapters))
+        key = ("decode", _shape_key(kv), _shape_key(loop), flags, None if adapters is None else adapters.shapes)
         args = (self._params(adapters), kv, loop, sampling)
 
         def lower() -> Any:
@@ -152,10 +153,6 @@ class Runner:
 def runner_for(model: Model) -> Runner:
     """The model's runner, shared by every engine and front end of it."""
     return attached(model, "runner", lambda: Runner(model))
-
-
-def _bank_key(adapters: Mapping[str, jax.Array] | None) -> tuple[Any, ...] | None:
-    return None if adapters is None else tuple((name, value.shape) for name, value in sorted(adapters.items()))
 
 
 def _shape_key(tree: Any) -> tuple[Any, ...]:
