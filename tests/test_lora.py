@@ -183,3 +183,25 @@ def test_cli_lora_flag(setup: dict[str, Any], monkeypatch: pytest.MonkeyPatch, t
     assert missing.exit_code == 1 and "adapter_config.json" in missing.output
     bad_scale = CliRunner().invoke(app, [*base, "--lora", f"{root / 'a'}:nan"])
     assert bad_scale.exit_code == 2 and "finite" in bad_scale.output
+
+
+def test_both_gather_paths_equal_each_rows_own_pair(setup: dict[str, Any]) -> None:
+    import jax.numpy as jnp
+
+    from zgen.lora import random_adapter
+    from zgen.lora.bank import stack_mixes
+    from zgen.lora.graph import lora_projection
+
+    config = setup["model"].config
+    mixes = [[(random_adapter(config, 4, seed=s), 1.0)] for s in range(3)]
+    bank = stack_mixes(mixes, config, jnp.dtype(jnp.float32)).arrays  # slot 0 (none) + 3 adapters
+    qkv_rows = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+    weight = np.random.default_rng(0).standard_normal((qkv_rows, config.hidden_size)).astype(np.float32)
+    params = {"layers.0.qkv": jnp.asarray(weight), **bank}
+    a, b = np.asarray(bank["layers.0.qkv.lora_a"]), np.asarray(bank["layers.0.qkv.lora_b"])
+    for rows, seq in [(6, 1), (2, 1), (6, 3)]:  # all slots at once; gathered (few rows); gathered (prefill)
+        x = np.random.default_rng(rows + seq).standard_normal((rows, seq, config.hidden_size)).astype(np.float32)
+        slots = np.arange(rows) % 4
+        ours = np.asarray(lora_projection(params, "layers.0", jnp.asarray(slots))("qkv", jnp.asarray(x)))
+        ref = np.stack([x[r] @ weight.T + (x[r] @ a[slots[r]].T) @ b[slots[r]].T for r in range(rows)])
+        np.testing.assert_allclose(ours, ref, atol=1e-4)

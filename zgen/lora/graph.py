@@ -5,7 +5,9 @@ The rewired graph takes one more input, ``adapter_slots`` (int32 ``[batch]``: th
 row, 0 = a slot of zeros for rows without one), and reads, beside the base weights, for each adapted
 fused weight ``W`` (``layers.{i}.qkv`` ...) a bank of pairs ``W.lora_a`` [slots, R, in] and
 ``W.lora_b`` [slots, out, R] (scales folded into ``B``; built by :func:`zgen.lora.bank.stack_mixes`).
-A row computes ``x W^T + (x A[s]^T) B[s]^T`` with ``s`` its slot. Weights without a bank entry stay
+A row computes ``x W^T + (x A[s]^T) B[s]^T`` with ``s`` its slot: by gathering each row's pair
+(prefill, or few rows), or when decoding more rows than slots by computing every slot's features and
+keeping the row's own, so each bank is read once per step. Weights without a bank entry stay
 plain, so one graph serves every set of adapters; only the bank's shapes pick the compiled program.
 """
 
@@ -37,11 +39,20 @@ def lora_projection(params: Mapping[str, jax.Array], prefix: str, slots: jax.Arr
         a_name, b_name = bank_names(f"{prefix}.{name}")
         if a_name not in params:
             return y
-        a = jnp.take(params[a_name], slots, axis=0)  # [B, R, in]: each row's own adapter
-        b = jnp.take(params[b_name], slots, axis=0)  # [B, out, R]
-        precision = matmul_precision(x.dtype, a.dtype)
-        low = jnp.einsum("bti,bri->btr", x, a.astype(x.dtype), precision=precision)
-        return y + jnp.einsum("btr,bor->bto", low, b.astype(x.dtype), precision=precision).astype(y.dtype)
+        a_bank, b_bank = params[a_name].astype(x.dtype), params[b_name].astype(x.dtype)
+        precision = matmul_precision(x.dtype, a_bank.dtype)
+        batch, seq = x.shape[:2]
+        if seq == 1 and a_bank.shape[0] <= batch:
+            # Decoding more rows than slots: every slot's features for every row, the other slots'
+            # zeroed, so each bank is read once per step rather than once per row.
+            low = jnp.einsum("bti,sri->btsr", x, a_bank, precision=precision)
+            mine = slots[:, None, None, None] == jnp.arange(a_bank.shape[0])[None, None, :, None]
+            delta = jnp.einsum("btsr,sor->bto", jnp.where(mine, low, 0), b_bank, precision=precision)
+        else:  # few rows, or many tokens per row: gather each row's own pair
+            a = jnp.take(a_bank, slots, axis=0)  # [B, R, in]
+            b = jnp.take(b_bank, slots, axis=0)  # [B, out, R]
+            delta = jnp.einsum("btr,bor->bto", jnp.einsum("bti,bri->btr", x, a, precision=precision), b, precision=precision)
+        return y + delta.astype(y.dtype)
 
     return project
 

@@ -51,9 +51,9 @@ from zgen.cache.factory import CacheOption, make_kv, resolve
 from zgen.cache.formats import kv_dtype_of, kv_format
 from zgen.errors import AdapterError, CacheError, ConfigError, InputError, PoolExhaustedError, PromptTooLongError, TokenIdError, ZgenError
 from zgen.lora.adapter import LoraAdapter, check_adapter
-from zgen.lora.bank import LoraBank, stack_mixes
 from zgen.model import Model
 from zgen.pallas.paged_attention.layouts import KeyCalibration
+from zgen.runtime.adapters import AdapterBanks
 from zgen.runtime.calibration import key_calibration as model_key_calibration
 from zgen.runtime.results import FinishReason
 from zgen.runtime.runner import runner_for
@@ -64,7 +64,6 @@ from zgen.runtime.stop import StopCondition, TextStream
 from zgen.shapes import next_pow2
 
 GREEDY = SamplingConfig(temperature=0.0)
-_KEPT_BANKS = 4  # LoRA banks (distinct sets of adapter mixes) kept for reuse by later steps
 
 
 @dataclass(frozen=True)
@@ -237,7 +236,7 @@ class Engine:
         self._scheduled: set[asyncio.AbstractEventLoop] = set()
         self._seeds = itertools.count(0x5EED)
         self._sequences: weakref.WeakSet[Sequence] = weakref.WeakSet()  # every live sequence (preemption victims)
-        self._banks: dict[tuple[object, ...], tuple[list[tuple[LoraAdapter, float]], LoraBank]] = {}
+        self._banks = AdapterBanks(model.config, model.dtype)  # LoRA banks of the steps' adapter mixes
 
     @property
     def max_len(self) -> int:
@@ -510,27 +509,6 @@ class Engine:
         penalties = self._penalties(rows, index, width) if flags.penalties else None
         return SamplingParams.from_configs(configs, vocab), flags, keys, penalties
 
-    def _adapter_bank(
-        self, rows: list[_Row], index: list[int], width: int
-    ) -> tuple[jax.Array | None, LoraBank | None]:
-        """Each row's LoRA slot and the step's adapter bank (None, None when no row has an adapter):
-        rows with the same adapters share a slot; banks are kept for the next steps of the same mixes."""
-        keys = [tuple((id(a), scale) for a, scale in row.job.adapters) for row in rows]
-        distinct = sorted({k for k in keys if k})
-        if not distinct:
-            return None, None
-        mixes = {k: next(row.job.adapters for row, kk in zip(rows, keys, strict=True) if kk == k) for k in distinct}
-        bank_key = tuple(distinct)
-        if bank_key not in self._banks:
-            if len(self._banks) >= _KEPT_BANKS:
-                self._banks.pop(next(iter(self._banks)))
-            held = [pair for k in distinct for pair in mixes[k]]  # keeps the adapters alive (their ids key the bank)
-            self._banks[bank_key] = (held, stack_mixes([mixes[k] for k in distinct], self.model.config, self.model.dtype))
-        slots = np.zeros(width, np.int32)
-        for key, i in zip(keys, index, strict=True):
-            slots[i] = distinct.index(key) + 1 if key else 0
-        return jnp.asarray(slots), self._banks[bank_key][1]
-
     def _penalties(self, rows: list[_Row], index: list[int], width: int) -> PenaltyState:
         """Penalty state from token ids: each row has seen its sequence, and generated its job's tokens."""
         seen = [row.job.seq.tokens[: row.start + row.count] for row in rows]
@@ -561,7 +539,7 @@ class Engine:
         params, flags, keys, penalties = self._sampling(rows, index, width)
         host_choice = any(row.job.sampling.choose is not None for row in rows)
         want_logits = host_choice or any(p in row.job.request.logits_at for row in rows for p in row.reads if not row.job.generating)
-        slots, bank = self._adapter_bank(rows, index, width)
+        slots, bank = self._banks.for_rows([row.job.adapters for row in rows], index, width)
         batch = MixedBatch(
             jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(read_rows), jnp.asarray(draw_index), keys, params,
             penalties, slots,
@@ -622,7 +600,7 @@ class Engine:
             token[i], position[i], done[i], last_step[i] = row.job.seq.tokens[row.start], row.start, row.count <= 0, row.count - 1
             stop_ids[i, : len(ids)] = ids
         params, flags, keys, penalties = self._sampling(rows, index, width)
-        slots, bank = self._adapter_bank(rows, index, width)
+        slots, bank = self._banks.for_rows([row.job.adapters for row in rows], index, width)
         loop = DecodeLoop(
             token=jnp.asarray(token), position=jnp.asarray(position), done=jnp.asarray(done),
             last_step=jnp.asarray(last_step), stop_ids=jnp.asarray(stop_ids), keys=keys, penalties=penalties,
