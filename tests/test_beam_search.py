@@ -14,7 +14,9 @@ import torch
 import transformers
 
 from tests.hf_reference import SMALL, save_random_checkpoint
-from zgen import Engine, Generator, SamplingConfig, load_model
+from zgen import Engine, EngineConfig, Generator, SamplingConfig, load_model
+from zgen.cache.factory import paged_kv
+from zgen.cache.formats import bytes_per_token_per_layer
 from zgen.errors import ConfigError
 from zgen.model import Model
 from zgen.runtime.beam import beam_search
@@ -87,9 +89,13 @@ def test_with_eos_matches_transformers(
 
 def test_beams_share_pages_and_leave_nothing_behind(pair: tuple[Model, Any, Path]) -> None:
     model, _, _ = pair
-    engine = Engine(model)
+    # 16 pages of 16 tokens: the 96-token prompt takes 6, so 4 beams fit only if they share them.
+    page_bytes = 16 * model.config.num_layers * bytes_per_token_per_layer("fp32", model.config.num_kv_heads, model.config.head_dim)
+    engine = Engine(model, paged_kv(16 * page_bytes / 2**20), config=EngineConfig(on_pool_exhausted="error"))
     pool = getattr(engine.kv, "pool")
-    beams = beam_search(engine, PROMPT * 6, num_beams=4, max_new_tokens=6, eos_token_ids=[])
+    assert pool.num_blocks == 16
+    beams = beam_search(engine, PROMPT * 16, num_beams=4, max_new_tokens=6, eos_token_ids=[])
+    assert beams == beam_search(Engine(model), PROMPT * 16, num_beams=4, max_new_tokens=6, eos_token_ids=[])
     assert len(beams) == 4 and pool.num_used == 0  # every fork was released
     generator = Generator(model)
     with pytest.raises(ConfigError, match="num_beams"):

@@ -65,6 +65,22 @@ def test_logits_and_greedy_match_peft(setup: dict[str, Any], which: str) -> None
     np.testing.assert_allclose(result.logprobs, ref_logprobs, atol=1e-4)
 
 
+def test_embeddings_with_adapter_match_peft(setup: dict[str, Any]) -> None:
+    from zgen import embed
+
+    model, adapter, reference = setup["model"], setup["b"], setup["peft_b"]
+    texts = [IDS, IDS[:4]]
+    with torch.no_grad():
+        hidden = [reference.base_model.model.model(input_ids=torch.tensor([t])).last_hidden_state[0].numpy() for t in texts]
+    ref = np.stack([h.mean(axis=0) for h in hidden])
+    np.testing.assert_allclose(embed(model, texts, normalize=False, adapter=adapter), ref, atol=1e-4)
+    model.push_adapter(adapter)
+    try:
+        np.testing.assert_allclose(embed(model, texts, normalize=False), ref, atol=1e-4)
+    finally:
+        model.pop_adapter()
+
+
 def test_mixed_batch_equals_each_alone(setup: dict[str, Any]) -> None:
     model, a, b = setup["model"], setup["a"], setup["b"]
     generator = Generator(model)
@@ -78,6 +94,7 @@ def test_mixed_batch_equals_each_alone(setup: dict[str, Any]) -> None:
         assert result.token_ids == alone.token_ids
         np.testing.assert_allclose(result.logprobs, alone.logprobs, atol=1e-5)
     assert together[0].token_ids != together[2].token_ids  # the rows really ran different weights
+    assert "".join(generator.generate_stream(IDS[:5], GREEDY, adapter=a)) == together[0].text
 
 
 def test_push_pop_and_merge_equal_per_request(setup: dict[str, Any]) -> None:

@@ -13,6 +13,7 @@ from typing import cast
 import numpy as np
 
 from zgen.errors import InputError
+from zgen.lora.adapter import AdapterChoice, adapter_pairs
 from zgen.model import Model
 from zgen.runtime.embedding import embed_ids
 from zgen.runtime.runner import runner_for
@@ -28,17 +29,20 @@ def embed(
     pooling: Pooling = "mean",
     normalize: bool = True,
     batch_size: int = 32,
+    adapter: AdapterChoice | None = None,
 ) -> np.ndarray:
     """Embeddings of one text (``[hidden]``) or of several (``[len(texts), hidden]``), float32: the
     last hidden states after the final norm pooled by ``pooling`` (``mean``, ``last``, ``cls``,
     ``max``) over each text's own tokens, scaled to unit length when ``normalize``. Texts are
-    tokenized as prompts are (special tokens such as BOS included); ``batch_size`` texts run per step."""
+    tokenized as prompts are (special tokens such as BOS included); ``batch_size`` texts run per step.
+    The model's pushed LoRA adapters apply, and ``adapter`` on top of them."""
     single = isinstance(texts, str) or (isinstance(texts, Sequence) and bool(texts) and all(_is_id(t) for t in texts))
     items: list[Text] = [texts] if single else list(texts)  # type: ignore[list-item]
     if not items:
         raise InputError("no texts to embed")
     ids = [_ids(model, item, n) for n, item in enumerate(items)]
-    out = embed_ids(runner_for(model), ids, pooling=pooling, normalize=normalize, batch_size=batch_size)
+    adapters = (*model.adapters, *adapter_pairs(adapter))
+    out = embed_ids(runner_for(model), ids, pooling=pooling, normalize=normalize, batch_size=batch_size, adapters=adapters)
     return out[0] if single else out
 
 

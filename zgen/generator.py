@@ -95,13 +95,17 @@ class Generator:
     ) -> GenerationResult:
         return self.batch_generate([Request(prompt, sampling or SamplingConfig(), adapter=adapter)])[0]
 
-    def chat(self, messages: Sequence[Message], sampling: SamplingConfig | None = None) -> GenerationResult:
-        return self.generate(list(messages), sampling)
+    def chat(
+        self, messages: Sequence[Message], sampling: SamplingConfig | None = None, *, adapter: AdapterChoice | None = None
+    ) -> GenerationResult:
+        return self.generate(list(messages), sampling, adapter=adapter)
 
-    def generate_stream(self, prompt: Prompt, sampling: SamplingConfig | None = None) -> Iterator[str]:
+    def generate_stream(
+        self, prompt: Prompt, sampling: SamplingConfig | None = None, *, adapter: AdapterChoice | None = None
+    ) -> Iterator[str]:
         """Yield text pieces as they are decoded; their concatenation equals ``generate(...).text``.
         Closing the iterator early frees the request's row."""
-        request = Request(prompt, sampling or SamplingConfig())
+        request = Request(prompt, sampling or SamplingConfig(), adapter=adapter)
         ids = self.encode_prompt(request.prompt)
         _, job = self._submit(request, ids, stream=True)
         yield from self.engine.stream(job)

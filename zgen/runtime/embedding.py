@@ -20,14 +20,23 @@ import numpy as np
 
 from zgen.cache.tensor import DenseKVState
 from zgen.errors import ConfigError, InputError, PromptTooLongError
+from zgen.lora.adapter import LoraAdapter, check_adapter
+from zgen.lora.bank import stack_mixes
 from zgen.runtime.runner import Runner
 from zgen.runtime.step import POOLINGS, Pooling
 from zgen.shapes import next_pow2
 
 def embed_ids(
-    runner: Runner, texts: Sequence[Sequence[int]], *, pooling: Pooling = "mean", normalize: bool = True, batch_size: int = 32
+    runner: Runner,
+    texts: Sequence[Sequence[int]],
+    *,
+    pooling: Pooling = "mean",
+    normalize: bool = True,
+    batch_size: int = 32,
+    adapters: tuple[tuple[LoraAdapter, float], ...] = (),
 ) -> np.ndarray:
-    """Embeddings ``[len(texts), hidden]`` (float32) of token-id sequences, ``batch_size`` rows per step."""
+    """Embeddings ``[len(texts), hidden]`` (float32) of token-id sequences, ``batch_size`` rows per
+    step, computed with ``adapters`` (LoRA, with scales) if any."""
     if pooling not in POOLINGS:
         raise ConfigError(f"pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -38,6 +47,9 @@ def embed_ids(
             raise InputError(f"text {n} has no tokens; every text needs at least one")
         if len(ids) > config.max_position_embeddings:
             raise PromptTooLongError(f"text {n} has {len(ids)} tokens, more than the model's context of {config.max_position_embeddings}")
+    for adapter, _ in adapters:
+        check_adapter(adapter, config)
+    bank = stack_mixes([adapters], config, runner.model.dtype) if adapters else None
     out = np.zeros((len(texts), config.hidden_size), np.float32)
     order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
     for start in range(0, len(order), batch_size):
@@ -50,6 +62,10 @@ def embed_ids(
             n = len(texts[i])
             tokens[row, :n], positions[row, :n], lengths[row] = texts[i], np.arange(n), n
         kv = DenseKVState.zeros(config.num_layers, width, t, config.num_kv_heads, config.head_dim, runner.model.dtype)
-        pooled = runner.embed(kv, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(lengths), pooling=pooling, normalize=normalize)
+        slots = None if bank is None else jnp.ones(width, jnp.int32)  # every row: the bank's one mix
+        pooled = runner.embed(
+            kv, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(lengths), pooling=pooling, normalize=normalize,
+            adapter_slots=slots, adapters=bank,
+        )
         out[chunk] = np.asarray(jax.device_get(pooled))[: len(chunk)]
     return out

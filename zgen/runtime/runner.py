@@ -47,9 +47,11 @@ class Runner:
     def __init__(self, model: Model) -> None:
         enable_persistent_compilation_cache()
         self.model = model
-        self.spec = ModelSpec(model.graph, model.config.sliding_window, inject_lora(model.graph))
+        lora_graph = inject_lora(model.graph)
+        self.spec = ModelSpec(model.graph, model.config.sliding_window, lora_graph)
         self._executables: dict[Hashable, Any] = {}
         self._hidden_graph = hidden_state_graph(model.graph)
+        self._hidden_lora_graph = hidden_state_graph(lora_graph)
 
     @property
     def params(self) -> Any:
@@ -94,11 +96,11 @@ class Runner:
 
     def embed(
         self, kv: KVState, tokens: Int[Array, "B T"], positions: Int[Array, "B T"], lengths: Int[Array, " B"], *,
-        pooling: Pooling, normalize: bool,
+        pooling: Pooling, normalize: bool, adapter_slots: Int[Array, " B"] | None = None, adapters: LoraBank | None = None,
     ) -> Float[Array, "B H"]:
         """Pooled last hidden states of ``tokens`` (see :mod:`zgen.runtime.embedding`); ``kv`` is scratch."""
-        key = ("embed", _shape_key(kv), tokens.shape, pooling, normalize)
-        args = (self.params, kv, tokens, positions, lengths)
+        key = ("embed", _shape_key(kv), tokens.shape, pooling, normalize, None if adapters is None else adapters.shapes)
+        args = (self._params(adapters), kv, tokens, positions, lengths, adapter_slots)
 
         def lower() -> Any:
             fn = jax.jit(self._embed, static_argnames=("pooling", "normalize"))  # the scratch KV is not returned
@@ -138,8 +140,12 @@ class Runner:
     ) -> tuple[DecodeLoop, S]:
         return decode_loop(self.spec, params, kv, loop, sampling, flags=flags)
 
-    def _embed(self, params: Any, kv: KVState, tokens: Array, positions: Array, lengths: Array, *, pooling: Pooling, normalize: bool) -> Array:
-        hidden, _ = hidden_states(self._hidden_graph, self.spec.sliding_window, params, kv, tokens, positions)
+    def _embed(
+        self, params: Any, kv: KVState, tokens: Array, positions: Array, lengths: Array, adapter_slots: Array | None, *,
+        pooling: Pooling, normalize: bool,
+    ) -> Array:
+        graph = self._hidden_graph if adapter_slots is None else self._hidden_lora_graph
+        hidden, _ = hidden_states(graph, self.spec.sliding_window, params, kv, tokens, positions, adapter_slots)
         return pool_hidden(hidden, lengths, pooling, normalize)
 
     def _compiled(self, key: Hashable, lower: Callable[[], Any]) -> Any:

@@ -90,12 +90,22 @@ def forward(
 
 
 def hidden_states(
-    graph: Graph, sliding_window: int | None, params: Params, kv: S, tokens: Int[Array, "B T"], positions: Int[Array, "B T"]
+    graph: Graph,
+    sliding_window: int | None,
+    params: Params,
+    kv: S,
+    tokens: Int[Array, "B T"],
+    positions: Int[Array, "B T"],
+    adapter_slots: Int[Array, " B"] | None = None,
 ) -> tuple[Float[Array, "B T H"], S]:
     """Run a graph cut after the final norm (:func:`~zgen.graph.decoder.hidden_state_graph`) over
-    ``tokens`` at ``positions`` (-1: padding), writing their K/V; the hidden states of every token."""
+    ``tokens`` at ``positions`` (-1: padding), writing their K/V; the hidden states of every token.
+    ``adapter_slots`` feed a LoRA-injected graph, as in :func:`forward`."""
     ctx = _CacheContext(kv, sliding_window)
-    (hidden,) = graph.run(params, {TOKENS: tokens, POSITIONS: positions}, ctx)
+    feeds = {TOKENS: tokens, POSITIONS: positions}
+    if adapter_slots is not None:
+        feeds[ADAPTER_SLOTS] = adapter_slots
+    (hidden,) = graph.run(params, feeds, ctx)
     return hidden, ctx.state
 
 
