@@ -222,3 +222,19 @@ def test_both_gather_paths_equal_each_rows_own_pair(setup: dict[str, Any]) -> No
         ours = np.asarray(lora_projection(params, "layers.0", jnp.asarray(slots))("qkv", jnp.asarray(x)))
         ref = np.stack([x[r] @ weight.T + (x[r] @ a[slots[r]].T) @ b[slots[r]].T for r in range(rows)])
         np.testing.assert_allclose(ours, ref, atol=1e-4)
+
+
+def test_cli_embed_lora(setup: dict[str, Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from zgen import embed
+    from zgen.cli import app
+
+    monkeypatch.setenv("ZGEN_XLA_CACHE_DIR", str(tmp_path / "xla"))
+    root = setup["root"]
+    (tmp_path / "in.txt").write_text("w17 w42 w5\nw9\n")
+    args = ["embed", "-m", str(root / "base"), "-i", str(tmp_path / "in.txt"), "-o", str(tmp_path / "out.jsonl"), "--lora", f"{root / 'a'}:2"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line)["embedding"] for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    np.testing.assert_allclose(rows, embed(setup["model"], ["w17 w42 w5", "w9"], adapter=(setup["a"], 2.0)), atol=1e-5)

@@ -39,7 +39,7 @@ from zgen.errors import ConfigError, ZgenError
 from zgen.evaluation import perplexity, read_text_file
 from zgen.generator import Generator, Prompt
 from zgen.loading.builtin import BUILTIN_MODELS, DEFAULT_MODEL, builtin_model_path
-from zgen.lora import load_adapter
+from zgen.lora import LoraAdapter, load_adapter
 from zgen.model import DTYPES, Model, default_cache_dir, load_model, resolve_model
 from zgen.runtime.sampling import SamplingConfig
 from zgen.runtime.step import POOLINGS, Pooling
@@ -199,6 +199,16 @@ def _split_lora(value: str) -> tuple[str, float]:
     if not value:
         raise typer.BadParameter("an adapter path cannot be empty")
     return value, 1.0
+
+
+def _read_adapters(specs: list[str] | None) -> list[tuple[LoraAdapter, float]]:
+    return [(load_adapter(path), scale) for path, scale in map(_split_lora, specs or [])]
+
+
+def _with_adapters(model: Model, adapters: list[tuple[LoraAdapter, float]]) -> Model:
+    for adapter, scale in adapters:
+        model.push_adapter(adapter, scale)
+    return model
 
 
 LoraOption = Annotated[
@@ -412,12 +422,9 @@ def generate(
     request: Prompt = [{"role": "user", "content": prompt}] if chat else prompt
     show = not (quiet or as_json)
     try:
-        adapters = [(load_adapter(p), scale) for p, scale in map(_split_lora, lora or [])]
+        adapters = _read_adapters(lora)
         with Phases.on_stderr(enabled=show) as phases:
-            loaded = _load(phases, model, path, dtype, sampling)
-            for adapter, scale in adapters:
-                loaded.push_adapter(adapter, scale)
-            generator = Generator(loaded, *options)
+            generator = Generator(_with_adapters(_load(phases, model, path, dtype, sampling), adapters), *options)
         with generator:
             if num_beams > 1:
                 _print_beams(generator, request, num_beams, length_penalty, max_new_tokens, as_json)
@@ -487,6 +494,7 @@ def chat(
     kv_cache: KVCacheOption = None,
     kv_dtype_name: KVDtypeOption = None,
     use_prefix_cache: PrefixCacheOption = False,
+    lora: LoraOption = None,
     quiet: QuietOption = False,
 ) -> None:
     """Chat interactively, each reply streamed as it is generated.
@@ -500,8 +508,9 @@ def chat(
     sampling = _sampling(path, CHAT_DEFAULTS, chosen, max_new_tokens=max_new_tokens, seed=seed, stop=None, ignore_eos=False)
     options = _cache_options(kv_cache, kv_dtype_name, use_prefix_cache)
     try:
+        adapters = _read_adapters(lora)
         with Phases.on_stderr(enabled=not quiet) as phases:
-            generator = Generator(_load(phases, model, path, dtype, sampling), *options)
+            generator = Generator(_with_adapters(_load(phases, model, path, dtype, sampling), adapters), *options)
     except ZgenError as err:
         raise _fail(err) from None
     messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
@@ -599,6 +608,7 @@ def embed_command(
     normalize: Annotated[bool, typer.Option("--normalize/--no-normalize", help="Scale every embedding to unit length.")] = True,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Texts per step.")] = 32,
     dtype: DtypeOption = "float32",
+    lora: LoraOption = None,
     quiet: QuietOption = False,
 ) -> None:
     """Embed texts: the model's last hidden states (after the final norm) pooled per text."""
@@ -608,8 +618,9 @@ def embed_command(
         raise typer.BadParameter(str(err), param_hint="'--input'") from None
     path = _model_path(model)
     try:
+        adapters = _read_adapters(lora)
         with Phases.on_stderr(enabled=not quiet) as phases:
-            loaded = _load(phases, model, path, dtype, None)
+            loaded = _with_adapters(_load(phases, model, path, dtype, None), adapters)
             with phases.phase(f"Embedding {len(items)} texts"):
                 vectors = embed(loaded, [text for text, _ in items], pooling=cast(Pooling, pooling), normalize=normalize, batch_size=batch_size)
     except ZgenError as err:
