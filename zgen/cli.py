@@ -41,6 +41,7 @@ from zgen.generator import Generator, Prompt
 from zgen.loading.builtin import BUILTIN_MODELS, DEFAULT_MODEL, builtin_model_path
 from zgen.lora import LoraAdapter, load_adapter
 from zgen.model import DTYPES, Model, default_cache_dir, load_model, resolve_model
+from zgen.runtime.grammar import Grammar
 from zgen.runtime.sampling import SamplingConfig
 from zgen.runtime.step import POOLINGS, Pooling
 
@@ -405,6 +406,9 @@ def generate(
     ] = 1.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (text, ids, log-probs, usage, timings) instead of streaming text.")] = False,
     quiet: QuietOption = False,
+    json_schema: Annotated[Path | None, typer.Option("--json-schema", help="The output is JSON valid under this JSON Schema file.")] = None,
+    regex: Annotated[str | None, typer.Option("--regex", help="The output matches this regular expression as a whole.")] = None,
+    lark: Annotated[Path | None, typer.Option("--lark", help="The output follows this Lark grammar file (rule 'start').")] = None,
 ) -> None:
     """Generate a continuation of a prompt, streamed to stdout.
 
@@ -418,6 +422,9 @@ def generate(
     path = _model_path(model)
     chosen = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p, "repetition_penalty": repetition_penalty}
     sampling = _sampling(path, GENERATE_DEFAULTS, chosen, max_new_tokens=max_new_tokens, seed=seed, stop=stop, ignore_eos=ignore_eos)
+    grammar = _grammar(json_schema, regex, lark)
+    if grammar is not None:
+        sampling = replace(sampling, config=replace(sampling.config, grammar=grammar))
     options = _cache_options(kv_cache, kv_dtype_name, use_prefix_cache)
     request: Prompt = [{"role": "user", "content": prompt}] if chat else prompt
     show = not (quiet or as_json)
@@ -451,6 +458,25 @@ def _print_beams(generator: Generator, request: Prompt, num_beams: int, length_p
         print(json.dumps({"beams": listed, "prompt_token_ids": generator.encode_prompt(request)}, ensure_ascii=False))
     else:
         _write(beams[0].text + "\n")
+
+
+def _grammar(json_schema: Path | None, regex: str | None, lark: Path | None) -> Grammar | None:
+    """The grammar one of --json-schema / --regex / --lark asks for, checked before anything loads."""
+    given = [(flag, value) for flag, value in (("--json-schema", json_schema), ("--regex", regex), ("--lark", lark)) if value is not None]
+    if len(given) > 1:
+        raise typer.BadParameter("give at most one of --json-schema, --regex and --lark", param_hint=f"'{given[1][0]}'")
+    if not given:
+        return None
+    flag, value = given[0]
+    try:
+        if isinstance(value, Path):
+            text = value.read_text(encoding="utf-8")
+            return Grammar.json_schema(text) if flag == "--json-schema" else Grammar.lark(text)
+        return Grammar.regex(value)
+    except (OSError, UnicodeDecodeError) as err:
+        raise typer.BadParameter(f"cannot read {value}: {err}", param_hint=f"'{flag}'") from None
+    except ZgenError as err:
+        raise typer.BadParameter(str(err), param_hint=f"'{flag}'") from None
 
 
 def _json_result(generator: Generator, request: Prompt, sampling: SamplingConfig) -> dict[str, object]:

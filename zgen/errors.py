@@ -57,3 +57,7 @@ class SnapshotError(ZgenError):
 
 class AdapterError(ZgenError):
     """A LoRA adapter that cannot be read, or does not fit the model it is applied to."""
+
+
+class GrammarError(InputError):
+    """A grammar, regex or JSON schema that cannot be compiled, or a token the grammar does not allow."""

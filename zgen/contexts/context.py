@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import weakref
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal, TypeVar, overload
 
@@ -278,7 +278,7 @@ class Context:
             self.engine.wait(job)
 
     def _generation(
-        self, sampler: SamplingConfig | None, stop: StopCondition | None
+        self, sampler: SamplingConfig | None, stop: StopCondition | None, *, stream: bool = False, per_token: bool = False
     ) -> tuple[Job, Callable[[ForwardResult], GenerationResult]]:
         """Decode until ``stop`` (default: what ``sampler`` says — 256 tokens and the model's EOS ids)
         with ``sampler`` (default greedy). Generated tokens stay in the context; the last is pending."""
@@ -288,7 +288,9 @@ class Context:
         self._ensure_pending()
         prompt = list(self.seq.tokens)
         end = len(prompt)
-        job = self._submit(ForwardRequest(end=end, sample_at=(end - 1,), sampling=sampler, generate=stop))
+        job = self._submit(
+            ForwardRequest(end=end, sample_at=(end - 1,), sampling=sampler, generate=stop, stream=stream, per_token=per_token)
+        )
 
         def finish(result: ForwardResult) -> GenerationResult:
             if self._messages and self._reply_open:
@@ -319,6 +321,20 @@ class Context:
 
     def generate(self, sampler: SamplingConfig | None = None, stop: StopCondition | None = None) -> str:
         return self.generate_result(sampler, stop).text
+
+    def generate_stream(
+        self, sampler: SamplingConfig | None = None, stop: StopCondition | None = None, *, per_token: bool = False
+    ) -> Iterator[str]:
+        """:meth:`generate`, its text yielded in pieces as it is decoded (``per_token``: as each token
+        is drawn); the pieces join to what :meth:`generate` returns and the context keeps the reply the
+        same way. Closing the iterator early drops the unfinished reply (the context is as before)."""
+        job, finish = self._generation(sampler, stop, stream=True, per_token=per_token)
+
+        def pieces() -> Iterator[str]:
+            yield from self.engine.stream(job)
+            finish(job.future.result())
+
+        return pieces()
 
     def _next_distribution(self) -> tuple[Job, Callable[[ForwardResult], Distribution]]:
         self._add_generation_prompt()
@@ -355,6 +371,8 @@ class Context:
         Produces exactly what :meth:`generate_result_async` produces with the same sampler and seed.
         """
         sampler = sampler or GREEDY
+        if sampler.grammar is not None:
+            raise ConfigError("speculative decoding does not take a grammar yet; use generate with the grammar")
         stop = stop or StopCondition.from_sampling(sampler, self.engine.model.eos_token_ids)
         self._add_generation_prompt()
         self._ensure_pending()
@@ -375,6 +393,7 @@ class Context:
             accepted = 0
             while accepted < len(draft) and draft[accepted] == out.tokens[accepted]:
                 accepted += 1
+            self.engine.collector.speculation(len(draft), accepted)
             self.keep_fed(n + accepted)
             new = draft[:accepted] + [out.tokens[accepted]]
             self.seq.append(new[-1:])

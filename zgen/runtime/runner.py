@@ -23,7 +23,10 @@ from zgen.lora.bank import LoraBank
 from zgen.lora.graph import inject_lora
 from zgen.model import Model, attached
 from zgen.runtime.sampling import SamplingFlags, SamplingParams
-from zgen.runtime.step import DecodeLoop, Pooling, MixedBatch, MixedOutput, ModelSpec, decode_loop, forward, hidden_states, mixed_step, pool_hidden
+from zgen.runtime.step import (
+    DecodeLoop, MixedBatch, MixedOutput, ModelSpec, Pooling, decode_loop, draw_reads, forward, hidden_states, mixed_step,
+    pool_hidden,
+)
 
 S = TypeVar("S", bound=KVState)
 
@@ -62,11 +65,13 @@ class Runner:
         return self.params if adapters is None else {**self.params, **adapters.arrays}
 
     def forward(
-        self, kv: S, tokens: Int[Array, "B T"], positions: Int[Array, "B T"], read_rows: Int[Array, "B R"]
+        self, kv: S, tokens: Int[Array, "B T"], positions: Int[Array, "B T"], read_rows: Int[Array, "B R"],
+        adapter_slots: Int[Array, " B"] | None = None, *, adapters: LoraBank | None = None,
     ) -> tuple[Float[Array, "B R V"], S]:
-        """Feed ``tokens`` at ``positions`` (-1: padding), writing the cache; raw logits at ``read_rows``."""
-        key = ("forward", _shape_key(kv), tokens.shape, read_rows.shape)
-        args = (self.params, kv, tokens, positions, read_rows)
+        """Feed ``tokens`` at ``positions`` (-1: padding), writing the cache; raw logits at ``read_rows``
+        (with ``adapter_slots``, each row's LoRA from the bank ``adapters``)."""
+        key = ("forward", _shape_key(kv), tokens.shape, read_rows.shape, None if adapters is None else adapters.shapes)
+        args = (self._params(adapters), kv, tokens, positions, read_rows, adapter_slots)
         return self._compiled(key, lambda: jax.jit(self._forward, donate_argnums=(1,)).lower(*args))(*args)
 
     def mixed(
@@ -78,6 +83,20 @@ class Runner:
 
         def lower() -> Any:
             fn = jax.jit(self._mixed, donate_argnums=(1,), static_argnames=("flags", "logits", "filtered"))
+            return fn.lower(*args, flags=flags, logits=logits, filtered=filtered)
+
+        return self._compiled(key, lower)(*args)
+
+    def draw(
+        self, out: Float[Array, "B R V"], batch: MixedBatch, token_mask: Int[Array, "B W"] | None, *,
+        flags: SamplingFlags, logits: bool = False, filtered: bool = False,
+    ) -> MixedOutput:
+        """The draws of a mixed step whose forward ran apart (:meth:`forward`), within a token mask."""
+        key = ("draw", _shape_key((out, batch, token_mask)), flags, logits, filtered)
+        args = (out, batch, token_mask)
+
+        def lower() -> Any:
+            fn = jax.jit(draw_reads, static_argnames=("flags", "logits", "filtered"))
             return fn.lower(*args, flags=flags, logits=logits, filtered=filtered)
 
         return self._compiled(key, lower)(*args)
@@ -127,8 +146,10 @@ class Runner:
 
     # -- traced ---------------------------------------------------------------------------------
 
-    def _forward(self, params: Any, kv: S, tokens: Array, positions: Array, read_rows: Array) -> tuple[Array, S]:
-        return forward(self.spec, params, kv, tokens, positions, read_rows)
+    def _forward(
+        self, params: Any, kv: S, tokens: Array, positions: Array, read_rows: Array, adapter_slots: Array | None
+    ) -> tuple[Array, S]:
+        return forward(self.spec, params, kv, tokens, positions, read_rows, adapter_slots)
 
     def _mixed(
         self, params: Any, kv: S, batch: MixedBatch, *, flags: SamplingFlags, logits: bool, filtered: bool
