@@ -238,3 +238,33 @@ def test_cli_embed_lora(setup: dict[str, Any], monkeypatch: pytest.MonkeyPatch, 
     assert result.exit_code == 0, result.output
     rows = [json.loads(line)["embedding"] for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     np.testing.assert_allclose(rows, embed(setup["model"], ["w17 w42 w5", "w9"], adapter=(setup["a"], 2.0)), atol=1e-5)
+
+
+def test_adapters_with_grammar_rows() -> None:
+    """A grammar-constrained row (whose forward runs apart from its draws) keeps its adapter."""
+    import dataclasses
+    import re
+
+    from zgen import Grammar, ModelConfig
+    from zgen.loading.builtin import builtin_model_path
+    from zgen.loading.gguf_file import open_gguf
+    from zgen.lora import random_adapter
+    from zgen.model import random_model
+    from zgen.tokenizer import Tokenizer
+
+    config = ModelConfig.from_hf(dict(
+        model_type="llama", vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
+        eos_token_id=2, tie_word_embeddings=True,
+    ))
+    tokenizer = Tokenizer.from_gguf(open_gguf(builtin_model_path("smollm2")))
+    model = dataclasses.replace(random_model(config, dtype="float32", seed=1), tokenizer=tokenizer)
+    adapter = random_adapter(config, 4, seed=7, alpha=64.0)
+    constrained = SamplingConfig(temperature=1.0, seed=3, max_new_tokens=12, grammar=Grammar.regex("[a-z]{3,8}"))
+    free = SamplingConfig(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+    generator = Generator(model)
+    together = generator.batch_generate([Request("go", constrained, adapter=adapter), Request("go", free, adapter=adapter)])
+    assert re.fullmatch("[a-z]{3,8}", together[0].text)
+    assert together[0].token_ids == generator.generate("go", constrained, adapter=adapter).token_ids
+    assert together[1].token_ids == generator.generate("go", free, adapter=adapter).token_ids
+    assert together[1].token_ids != generator.generate("go", free).token_ids  # the adapter changes the row
