@@ -268,3 +268,17 @@ def test_adapters_with_grammar_rows() -> None:
     assert together[0].token_ids == generator.generate("go", constrained, adapter=adapter).token_ids
     assert together[1].token_ids == generator.generate("go", free, adapter=adapter).token_ids
     assert together[1].token_ids != generator.generate("go", free).token_ids  # the adapter changes the row
+
+
+def test_beam_search_with_adapter_matches_peft(setup: dict[str, Any]) -> None:
+    model, adapter, reference = setup["model"], setup["a"], setup["peft_a"]
+    with torch.no_grad():
+        out = reference.generate(
+            input_ids=torch.tensor([IDS[:5]]), attention_mask=torch.ones(1, 5, dtype=torch.long), num_beams=3,
+            num_return_sequences=3, do_sample=False, max_new_tokens=6, eos_token_id=list(model.eos_token_ids), pad_token_id=0,
+            output_scores=True, return_dict_in_generate=True,
+        )
+    beams = Generator(model).beam_search(IDS[:5], 3, max_new_tokens=6, adapter=adapter)
+    lengths = (out.beam_indices != -1).sum(dim=1).tolist()
+    assert [b.token_ids for b in beams] == [out.sequences[i, 5 : 5 + n].tolist() for i, n in enumerate(lengths)]
+    np.testing.assert_allclose([b.score for b in beams], out.sequences_scores.tolist(), atol=1e-4)
