@@ -56,6 +56,13 @@ summaries = [run(one, sys.argv[2], f"{sys.argv[2]}.{dp}x{tp}", data_parallel=dp,
 out["replicas"] = [list(s.replica_requests) for s in summaries]
 texts = [{r["custom_id"]: r["response"]["body"]["choices"][0]["text"] for r in map(json.loads, open(f"{sys.argv[2]}.{dp}x{tp}"))} for dp, tp in ((1, 1), (2, 2))]
 out["batch_same"] = texts[0] == texts[1] and len(texts[0]) == 6
+from zgen.errors import ConfigError
+from zgen.lora import random_adapter
+try:
+    two.push_adapter(random_adapter(two.config, rank=2))
+    out["adapter_refused"] = False
+except ConfigError:
+    out["adapter_refused"] = True
 print(json.dumps(out))
 """
 
@@ -73,6 +80,7 @@ def test_two_way_tensor_parallel_matches_one_device(tmp_path: Path) -> None:
     assert out["two-tensor"] == out["one-tensor"] == out["two-paged"] == out["one-paged"]
     assert out["two-context"] == out["one-context"] and len(out["one-context"]) == 8
     assert out["collectives"] == [[2 * 2, 0]]  # 2 layers: the attention and the MLP block each end in one all-reduce
+    assert out["adapter_refused"]  # LoRA rows would need the split layout: refused, not wrong
     assert out["batch_same"] and out["replicas"][0] == [6] and sum(out["replicas"][1]) == 6  # 2 replicas x 2 devices
     assert len({tuple(ids) for ids in out["one-tensor"]}) == 4
 

@@ -81,8 +81,15 @@ class Model:
     # steps, engines and caches kept in `attachments` belong to this object, and a view would compile
     # everything again and be unseen by engines already serving the model. Requests already submitted
     # keep the stack they were submitted with.
+    @property
+    def split(self) -> bool:
+        """Whether the weights are split over several devices (``tensor_parallel``)."""
+        return any(len(p.sharding.device_set) > 1 for p in self.params.values())
+
     def push_adapter(self, adapter: LoraAdapter, scale: float = 1.0) -> None:
         """Apply ``adapter`` (times ``scale``) to every later request, on top of those pushed before."""
+        if self.split:  # its rows would need the shard-major layout of the split weights
+            raise ConfigError("LoRA adapters on a model split with tensor_parallel are not available yet; load it on one device")
         check_adapter(adapter, self.config)
         self.adapters.append((adapter, float(scale)))
 
@@ -95,6 +102,8 @@ class Model:
     def merge_adapter(self, adapter: LoraAdapter, scale: float = 1.0) -> None:
         """Add ``adapter``'s correction into the weights (no per-token cost after). K/V an engine of
         this model cached before (its prefix cache, contexts) were computed without it."""
+        if self.split:
+            raise ConfigError("LoRA adapters on a model split with tensor_parallel are not available yet; merge before splitting")
         self.params.update(merged_weights(self.params, self.config, adapter, scale))
         self.merged_adapters.append((adapter, float(scale)))
 

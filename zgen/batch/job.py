@@ -419,7 +419,7 @@ def run(
         )
     lines = read_lines(Path(input))
     loaded = model if isinstance(model, Model) else load_model(model, dtype=dtype)
-    if (data_parallel > 1 or tensor_parallel > 1) and any(len(p.sharding.device_set) > 1 for p in loaded.params.values()):
+    if (data_parallel > 1 or tensor_parallel > 1) and loaded.split:
         raise ConfigError("the model is already split over devices; pass it unsplit with data_parallel / tensor_parallel")
     name = model_name or (str(model) if not isinstance(model, Model) else str(loaded.source or "zgen"))
     # Replica i runs on devices [i*T, (i+1)*T): one device, or a tensor-parallel group of T.

@@ -822,6 +822,8 @@ class Engine:
             raise InputError(f"attention_mask must be bool [{end - start}, {end}] (fed tokens x all tokens), got {np.shape(mask)}")
         if (mask is not None or seq.any_masked) and not self.kv.pages:
             raise ConfigError(f"masks need a paged cache (paged or tiered); this engine uses {self.kv.kind}")
+        if request.adapters and self.model.split:
+            raise ConfigError("LoRA adapters on a model split with tensor_parallel are not available yet; load it on one device")
         for pair in request.adapters:
             if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], LoraAdapter)):
                 raise AdapterError(f"a request's adapters are (LoraAdapter, scale) pairs, got {pair!r}")
