@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -55,8 +55,11 @@ from jaxtyping import Array, Bool, Float, Int, UInt32
 
 from zgen.cache.base import KVState
 from zgen.model import Model
+from zgen.runtime.results import SpeculativeStats
 from zgen.runtime.sampling import SamplingFlags, SamplingParams, filter_logits, sample
 from zgen.runtime.step import ModelSpec, Params, forward
+
+__all__ = ["DraftControl", "DraftInput", "Proposal", "SpeculativeLoop", "SpeculativeStats", "Speculator", "speculative_loop", "verify"]
 
 #: Most tokens one pass may draft (a draft longer than this only costs verification work).
 MAX_DRAFT_TOKENS = 32
@@ -95,6 +98,7 @@ class Proposal:
     probs: Float[Array, "B K V"] | None
 
 
+@runtime_checkable
 class Speculator(Protocol):
     """One protocol for every speculator; the engine runs it inside :func:`speculative_loop`.
 
@@ -133,36 +137,6 @@ class Speculator(Protocol):
         ...
 
 
-@dataclass(frozen=True)
-class SpeculativeStats:
-    """How speculation went for one request."""
-
-    draft_tokens: int  # tokens the speculator proposed and the target checked
-    accepted_tokens: int  # of those, the ones kept
-    steps: int  # verification passes that checked a draft
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
-
-    @property
-    def mean_accepted_per_step(self) -> float:
-        return self.accepted_tokens / self.steps if self.steps else 0.0
-
-    def __add__(self, other: SpeculativeStats) -> SpeculativeStats:
-        return SpeculativeStats(
-            self.draft_tokens + other.draft_tokens, self.accepted_tokens + other.accepted_tokens, self.steps + other.steps
-        )
-
-    def as_dict(self) -> dict[str, float | int]:
-        return {
-            "draft_tokens": self.draft_tokens,
-            "accepted_tokens": self.accepted_tokens,
-            "acceptance_rate": self.acceptance_rate,
-            "mean_accepted_per_step": self.mean_accepted_per_step,
-        }
-
-
 # ---------------------------------------------------------------------------------------------------
 # The adaptive draft length
 # ---------------------------------------------------------------------------------------------------
@@ -194,30 +168,33 @@ class DraftControl:
 def update_control(
     control: DraftControl, drafted: Int[Array, " B"], accepted: Int[Array, " B"], active: Bool[Array, " B"], max_tokens: int
 ) -> DraftControl:
-    """Grow after a fully accepted draft, shrink after a rejection, fall back below the rate, probe later."""
+    """Grow after a fully accepted draft, shrink after a rejection; fall back to plain decoding when a
+    full window's acceptance rate is below :data:`FALLBACK_RATE`; after :data:`PROBE_AFTER` plain steps
+    draft one token (a probe, ``wait == -1``): accepted, drafting resumes on a fresh window, else the
+    row falls back again at once."""
     drafting = active & (drafted > 0)
+    probing = drafting & (control.wait < 0)
     full = accepted >= drafted
-    length = jnp.where(drafting, jnp.where(full, control.length + 1, control.length - 1), control.length)
-    length = jnp.where(drafting, jnp.clip(length, 1, max_tokens), length)
+    length = jnp.where(drafting, jnp.clip(jnp.where(full, control.length + 1, control.length - 1), 1, max_tokens), control.length)
     rows = jnp.arange(drafted.shape[0])
-    write = jnp.where(drafting, control.slot, WINDOW)  # WINDOW: dropped
+    write = jnp.where(drafting & ~probing, control.slot, WINDOW)  # WINDOW: dropped
     window_d = control.drafted.at[rows, write].set(drafted, mode="drop")
     window_a = control.accepted.at[rows, write].set(accepted, mode="drop")
-    slot = jnp.where(drafting, (control.slot + 1) % WINDOW, control.slot)
+    slot = jnp.where(drafting & ~probing, (control.slot + 1) % WINDOW, control.slot)
     passes = jnp.sum(window_d > 0, axis=1)
     rate = jnp.sum(window_a, axis=1) / jnp.maximum(jnp.sum(window_d, axis=1), 1)
-    fall = drafting & (passes >= WINDOW) & (rate < FALLBACK_RATE)
+    fall = (drafting & ~probing & (passes >= WINDOW) & (rate < FALLBACK_RATE)) | (probing & ~full)
+    resume = probing & full
     plain = active & ~drafting & (control.length == 0)
-    wait = jnp.where(fall, PROBE_AFTER, jnp.where(plain, control.wait - 1, control.wait))
+    wait = jnp.where(fall, PROBE_AFTER, jnp.where(plain, control.wait - 1, jnp.where(resume, 0, control.wait)))
     probe = plain & (wait <= 0)
-    length = jnp.where(fall, 0, jnp.where(probe, 1, length))
-    clear = fall[:, None]
+    clear = (fall | resume)[:, None]
     return DraftControl(
-        length=length,
+        length=jnp.where(fall, 0, jnp.where(probe, 1, length)),
         drafted=jnp.where(clear, 0, window_d),
         accepted=jnp.where(clear, 0, window_a),
-        slot=jnp.where(fall, 0, slot),
-        wait=wait,
+        slot=jnp.where(fall | resume, 0, slot),
+        wait=jnp.where(probe, -1, wait),
     )
 
 

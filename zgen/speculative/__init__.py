@@ -12,6 +12,7 @@ draft–verify–accept loop on the device (:mod:`zgen.runtime.speculation`). Gi
 
 from zgen.runtime.speculation import Speculator, SpeculativeStats
 from zgen.speculative.draft_model import DraftModel
+from zgen.speculative.host_drafter import Drafter, HostDrafter
 from zgen.speculative.prompt_lookup import PromptLookup
 
-__all__ = ["DraftModel", "PromptLookup", "SpeculativeStats", "Speculator"]
+__all__ = ["DraftModel", "Drafter", "HostDrafter", "PromptLookup", "SpeculativeStats", "Speculator"]
