@@ -376,9 +376,9 @@ class Engine:
             return
         candidates = jobs[: self.config.max_batch]
         decode = all(job.loopable() for job in candidates)
-        steps = self._loop_steps(candidates, waiting=len(jobs) > len(candidates)) if decode else 1
         speculator = self._speculator(candidates) if decode else None
         extra = 0 if speculator is None else speculator.num_tokens
+        steps = self._loop_steps(candidates, waiting=len(jobs) > len(candidates), per_step=extra + 1) if decode else 1
         rows: list[_Row] = []
         blocked: list[tuple[Job, PoolExhaustedError]] = []
         preempted: set[int] = set()
@@ -410,7 +410,9 @@ class Engine:
             if decode:
                 waiting = bool(blocked) or bool(preempted) or len(jobs) > len(candidates)
                 if speculator is not None:
-                    self._run_speculative(rows, steps, speculator, exit_on_finish=waiting)
+                    host = waiting or any(row.job.needs_host() for row in rows)
+                    passes = min(steps, self.config.steps_per_sync) if host else steps
+                    self._run_speculative(rows, steps, passes, speculator, exit_on_finish=waiting)
                 else:
                     self._run_decode(rows, steps, exit_on_finish=waiting)
             else:
@@ -436,11 +438,12 @@ class Engine:
                 return None
         return first
 
-    def _loop_steps(self, jobs: list[Job], *, waiting: bool) -> int:
-        """Iterations of this decode loop: every job's whole budget, unless one needs the host sooner."""
+    def _loop_steps(self, jobs: list[Job], *, waiting: bool, per_step: int = 1) -> int:
+        """Draws of this decode loop: every job's whole budget, unless one needs the host sooner (after
+        ``steps_per_sync`` passes, each of which draws up to ``per_step`` tokens)."""
         draws = max(job.draws_left(self.max_len) for job in jobs)
         if waiting or any(job.needs_host() for job in jobs):
-            draws = min(draws, self.config.steps_per_sync)
+            draws = min(draws, self.config.steps_per_sync * per_step)
         return next_pow2(max(draws, 1))
 
     def _preempt(self, later: list[Job], preempted: set[int], *, running: bool) -> bool:
@@ -650,8 +653,9 @@ class Engine:
         else:
             self._after_generation_step(job)
 
-    def _run_speculative(self, rows: list[_Row], steps: int, speculator: Speculator, *, exit_on_finish: bool) -> None:
-        """Decode ``rows`` with ``speculator`` in one on-device loop (:mod:`zgen.runtime.speculation`)."""
+    def _run_speculative(self, rows: list[_Row], steps: int, passes: int, speculator: Speculator, *, exit_on_finish: bool) -> None:
+        """Decode ``rows`` with ``speculator`` in one on-device loop of at most ``passes`` passes, each
+        row up to its reserved draws (at most ``steps``) (:mod:`zgen.runtime.speculation`)."""
         k = speculator.num_tokens
         width, index, state = self._step_rows(rows, k + 1)
         length = next_pow2(max(row.start + row.count + k + 2 for row in rows), 16)
@@ -677,7 +681,7 @@ class Engine:
             out_tokens=jnp.full((width, steps + k + 1), -1, jnp.int32), out_logprobs=jnp.zeros((width, steps + k + 1), jnp.float32),
             drafted=jnp.zeros(width, jnp.int32), accepted=jnp.zeros(width, jnp.int32), verified=jnp.zeros(width, jnp.int32),
             control=DraftControl(**{name: jnp.asarray(value) for name, value in control.items()}),
-            step=jnp.asarray(0, jnp.int32), max_steps=jnp.asarray(steps, jnp.int32),
+            step=jnp.asarray(0, jnp.int32), max_steps=jnp.asarray(passes, jnp.int32),
             exit_on_finish=jnp.asarray(exit_on_finish), done_at_start=jnp.asarray(int(done.sum()), jnp.int32),
         )
         loop, state = self.runner.speculate(state, loop, params, speculator, flags=flags)

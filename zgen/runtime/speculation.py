@@ -38,8 +38,9 @@ indices up to its first rejection, and the next pass starts after them.
 Adaptive length (:class:`DraftControl`): grow the draft after a fully accepted one, shrink it after a
 rejection, and fall back to plain decoding (no draft) while the acceptance rate over the last
 ``WINDOW`` drafting passes is below ``FALLBACK_RATE``, probing again after ``PROBE_AFTER`` plain steps.
-When no row drafts, the pass is a plain one-token decode step (``lax.cond``), so a batch in fallback
-costs what plain decoding costs.
+When no row drafts, nothing is drafted, and when no row has a draft to check (every row in fallback,
+or prompt lookup found nothing) the pass is a plain one-token decode step (``lax.cond``): a batch in
+fallback costs what plain decoding costs.
 """
 
 from __future__ import annotations
@@ -329,30 +330,37 @@ def speculative_loop(
         room = jnp.minimum(s.limit - 1 - p, s.budget - s.emitted - 1)
         want = jnp.where(active, jnp.clip(jnp.minimum(s.control.length, room), 0, k), 0)
 
-        def speculate(operand: tuple[KVState, Any]) -> tuple[KVState, Any, Array, Array, Array, Array]:
-            kv, state = operand
-            draft = DraftInput(s.history, s.length, want, active, s.keys, sampling, flags)
-            proposal, state = speculator.propose(draft_params, state, draft)
-            count = jnp.minimum(proposal.count, want)
+        draft = DraftInput(s.history, s.length, want, active, s.keys, sampling, flags)
+
+        def propose(state: Any) -> tuple[Proposal, Any]:
+            return speculator.propose(draft_params, state, draft)
+
+        def nothing(state: Any) -> tuple[Proposal, Any]:
+            shapes = jax.eval_shape(propose, state)[0]
+            return jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), shapes), state
+
+        # Only rows that draft pay for drafting, and a pass with nothing to check is a plain decode step.
+        proposal, state = jax.lax.cond(jnp.any(want > 0), propose, nothing, state)
+        count = jnp.minimum(proposal.count, want)
+
+        def check(kv: KVState) -> tuple[KVState, Array, Array, Array]:
             tokens = jnp.concatenate([pending[:, None], proposal.tokens], axis=1)
             offsets = jnp.arange(k + 1)[None, :]
             positions = jnp.where(active[:, None] & (offsets <= count[:, None]), p[:, None] + offsets, -1)
             logits, kv = forward(model, params, kv, tokens, positions, jnp.broadcast_to(offsets, tokens.shape))
             produced, logprobs, accepted = verify(logits, proposal, count, p, sampling, s.keys, flags)
-            return kv, state, produced, logprobs, accepted, count
+            return kv, produced, logprobs, accepted
 
-        def plain(operand: tuple[KVState, Any]) -> tuple[KVState, Any, Array, Array, Array, Array]:
-            kv, state = operand
+        def plain(kv: KVState) -> tuple[KVState, Array, Array, Array]:
             positions = jnp.where(active, p, -1)[:, None]
             logits, kv = forward(model, params, kv, pending[:, None], positions, jnp.zeros_like(positions))
             token = sample(logits[:, 0], sampling, None, s.keys, p, flags)
             logprob = jnp.take_along_axis(jax.nn.log_softmax(logits[:, 0], axis=-1), token[:, None], axis=1)
             produced = jnp.zeros((token.shape[0], k + 1), jnp.int32).at[:, 0].set(token)
             logprobs = jnp.zeros((token.shape[0], k + 1), jnp.float32).at[:, 0].set(logprob[:, 0])
-            zero = jnp.zeros_like(p)
-            return kv, state, produced, logprobs, zero, zero
+            return kv, produced, logprobs, jnp.zeros_like(p)
 
-        kv, state, produced, logprobs, accepted, count = jax.lax.cond(jnp.any(want > 0), speculate, plain, (kv, state))
+        kv, produced, logprobs, accepted = jax.lax.cond(jnp.any(count > 0), check, plain, kv)
         # Keep up to the first stop id and within the budget; inactive rows keep nothing.
         j = jnp.arange(k + 1)[None, :]
         made = jnp.where(j <= accepted[:, None], 1, 0)
