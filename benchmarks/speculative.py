@@ -63,11 +63,14 @@ def load(args: argparse.Namespace) -> Model:
 
 
 def prompts(model: Model, batch: int, real: bool) -> list[Any]:
-    """``batch`` prompts cycling over the set: chat messages with real weights; with random weights,
-    token ids of the same lengths whose passage repeats (the random tokenizer knows no words)."""
+    """``batch`` prompts cycling over the set: chat messages with real weights (text where the model
+    has no chat template); with random weights, token ids of the same lengths whose passage repeats
+    (the random tokenizer knows no words)."""
     names = list(PROMPTS)
     chosen = [names[i % len(names)] for i in range(batch)]
     if real:
+        if model.tokenizer.chat_template is None:
+            return [PROMPTS[name] for name in chosen]
         return [[{"role": "user", "content": PROMPTS[name]}] for name in chosen]
     vocab = model.config.vocab_size
     out = []

@@ -22,7 +22,7 @@ from zgen.errors import ConfigError
 from zgen.model import Model, random_model
 from zgen.runtime.engine import Engine
 from zgen.runtime.sampling import SamplingFlags, SamplingParams, filter_logits
-from zgen.runtime.speculation import PROBE_AFTER, WINDOW, Proposal, verify
+from zgen.runtime.speculation import PROBE_AFTER, WINDOW, DraftInput, Proposal, verify
 from zgen.runtime.stop import StopCondition
 from zgen.speculative import DraftModel, PromptLookup
 
@@ -213,3 +213,49 @@ def _assert_follows(samples: np.ndarray, probs: np.ndarray) -> None:
     chi2 = float((((counts[kept] - expected) ** 2) / expected).sum())
     critical = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52}[int(kept.sum()) - 1]  # chi-square 99.9 %
     assert chi2 < critical, (counts, expected)
+
+
+def test_the_draft_model_state_after_rejections_and_plain_steps_is_a_fresh_prefill(tiny: Model) -> None:
+    """Carried through passes with rejections (kept < drafted), full acceptance (the last draft never
+    fed) and plain steps (the draft lagging behind, caught up), the draft proposes exactly what a
+    draft prefilled from scratch on the same tokens proposes, tokens and distributions: no off-by-one
+    in its K/V."""
+    draft = DraftModel(tiny, 4, adaptive=False)
+    params = draft.device_params()
+    sampled = SamplingConfig(temperature=1.0)
+    sampling, flags = SamplingParams.from_configs([sampled], 96), SamplingFlags.from_configs([sampled], 96)
+    keys = jnp.zeros((1, 2), jnp.uint32)
+    rng = np.random.default_rng(1)
+    history = rng.integers(3, 96, size=(1, 80)).astype(np.int32)
+    start = jax.jit(draft.start)
+
+    @jax.jit
+    def propose(state: Any, history: jax.Array, length: jax.Array) -> tuple[Proposal, Any]:
+        given = DraftInput(history, length, jnp.asarray([4]), jnp.asarray([True]), keys, sampling, flags)
+        return draft.propose(params, state, given)
+
+    def drafts(state: Any, length: int) -> tuple[list[int], Any]:
+        out, state = propose(state, jnp.asarray(history), jnp.asarray([length]))
+        return np.asarray(out.tokens)[0].tolist(), state
+
+    def distributions(state: Any, length: int) -> np.ndarray:
+        out, _ = propose(state, jnp.asarray(history), jnp.asarray([length]))
+        assert out.probs is not None
+        return np.asarray(out.probs)[0]
+
+    length = 10
+    state = start(params, jnp.asarray(history), jnp.asarray([length]))
+    # Per pass: drafts accepted (4 = all: the last one was never fed to the draft), then plain steps.
+    for accepted, plain_steps in ((0, 0), (4, 0), (2, 0), (4, 0), (1, 7), (0, 20), (3, 0)):
+        proposed, state = drafts(state, length)
+        p = length - 1
+        history[0, p + 1 : p + 1 + accepted] = proposed[:accepted]  # accepted drafts, then the target's token
+        history[0, p + 1 + accepted] = (proposed[accepted] + 1) % 96 if accepted < 4 else history[0, p + 5]
+        length += accepted + 1
+        state = draft.advance(state, jnp.asarray([length - 1]))
+        for _ in range(plain_steps):  # plain decode steps: the draft is not run
+            length += 1
+            state = draft.advance(state, jnp.asarray([length - 1]))
+        fresh = start(params, jnp.asarray(history), jnp.asarray([length]))
+        assert drafts(state, length)[0] == drafts(fresh, length)[0], (accepted, plain_steps)
+        np.testing.assert_allclose(distributions(state, length), distributions(fresh, length), atol=1e-5, err_msg=f"{accepted, plain_steps}")

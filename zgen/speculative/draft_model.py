@@ -83,7 +83,9 @@ class DraftModel:
         return self._adaptive
 
     def cache_key(self) -> Hashable:
-        return ("draft-model", id(self.model.graph), self._num_tokens, self._adaptive)
+        # Drafts over one graph object (weights are arguments) share a compiled loop; the compiled loop
+        # keeps this draft, and so its graph, alive, so the id is never reused for another graph.
+        return ("draft-model", id(self.model.graph), str(self.model.dtype), self._num_tokens, self._adaptive)
 
     def check_target(self, model: Model) -> None:
         mine, theirs = self.model.tokenizer, model.tokenizer

@@ -21,8 +21,9 @@ def check_num_tokens(owner: str, num_tokens: object) -> int:
 
 class PromptLookup:
     """Prompt-lookup decoding: find the most recent earlier occurrence of the last ``ngram`` tokens
-    (then ``ngram - 1`` ... down to ``min_ngram``) in the prompt and the generated text, and propose up
-    to ``num_tokens`` tokens that followed it. Deterministic drafts: the output is exactly plain
+    (then ``ngram - 1`` ... down to ``min_ngram``) in the prompt and the generated text, and propose the
+    ``num_tokens`` tokens that followed it (where they run into the tail, the text is taken to repeat
+    with the period the match shows, as a loop does). Deterministic drafts: the output is exactly plain
     decoding's, greedy or sampled. Pays on text that repeats its context (summaries, code edits, quotes).
     """
 
@@ -79,8 +80,10 @@ class PromptLookup:
                 match &= shifted == tail
             latest = jnp.max(jnp.where(match, starts, -1), axis=1)
             found = jnp.where((found < 0) & (latest >= 0), latest + n, found)
-        available = jnp.where(found >= 0, length - found, 0)
-        count = jnp.where(draft.active, jnp.minimum(jnp.minimum(available, k), draft.num_tokens), 0)
-        index = jnp.clip(found[:, None] + jnp.arange(k)[None, :], 0, width - 1)
+        # The tokens after the match, up to the pending one; a match that overlaps the tail (a loop)
+        # continues with the period it shows: ``length - found`` tokens repeat.
+        period = jnp.maximum(length - found, 1)
+        count = jnp.where(draft.active & (found >= 0), jnp.minimum(draft.num_tokens, k), 0)
+        index = jnp.clip(found[:, None] + jnp.arange(k)[None, :] % period[:, None], 0, width - 1)
         tokens = jnp.take_along_axis(history, index, axis=1)
         return Proposal(tokens.astype(jnp.int32), count.astype(jnp.int32), None), state
