@@ -236,7 +236,7 @@ class Engine:
         self._scheduled: set[asyncio.AbstractEventLoop] = set()
         self._seeds = itertools.count(0x5EED)
         self._sequences: weakref.WeakSet[Sequence] = weakref.WeakSet()  # every live sequence (preemption victims)
-        self._speculators: set[object] = set()  # cache keys of speculators checked against this model
+        self._speculators: weakref.WeakSet[Speculator] = weakref.WeakSet()  # checked against this model
 
     @property
     def max_len(self) -> int:
@@ -783,10 +783,9 @@ class Engine:
                 "speculative decoding writes drafts it may reject, and the compressed cache pools chunks as "
                 "tokens arrive, so it cannot roll them back exactly; use the tensor, flat, paged or tiered cache"
             )
-        key = speculator.cache_key()
-        if key not in self._speculators:
+        if speculator not in self._speculators:
             speculator.check_target(self.model)
-            self._speculators.add(key)
+            self._speculators.add(speculator)
 
 
 def _row_draws(out: list[int], stop_ids: tuple[int, ...]) -> list[int]:

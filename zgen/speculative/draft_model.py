@@ -60,7 +60,12 @@ class DraftModel:
     @classmethod
     def early_exit(cls, model: Model, layers: int, num_tokens: int = 4, *, adaptive: bool = True) -> DraftModel:
         """A self-speculative draft: ``model``'s first ``layers`` decoder layers, then its own final norm
-        and LM head (the weights are shared, not copied)."""
+        and LM head (the weights are shared, not copied).
+
+        A model not trained for early exit predicts poorly from its middle layers: on SmolLM2-135M the
+        greedy token after N of 30 layers agrees with the full model's on 0 % (N=8), 6 % (15), 18 % (22),
+        44 % (27) and 56 % (29) of a passage's positions, so the adaptive fallback mostly decodes plainly.
+        """
         total = model.config.num_layers
         if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= total:
             raise ConfigError(f"early_exit layers must be an integer in [1, {total}] (the model's layers), got {layers!r}")
