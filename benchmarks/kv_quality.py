@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import runpy
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from jaxtyping import Array, Float, Int
 from zgen import Engine, EngineConfig, load_model, stop
 from zgen.cache.compressed import CompressedKVState
 from zgen.cache.factory import CacheOption, compressed_kv, kv_dtype, paged_kv
-from zgen.cache.formats import bytes_per_token_per_layer, q3_group_size
+from zgen.cache.formats import FORMATS, KV_DTYPES, bytes_per_token_per_layer, q3_group_size
 from zgen.cache.slots import SlotKVManager
 from zgen.cache.tensor import causal_attention
 from zgen.evaluation import perplexity
@@ -232,7 +233,13 @@ def main() -> None:
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "kv_quantization.png")
     parser.add_argument("--kinds", nargs="*", help="only these kinds (e.g. fp32 q4 q3 compressed); default: all, and the plot")
     parser.add_argument("--text-tokens", type=int, help="score only the text's first N tokens (default: all)")
+    parser.add_argument(
+        "--format-module", type=Path, action="append", default=[],
+        help="a Python file that registers KV formats of its own (e.g. examples/custom_kv_format.py); they join the kinds",
+    )
     args = parser.parse_args()
+    for path in args.format_module:
+        runpy.run_path(str(path))
 
     model = load_model("smollm2", dtype="float32")
     ids = model.tokenizer.encode((ROOT / "docs" / "eval" / "english.txt").read_text(), add_special_tokens=False)
@@ -244,6 +251,7 @@ def main() -> None:
     for name in ("q4", "q3"):
         kinds[name] = paged(name, calibration)
         kinds[f"{name}, no calibration"] = paged(name, uncalibrated(model))
+    kinds.update({name: paged(name) for name in FORMATS if name not in KV_DTYPES})  # registered by --format-module
     compressed = f"compressed (chunk {args.compressed_chunk})"
     kinds[compressed] = Kind((compressed_kv(args.compressed_chunk),))
     if args.kinds:

@@ -38,6 +38,7 @@ from zgen.evaluation import perplexity, read_text_file
 from zgen.generator import Generator, Prompt
 from zgen.loading.builtin import BUILTIN_MODELS, DEFAULT_MODEL, builtin_model_path
 from zgen.model import DTYPES, Model, default_cache_dir, load_model, resolve_model
+from zgen.runtime.grammar import Grammar
 from zgen.runtime.sampling import SamplingConfig
 from zgen.speculative import DraftModel, PromptLookup, Speculator
 
@@ -384,6 +385,9 @@ def generate(
         typer.Option("--json", help="Print one JSON object (text, ids, log-probs, usage, timings, speculative) instead of streaming text."),
     ] = False,
     quiet: QuietOption = False,
+    json_schema: Annotated[Path | None, typer.Option("--json-schema", help="The output is JSON valid under this JSON Schema file.")] = None,
+    regex: Annotated[str | None, typer.Option("--regex", help="The output matches this regular expression as a whole.")] = None,
+    lark: Annotated[Path | None, typer.Option("--lark", help="The output follows this Lark grammar file (rule 'start').")] = None,
 ) -> None:
     """Generate a continuation of a prompt, streamed to stdout.
 
@@ -409,6 +413,9 @@ def generate(
     draft_path = _model_path(draft_model, "--draft-model") if draft_model is not None else None
     chosen = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p, "repetition_penalty": repetition_penalty}
     sampling = _sampling(path, GENERATE_DEFAULTS, chosen, max_new_tokens=max_new_tokens, seed=seed, stop=stop, ignore_eos=ignore_eos)
+    grammar = _grammar(json_schema, regex, lark)
+    if grammar is not None:
+        sampling = replace(sampling, config=replace(sampling.config, grammar=grammar))
     options = _cache_options(kv_cache, kv_dtype_name, use_prefix_cache)
     request: Prompt = [{"role": "user", "content": prompt}] if chat else prompt
     show = not (quiet or as_json)
@@ -444,6 +451,25 @@ def _speculator(
     if early_exit is not None:
         return DraftModel.early_exit(model, layers=early_exit, num_tokens=num_tokens or 4)
     return None
+
+
+def _grammar(json_schema: Path | None, regex: str | None, lark: Path | None) -> Grammar | None:
+    """The grammar one of --json-schema / --regex / --lark asks for, checked before anything loads."""
+    given = [(flag, value) for flag, value in (("--json-schema", json_schema), ("--regex", regex), ("--lark", lark)) if value is not None]
+    if len(given) > 1:
+        raise typer.BadParameter("give at most one of --json-schema, --regex and --lark", param_hint=f"'{given[1][0]}'")
+    if not given:
+        return None
+    flag, value = given[0]
+    try:
+        if isinstance(value, Path):
+            text = value.read_text(encoding="utf-8")
+            return Grammar.json_schema(text) if flag == "--json-schema" else Grammar.lark(text)
+        return Grammar.regex(value)
+    except (OSError, UnicodeDecodeError) as err:
+        raise typer.BadParameter(f"cannot read {value}: {err}", param_hint=f"'{flag}'") from None
+    except ZgenError as err:
+        raise typer.BadParameter(str(err), param_hint=f"'{flag}'") from None
 
 
 def _json_result(generator: Generator, request: Prompt, sampling: SamplingConfig) -> dict[str, object]:

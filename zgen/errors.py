@@ -53,3 +53,7 @@ class PoolExhaustedError(CacheError):
 
 class SnapshotError(ZgenError):
     """A saved context that cannot be opened: missing, damaged, or from another model or page format."""
+
+
+class GrammarError(InputError):
+    """A grammar, regex or JSON schema that cannot be compiled, or a token the grammar does not allow."""

@@ -22,6 +22,7 @@ from zgen.cache.factory import CacheOption
 from zgen.errors import ConfigError, InputError, PromptTooLongError
 from zgen.model import Model
 from zgen.runtime.engine import Engine, EngineConfig, ForwardRequest, ForwardResult, Job
+from zgen.runtime.metrics import EngineMetrics
 from zgen.runtime.results import GenerationResult, Timings, TokenUsage
 from zgen.runtime.sampling import HostSampler, SamplingConfig
 from zgen.runtime.sequence import Sequence as TokenSequence
@@ -97,13 +98,36 @@ class Generator:
     def chat(self, messages: Sequence[Message], sampling: SamplingConfig | None = None) -> GenerationResult:
         return self.generate(list(messages), sampling)
 
-    def generate_stream(self, prompt: Prompt, sampling: SamplingConfig | None = None) -> Iterator[str]:
+    def generate_stream(self, prompt: Prompt, sampling: SamplingConfig | None = None, *, per_token: bool = False) -> Iterator[str]:
         """Yield text pieces as they are decoded; their concatenation equals ``generate(...).text``.
-        Closing the iterator early frees the request's row."""
+        Text arrives every ``sync_interval`` tokens, or with ``per_token`` as each token is drawn (a
+        host round trip per token). Closing the iterator early frees the request's row."""
         request = Request(prompt, sampling or SamplingConfig())
         ids = self.encode_prompt(request.prompt)
-        _, job = self._submit(request, ids, stream=True)
+        self._check_fits(len(ids), request.sampling.max_new_tokens)
+        _, job = self._submit(request, ids, stream=True, per_token=per_token)
         yield from self.engine.stream(job)
+
+    def batch_generate_stream(
+        self, requests: Sequence[Request | Prompt], *, per_token: bool = False
+    ) -> Iterator[tuple[int, str]]:
+        """Stream several requests at once: ``(request index, text piece)`` in the order the pieces are
+        decoded, interleaved; each request's pieces join to what :meth:`batch_generate` returns for it.
+        Every request is validated before anything runs; ``per_token`` as in :meth:`generate_stream`.
+        Closing the iterator early frees every row still generating."""
+        normalized = [r if isinstance(r, Request) else Request(r) for r in requests]
+        encoded = [self.encode_prompt(r.prompt) for r in normalized]
+        for ids, request in zip(encoded, normalized, strict=True):
+            self._check_fits(len(ids), request.sampling.max_new_tokens)
+        jobs: list[Job] = []
+        try:
+            for ids, request in zip(encoded, normalized, strict=True):
+                jobs.append(self._submit(request, ids, stream=True, per_token=per_token)[1])
+        except BaseException:
+            for job in jobs:
+                self.engine.cancel(job)
+            raise
+        yield from self.engine.stream_many(jobs)
 
     def batch_generate(self, requests: Sequence[Request | Prompt]) -> list[GenerationResult]:
         """Generate for several prompts; every request is validated before anything runs, then all are
@@ -136,6 +160,11 @@ class Generator:
     def new_session(self) -> Session:
         return Session(self)
 
+    def metrics(self) -> EngineMetrics:
+        """What this generator's engine has done: requests, tokens, latencies, batch occupancy, KV
+        pages (see :mod:`zgen.runtime.metrics`; ``.prometheus()`` gives the Prometheus text)."""
+        return self.engine.metrics()
+
     # -- prompt handling -----------------------------------------------------------------------
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
@@ -143,11 +172,18 @@ class Generator:
         tokenizer = self.model.tokenizer
         if isinstance(prompt, str):
             ids = tokenizer.encode(prompt)
-        elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
+        elif isinstance(prompt, (bytes, bytearray)):  # a Sequence of ints, but never meant as token ids
+            raise InputError("a prompt is text, not bytes: decode it first (e.g. data.decode('utf-8'))")
+        elif isinstance(prompt, Sequence) and any(isinstance(m, Mapping) for m in prompt):
             messages = [m for m in prompt if isinstance(m, Mapping)]
+            if len(messages) != len(prompt):
+                raise InputError(
+                    "chat messages are dicts like {'role': 'user', 'content': 'Hi'}; "
+                    f"got a list holding {', '.join(sorted({type(m).__name__ for m in prompt}))}"
+                )
             ids = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
         elif isinstance(prompt, Sequence):
-            ids = self.engine.check_ids([t for t in prompt if not isinstance(t, Mapping)])
+            ids = self.engine.check_ids([t for t in prompt if not isinstance(t, Mapping)])  # (none are, here)
         else:
             raise InputError(f"a prompt is text, chat messages or token ids, got {type(prompt).__name__}")
         if not ids:
@@ -173,7 +209,7 @@ class Generator:
         return config
 
     def _submit(
-        self, request: Request, ids: list[int], *, stream: bool = False, seq: TokenSequence | None = None
+        self, request: Request, ids: list[int], *, stream: bool = False, per_token: bool = False, seq: TokenSequence | None = None
     ) -> tuple[TokenSequence, Job]:
         """Queue a generation of ``request`` on a new sequence of ``ids``, released when the job is done
         (or on ``seq``, whose tokens must already be ``ids`` and which stays the caller's)."""
@@ -182,7 +218,8 @@ class Generator:
         if request.stop is not None:
             stop = stop | request.stop
         forward = ForwardRequest(
-            end=len(ids), sample_at=(len(ids) - 1,), sampling=config, generate=stop, stream=stream, speculative=self.speculative
+            end=len(ids), sample_at=(len(ids) - 1,), sampling=config, generate=stop, stream=stream, per_token=per_token,
+            speculative=self.speculative,
         )
         if seq is not None:
             return seq, self.engine.submit(seq, forward)
@@ -230,17 +267,17 @@ class Session:
     def generate(self, prompt: Prompt, sampling: SamplingConfig | None = None) -> GenerationResult:
         ids, sampling = self._checked(prompt, sampling)
         with self._lock:
-            job = self._submit(ids, sampling, stream=False)
+            job = self._submit(ids, sampling, stream=False, per_token=False)
             return self.generator._result(self.generator.engine.wait(job), ids)
 
-    def generate_stream(self, prompt: Prompt, sampling: SamplingConfig | None = None) -> Iterator[str]:
-        """Yield the reply's text pieces as they are decoded; their concatenation equals what
-        :meth:`generate` returns, and the session keeps the turn's KV the same way. Finish or close the
-        iterator before the session's next call (it holds the session until then); closing it early
-        drops the unfinished reply."""
+    def generate_stream(self, prompt: Prompt, sampling: SamplingConfig | None = None, *, per_token: bool = False) -> Iterator[str]:
+        """Yield the reply's text pieces as they are decoded (``per_token``: as each token is drawn);
+        their concatenation equals what :meth:`generate` returns, and the session keeps the turn's KV
+        the same way. Finish or close the iterator before the session's next call (it holds the
+        session until then); closing it early drops the unfinished reply."""
         ids, sampling = self._checked(prompt, sampling)
         with self._lock:
-            yield from self.generator.engine.stream(self._submit(ids, sampling, stream=True))
+            yield from self.generator.engine.stream(self._submit(ids, sampling, stream=True, per_token=per_token))
 
     def _checked(self, prompt: Prompt, sampling: SamplingConfig | None) -> tuple[list[int], SamplingConfig]:
         sampling = sampling or SamplingConfig()
@@ -248,7 +285,7 @@ class Session:
         self.generator._check_fits(len(ids), sampling.max_new_tokens)
         return ids, sampling
 
-    def _submit(self, ids: list[int], sampling: SamplingConfig, *, stream: bool) -> Job:
+    def _submit(self, ids: list[int], sampling: SamplingConfig, *, stream: bool, per_token: bool) -> Job:
         """Queue the turn on this session's sequence, keeping the K/V of the prefix it shares (hold the lock)."""
         gen = self.generator
         seq = self._seq or gen.engine.new_sequence(seed=secrets.randbits(63))
@@ -256,7 +293,7 @@ class Session:
         shared = _common_prefix(seq.tokens, ids[:-1])  # the last prompt token is fed for its logits
         seq.keep(shared)
         seq.append(ids[shared:])
-        return gen._submit(Request(ids, sampling), ids, stream=stream, seq=seq)[1]
+        return gen._submit(Request(ids, sampling), ids, stream=stream, per_token=per_token, seq=seq)[1]
 
     def reset(self) -> None:
         with self._lock:

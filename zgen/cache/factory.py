@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 from zgen.cache.base import KVManager
 from zgen.cache.compressed import CompressedKVState
-from zgen.cache.formats import KV_DTYPES, kv_dtype_of, kv_format
+from zgen.cache.formats import kv_dtype_of, kv_format
 from zgen.cache.page_store import PagedConfig, PageStore
 from zgen.cache.paged_manager import PagedKVManager
 from zgen.cache.slots import SlotKVManager
@@ -69,8 +69,8 @@ class CacheOptions:
     def __post_init__(self) -> None:
         if self.kind is not None and self.kind not in CACHE_KINDS:
             raise ConfigError(f"unknown cache kind {self.kind!r}; choose one of {', '.join(CACHE_KINDS)}")
-        if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
-            raise ConfigError(f"unknown kv dtype {self.kv_dtype!r}; choose one of {', '.join(KV_DTYPES)}")
+        if self.kv_dtype is not None:
+            kv_format(self.kv_dtype)  # ConfigError naming the known formats
         for name in ("page_size", "chunk_size"):
             value = getattr(self, name)
             # A page or chunk is allocated whole per sequence: 2**16 tokens is far past any useful size.

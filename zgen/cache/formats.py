@@ -25,6 +25,7 @@ read. Coded formats write keys and values through a coding fitted to the model (
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -127,15 +128,34 @@ FORMATS: dict[str, KVFormat] = {
         ),
     )
 }
+# The built-in formats (the CLI offers these); formats registered later are known to kv_format.
 KV_DTYPES: tuple[str, ...] = tuple(FORMATS)
 FLOAT_KV_DTYPES: tuple[str, ...] = tuple(name for name, f in FORMATS.items() if f.plain)
+_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
+
+
+def register_format(fmt: KVFormat) -> None:
+    """Add a storage format of your own (a page layout: ``float_dtype=None``), usable by name in
+    ``kv_dtype(name)`` with the paged and tiered caches. Its pages are a registered pytree dataclass
+    with ``head_dim`` and ``dequantize(dtype)``, like :class:`~zgen.pallas.paged_attention.layouts.Q4Pages`;
+    the XLA attention path reads any such layout, the fused GPU kernels only the built-in ones.
+    Check it with :mod:`zgen.testing.cache_conformance` (see docs/kv_quantization.md)."""
+    if not _NAME.fullmatch(fmt.name):
+        raise ConfigError(f"a kv dtype name is lowercase letters, digits and _ (at most 32), got {fmt.name!r}")
+    if fmt.name in FORMATS:
+        raise ConfigError(f"kv dtype {fmt.name!r} is already registered; pick another name")
+    if fmt.plain or fmt.coded:
+        raise ConfigError(
+            f"kv dtype {fmt.name!r}: only page layouts that are not coded can be registered (float_dtype=None, coded=False)"
+        )
+    FORMATS[fmt.name] = fmt
 
 
 def kv_format(name: str, head_dim: int | None = None) -> KVFormat:
     """The format called ``name`` (checked against ``head_dim`` when given), or ConfigError."""
-    fmt = FORMATS.get(name)
+    fmt = FORMATS.get(name) if isinstance(name, str) else None
     if fmt is None:
-        raise ConfigError(f"unknown kv dtype {name!r}; choose one of {', '.join(KV_DTYPES)}")
+        raise ConfigError(f"unknown kv dtype {name!r}; choose one of {', '.join(FORMATS)}")
     if head_dim is not None:
         fmt.check(head_dim)
     return fmt

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import weakref
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeVar, overload
 
@@ -262,7 +262,13 @@ class Context:
             self.engine.wait(job)
 
     def _generation(
-        self, sampler: SamplingConfig | None, stop: StopCondition | None, speculative: Speculator | None = None
+        self,
+        sampler: SamplingConfig | None,
+        stop: StopCondition | None,
+        *,
+        stream: bool = False,
+        per_token: bool = False,
+        speculative: Speculator | None = None,
     ) -> tuple[Job, Callable[[ForwardResult], GenerationResult]]:
         """Decode until ``stop`` (default: what ``sampler`` says — 256 tokens and the model's EOS ids)
         with ``sampler`` (default greedy), speculatively with ``speculative`` (:mod:`zgen.speculative`).
@@ -273,7 +279,12 @@ class Context:
         self._ensure_pending()
         prompt = list(self.seq.tokens)
         end = len(prompt)
-        job = self._submit(ForwardRequest(end=end, sample_at=(end - 1,), sampling=sampler, generate=stop, speculative=speculative))
+        job = self._submit(
+            ForwardRequest(
+                end=end, sample_at=(end - 1,), sampling=sampler, generate=stop, stream=stream, per_token=per_token,
+                speculative=speculative,
+            )
+        )
 
         def finish(result: ForwardResult) -> GenerationResult:
             if self._messages and self._reply_open:
@@ -297,12 +308,12 @@ class Context:
     async def generate_result_async(
         self, sampler: SamplingConfig | None = None, stop: StopCondition | None = None, *, speculative: Speculator | None = None
     ) -> GenerationResult:
-        return await self._run_async(*self._generation(sampler, stop, speculative))
+        return await self._run_async(*self._generation(sampler, stop, speculative=speculative))
 
     def generate_result(
         self, sampler: SamplingConfig | None = None, stop: StopCondition | None = None, *, speculative: Speculator | None = None
     ) -> GenerationResult:
-        return self._run(*self._generation(sampler, stop, speculative))
+        return self._run(*self._generation(sampler, stop, speculative=speculative))
 
     async def generate_async(
         self, sampler: SamplingConfig | None = None, stop: StopCondition | None = None, *, speculative: Speculator | None = None
@@ -313,6 +324,26 @@ class Context:
         self, sampler: SamplingConfig | None = None, stop: StopCondition | None = None, *, speculative: Speculator | None = None
     ) -> str:
         return self.generate_result(sampler, stop, speculative=speculative).text
+
+    def generate_stream(
+        self,
+        sampler: SamplingConfig | None = None,
+        stop: StopCondition | None = None,
+        *,
+        per_token: bool = False,
+        speculative: Speculator | None = None,
+    ) -> Iterator[str]:
+        """:meth:`generate`, its text yielded in pieces as it is decoded (``per_token``: as each token
+        is drawn, or each verification pass with a speculator); the pieces join to what :meth:`generate`
+        returns and the context keeps the reply the same way. Closing the iterator early drops the
+        unfinished reply (the context is as before)."""
+        job, finish = self._generation(sampler, stop, stream=True, per_token=per_token, speculative=speculative)
+
+        def pieces() -> Iterator[str]:
+            yield from self.engine.stream(job)
+            finish(job.future.result())
+
+        return pieces()
 
     def _next_distribution(self) -> tuple[Job, Callable[[ForwardResult], Distribution]]:
         self._add_generation_prompt()

@@ -8,6 +8,8 @@
 * :mod:`~zgen.runtime.sampling` and :mod:`~zgen.runtime.stop` — the one sampling and stop vocabulary;
 * :mod:`~zgen.runtime.speculation` — the speculator protocol and the speculative loop (draft, verify in
   one forward pass, accept, roll back) that runs every speculator of :mod:`zgen.speculative`;
+* :mod:`~zgen.runtime.grammar` — structured output: grammars whose token masks constrain the draw;
+* :mod:`~zgen.runtime.metrics` — what an engine has done, as plain numbers and Prometheus text;
 * :mod:`~zgen.runtime.calibration` — the key statistics the coded KV formats need (it runs the model).
 
 Front ends (the Generator, contexts, the CLI) translate requests into
@@ -16,6 +18,8 @@ Front ends (the Generator, contexts, the CLI) translate requests into
 
 from zgen.runtime import stop
 from zgen.runtime.engine import Engine, EngineConfig, EngineStats, ForwardRequest, ForwardResult
+from zgen.runtime.grammar import Grammar
+from zgen.runtime.metrics import EngineMetrics
 from zgen.runtime.results import GenerationResult, Timings, TokenUsage
 from zgen.runtime.sampling import Sampler, SamplingConfig
 from zgen.runtime.sequence import Sequence
@@ -24,10 +28,12 @@ from zgen.runtime.stop import StopCondition
 __all__ = [
     "Engine",
     "EngineConfig",
+    "EngineMetrics",
     "EngineStats",
     "ForwardRequest",
     "ForwardResult",
     "GenerationResult",
+    "Grammar",
     "Sampler",
     "SamplingConfig",
     "Sequence",

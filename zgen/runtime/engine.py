@@ -49,10 +49,13 @@ import numpy as np
 from zgen.cache.base import KVManager, KVState, StepRow
 from zgen.cache.factory import CacheOption, make_kv, resolve
 from zgen.cache.formats import kv_dtype_of, kv_format
+from zgen.cache.paged_manager import PagedKVManager
 from zgen.errors import CacheError, ConfigError, InputError, PoolExhaustedError, PromptTooLongError, TokenIdError, ZgenError
 from zgen.model import Model
 from zgen.pallas.paged_attention.layouts import KeyCalibration
 from zgen.runtime.calibration import key_calibration as model_key_calibration
+from zgen.runtime.grammar import GrammarMatcher, fill_masks, mask_words
+from zgen.runtime.metrics import EngineMetrics, MetricsCollector
 from zgen.runtime.results import FinishReason
 from zgen.runtime.runner import runner_for
 from zgen.runtime.sampling import PenaltyState, SamplingConfig, SamplingFlags, SamplingParams, make_row_keys, penalty_state
@@ -105,9 +108,11 @@ class ForwardRequest:
     end]``, ``start`` the sequence's KV length at submission) replaces the causal rule for the fed
     tokens. ``generate``: the last sample (at ``end - 1``) is the first generated token; append it and
     go on until this stop condition (or the model's context is full). ``stream``: keep the generated
-    text's pieces for :meth:`Engine.stream` as they come. ``speculative``: decode the generation with
-    this speculator (:mod:`zgen.runtime.speculation`); the tokens are what plain decoding gives (greedy,
-    and sampling with deterministic drafts) or follow the same distribution (sampled drafts).
+    text's pieces for :meth:`Engine.stream` as they come. ``per_token``: the host takes every token as
+    it is drawn (the batch it runs in then decodes one token per host round trip). ``speculative``:
+    decode the generation with this speculator (:mod:`zgen.runtime.speculation`); the tokens are what
+    plain decoding gives (greedy, and sampling with deterministic drafts) or follow the same
+    distribution (sampled drafts).
     """
 
     end: int
@@ -117,6 +122,7 @@ class ForwardRequest:
     attention_mask: np.ndarray | None = None
     generate: StopCondition | None = None
     stream: bool = False
+    per_token: bool = False
     speculative: Speculator | None = None
 
 
@@ -154,8 +160,11 @@ class Job:
         self.cancelled = False
         self.admitted = False
         self.control: dict[str, np.ndarray] | None = None  # a speculative job's draft-length control, one row
+        self.grammar: GrammarMatcher | None = None  # a constrained generation's parser (SamplingConfig.grammar)
         self._started: float | None = None
         self._first_token: float | None = None
+        self.submitted = time.perf_counter()
+        self.delivered: float | None = None  # when its last generated tokens reached the host
 
     @property
     def done(self) -> bool:
@@ -179,7 +188,7 @@ class Job:
     def loopable(self) -> bool:
         """One token left to feed, sampled on the device, nothing else asked of it: the decode loop serves it."""
         r = self.request
-        if self.sampling.choose is not None or r.attention_mask is not None:
+        if self.sampling.choose is not None or self.grammar is not None or r.attention_mask is not None:
             return False
         if self.generating:
             return self.seq.kv_len == self.seq.num_tokens - 1  # (a preempted job feeds its tokens again first)
@@ -230,6 +239,8 @@ class Engine:
         )
         self.runner = runner_for(model)
         self.stats = EngineStats()
+        self.collector = MetricsCollector(self.config.max_batch)
+        self._step_started = time.perf_counter()
         self._queue: list[Job] = []
         self._queue_lock = threading.Lock()
         self._step_lock = threading.Lock()
@@ -246,6 +257,18 @@ class Engine:
     def close(self) -> None:
         """Free what the cache holds outside the device (a tiered store's RAM and files)."""
         self.kv.close()
+
+    def metrics(self) -> EngineMetrics:
+        """What this engine has done so far, as plain numbers (see :mod:`zgen.runtime.metrics`)."""
+        snapshot = self.collector.snapshot(steps=self.stats.steps, forward_passes=self.stats.forward_passes)
+        if not isinstance(self.kv, PagedKVManager):
+            return snapshot
+        pool = self.kv.pool.stats()
+        snapshot = replace(snapshot, kv_pages_total=pool.num_blocks, kv_pages_used=pool.num_used, kv_pages_shared=pool.shared_blocks)
+        if self.kv.radix is None:
+            return snapshot
+        radix = self.kv.radix.stats
+        return replace(snapshot, prefix_cache_lookups=radix.lookups, prefix_cache_hits=radix.hits, prefix_cache_hit_tokens=radix.hit_tokens)
 
     # -- sequences ------------------------------------------------------------------------------
 
@@ -295,10 +318,13 @@ class Engine:
         self._check(seq, request)
         stream = None if request.generate is None else TextStream(self.model.tokenizer, request.generate, incremental=request.stream)
         job = Job(seq, request, stream)
+        if request.sampling.grammar is not None and request.generate is not None:
+            job.grammar = GrammarMatcher(request.sampling.grammar, self.model, request.generate.device_token_ids)
         seq.busy = True
         job.future.add_done_callback(lambda _: setattr(seq, "busy", False))
         with self._queue_lock:
             self._queue.append(job)
+        self.collector.submitted()
         return job
 
     def wait(self, job: Job) -> ForwardResult:
@@ -337,12 +363,35 @@ class Engine:
             if not job.done:
                 self.cancel(job)
 
+    def stream_many(self, jobs: Seq[Job]) -> Iterator[tuple[int, str]]:
+        """Step until every job is done, yielding ``(index in jobs, text piece)`` as pieces come,
+        interleaved; each job's pieces join to its text. The first failed job's error is raised;
+        closing the iterator early cancels the jobs still running."""
+        try:
+            while True:
+                for i, job in enumerate(jobs):
+                    if job.pieces:
+                        pieces, job.pieces = job.pieces, []
+                        yield i, "".join(pieces)
+                    if job.done and job.future.exception() is not None:
+                        job.future.result()  # raises the job's error
+                if all(job.done and not job.pieces for job in jobs):
+                    return
+                with self._step_lock:
+                    if not any(job.pieces for job in jobs):
+                        self.step()
+        finally:
+            for job in jobs:
+                if not job.done:
+                    self.cancel(job)
+
     def cancel(self, job: Job) -> None:
         """Drop a job: its sequence goes back to what it was at submission."""
         if job.done:
             return
         with self._step_lock:
             if not job.done:
+                job.cancelled = True
                 self._fail(job, ZgenError("the request was cancelled"))
 
     def _schedule(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -406,12 +455,15 @@ class Engine:
             return
         for row in rows:
             row.job.seq.last_step = self.stats.steps
+        self.collector.step(len(rows))
+        self._step_started = time.perf_counter()
         try:
             if decode:
                 waiting = bool(blocked) or bool(preempted) or len(jobs) > len(candidates)
                 if speculator is not None:
                     host = waiting or any(row.job.needs_host() for row in rows)
                     passes = min(steps, self.config.steps_per_sync) if host else steps
+                    passes = 1 if any(row.job.request.per_token for row in rows) else passes
                     self._run_speculative(rows, steps, passes, speculator, exit_on_finish=waiting)
                 else:
                     self._run_decode(rows, steps, exit_on_finish=waiting)
@@ -442,6 +494,8 @@ class Engine:
         """Draws of this decode loop: every job's whole budget, unless one needs the host sooner (after
         ``steps_per_sync`` passes, each of which draws up to ``per_step`` tokens)."""
         draws = max(job.draws_left(self.max_len) for job in jobs)
+        if any(job.request.per_token for job in jobs):
+            return next_pow2(per_step)  # one pass
         if waiting or any(job.needs_host() for job in jobs):
             draws = min(draws, self.config.steps_per_sync * per_step)
         return next_pow2(max(draws, 1))
@@ -566,8 +620,20 @@ class Engine:
         batch = MixedBatch(
             jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(read_rows), jnp.asarray(draw_index), keys, params, penalties
         )
-        out, state = self.runner.mixed(state, batch, flags=flags, logits=want_logits, filtered=host_choice)
-        self.kv.absorb(state)
+        constrained = [(row.job.grammar, i) for row, i in zip(rows, index, strict=True) if row.job.grammar is not None and row.reads]
+        if constrained:
+            # The forward is dispatched first; the grammar masks are computed on the host while it runs.
+            out_logits, state = self.runner.forward(state, batch.tokens, batch.positions, batch.read_rows)
+            self.kv.absorb(state)
+            masks = np.full((width, mask_words(self.model.config.vocab_size)), -1, np.int32)
+            failed = fill_masks(constrained, masks)
+            for row, i in zip(rows, index, strict=True):
+                if i in failed:
+                    self._fail(row.job, failed[i])
+            out = self.runner.draw(out_logits, batch, jnp.asarray(masks), flags=flags, logits=want_logits, filtered=host_choice)
+        else:
+            out, state = self.runner.mixed(state, batch, flags=flags, logits=want_logits, filtered=host_choice)
+            self.kv.absorb(state)
         sampled, logprobs, logits, filtered = jax.device_get((out.tokens, out.logprobs, out.logits, out.filtered))
         self.stats.steps += 1
         self.stats.forward_passes += 1
@@ -586,8 +652,7 @@ class Engine:
                         if job.sampling.choose is not None:
                             token, logprob = self._host_choice(job, logits[i, k], filtered[i, k])
                         self._take(job, p, token, logprob)
-                job.seq.append(job.drawn)
-                job.drawn = []
+                self._deliver(job)
                 job.result.steps += 1
                 if not job.generating and row.start + row.count >= job.request.end and job.text is None:
                     self._finish(job)
@@ -645,8 +710,7 @@ class Engine:
         job.seq.kv.truncate(row.start + len(drawn))
         for n, t in enumerate(drawn):
             self._take(job, row.start + n, t, float(logprobs[n]))
-        job.seq.append(job.drawn)
-        job.drawn = []
+        self._deliver(job)
         job.result.steps += 1
         if job.text is None:
             self._finish(job)  # a single draw, nothing continues
@@ -696,6 +760,7 @@ class Engine:
             job = row.job
             job.control = {name: np.asarray(getattr(ctl, name))[i : i + 1] for name in control}
             stats = SpeculativeStats(int(drafted[i]), int(accepted[i]), int(verified[i]))
+            self.collector.speculation(stats.draft_tokens, stats.accepted_tokens)
             job.result.speculative = stats if job.result.speculative is None else job.result.speculative + stats
             self._take_loop_draws(row, _row_draws(out[i, : min(row.count, int(emitted[i]))].tolist(), ids), logprobs[i])
 
@@ -713,12 +778,27 @@ class Engine:
         assert job.text is not None
         if job.text.done:
             return  # drawn past a stop on the device: rolled back when the job finishes
+        if job.grammar is not None:
+            job.grammar.consume(token)
         piece = job.text.push(token)
         job.drawn.append(token)
         job.result.tokens.append(token)
         job.result.logprobs.append(logprob)
+        if job.grammar is not None and job.grammar.complete and not job.text.done:
+            piece += job.text.finish("stop")  # the grammar is complete: nothing else may follow
         if piece and r.stream:
             job.pieces.append(piece)
+
+    def _deliver(self, job: Job) -> None:
+        """Append the step's generated tokens to the sequence and count them (metrics)."""
+        if job.drawn:
+            now = time.perf_counter()
+            first = now - job.submitted if job.delivered is None else None
+            since = job.delivered if job.delivered is not None else self._step_started
+            self.collector.tokens(len(job.drawn), first_token_s=first, interval_s=now - since)
+            job.delivered = now
+        job.seq.append(job.drawn)
+        job.drawn = []
 
     def _after_generation_step(self, job: Job) -> None:
         assert job.text is not None
@@ -738,6 +818,8 @@ class Engine:
         started = job._started or now
         first = job._first_token or now
         result.prefill_s, result.decode_s = first - started, now - first
+        reason = result.finish_reason if job.text is not None else "done"
+        self.collector.finished_request(reason, prompt_tokens=job.request.end, cached_tokens=result.cached_tokens)
         job.future.set_result(result)
 
     def _fail(self, job: Job, err: BaseException) -> None:
@@ -752,6 +834,7 @@ class Engine:
             pass  # the cache itself is broken (a step failed after donating it); the job's error says why
         finally:
             if not job.done:
+                self.collector.finished_request("cancelled" if job.cancelled else "failed")
                 job.future.set_exception(err)
 
     # -- checks ---------------------------------------------------------------------------------
@@ -765,6 +848,8 @@ class Engine:
                 raise InputError(f"position {p} is not among the fed positions [{start}, {end})")
         if request.generate is not None and (end - 1) not in request.sample_at:
             raise InputError("generating needs a sample at the last fed position")
+        if request.sampling.grammar is not None and (request.generate is None or request.sample_at != (end - 1,)):
+            raise InputError("a grammar constrains a generation: sample only at the last fed position and generate")
         if end > self.max_len:
             raise PromptTooLongError(f"{end} tokens exceed the model's context of {self.max_len}")
         mask = request.attention_mask

@@ -21,7 +21,7 @@ from zgen.cache.base import KVState
 from zgen.model import Model, attached
 from zgen.runtime.sampling import SamplingFlags, SamplingParams
 from zgen.runtime.speculation import SpeculativeLoop, Speculator, speculative_loop
-from zgen.runtime.step import DecodeLoop, MixedBatch, MixedOutput, ModelSpec, decode_loop, forward, mixed_step
+from zgen.runtime.step import DecodeLoop, MixedBatch, MixedOutput, ModelSpec, decode_loop, draw_reads, forward, mixed_step
 
 S = TypeVar("S", bound=KVState)
 
@@ -68,6 +68,20 @@ class Runner:
 
         def lower() -> Any:
             fn = jax.jit(self._mixed, donate_argnums=(1,), static_argnames=("flags", "logits", "filtered"))
+            return fn.lower(*args, flags=flags, logits=logits, filtered=filtered)
+
+        return self._compiled(key, lower)(*args)
+
+    def draw(
+        self, out: Float[Array, "B R V"], batch: MixedBatch, token_mask: Int[Array, "B W"] | None, *,
+        flags: SamplingFlags, logits: bool = False, filtered: bool = False,
+    ) -> MixedOutput:
+        """The draws of a mixed step whose forward ran apart (:meth:`forward`), within a token mask."""
+        key = ("draw", _shape_key((out, batch, token_mask)), flags, logits, filtered)
+        args = (out, batch, token_mask)
+
+        def lower() -> Any:
+            fn = jax.jit(draw_reads, static_argnames=("flags", "logits", "filtered"))
             return fn.lower(*args, flags=flags, logits=logits, filtered=filtered)
 
         return self._compiled(key, lower)(*args)

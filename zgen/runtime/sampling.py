@@ -52,6 +52,7 @@ from jax import lax
 from jaxtyping import Array, Bool, Float, Int, Key, UInt32
 
 from zgen.errors import ConfigError
+from zgen.runtime.grammar import Grammar
 from zgen.shapes import next_pow2
 
 __all__ = [
@@ -133,6 +134,8 @@ class SamplingConfig:
         ignore_eos: keep generating past EOS (only when ``stop_token_ids`` is ``None``).
         choose: a :data:`HostSampler` that picks every token on the host from the filtered
             distribution instead of the device draw (a host round trip per token).
+        grammar: a :class:`~zgen.runtime.grammar.Grammar` the generated text must match (JSON schema,
+            regex, Lark); tokens it does not allow are never drawn (a host round trip per token).
     """
 
     temperature: float = 1.0
@@ -148,6 +151,7 @@ class SamplingConfig:
     stop_token_ids: tuple[int, ...] | None = None
     ignore_eos: bool = False
     choose: HostSampler | None = None
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ConfigError:
@@ -203,6 +207,8 @@ class SamplingConfig:
             raise bad("ignore_eos", "must be a bool")
         if self.choose is not None and not callable(self.choose):
             raise bad("choose", "must be a callable (ids, probs) -> id, or None")
+        if self.grammar is not None and not isinstance(self.grammar, Grammar):
+            raise bad("grammar", "must be a zgen.Grammar (Grammar.json_schema / regex / lark) or None")
 
     @property
     def greedy(self) -> bool:

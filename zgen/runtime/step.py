@@ -30,6 +30,7 @@ from zgen.cache.base import KVState
 from zgen.graph.core import ForwardContext, Graph
 from zgen.graph.decoder import LOGIT_ROWS, POSITIONS, TOKENS
 from zgen.graph.nodes import rotary
+from zgen.runtime.grammar import allowed_tokens
 from zgen.runtime.sampling import PenaltyState, SamplingFlags, SamplingParams, filter_logits, sample, update_penalty_state
 
 Params = Mapping[str, jax.Array]
@@ -86,9 +87,11 @@ def draw(
     keys: UInt32[Array, "N 2"],
     draw_index: Int[Array, " N"],
     flags: SamplingFlags,
+    allowed: Bool[Array, "N V"] | None = None,
 ) -> tuple[Int[Array, " N"], Float[Array, " N"]]:
-    """One token per row and its log-probability under the raw (unpenalized, unfiltered) logits."""
-    tokens = sample(logits, sampling, penalties, keys, draw_index, flags)
+    """One token per row (among the ``allowed`` ones: a grammar's mask) and its log-probability under
+    the raw (unpenalized, unfiltered, unmasked) logits."""
+    tokens = sample(_masked(logits, allowed), sampling, penalties, keys, draw_index, flags)
     logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), tokens[:, None], axis=1)
     return tokens, logprobs[:, 0]
 
@@ -121,14 +124,33 @@ def mixed_step(
 ) -> tuple[MixedOutput, S]:
     """One forward of ``batch``, then a draw at every read row (a row's reads share its penalties)."""
     out, kv = forward(model, params, kv, batch.tokens, batch.positions, batch.read_rows)
+    return draw_reads(out, batch, None, flags=flags, logits=logits, filtered=filtered), kv
+
+
+def draw_reads(
+    out: Float[Array, "B R V"],
+    batch: MixedBatch,
+    token_mask: Int[Array, "B W"] | None,
+    *,
+    flags: SamplingFlags,
+    logits: bool,
+    filtered: bool,
+) -> MixedOutput:
+    """The draws of a mixed step from its logits; ``token_mask`` (packed bits per row, see
+    :func:`~zgen.runtime.grammar.allowed_tokens`) limits every read of a row to the tokens it allows."""
     b, r, v = out.shape
     repeat = lambda x: jnp.repeat(x, r, axis=0)  # noqa: E731 - one row per read
     sampling = jax.tree_util.tree_map(repeat, batch.sampling)
     penalties = None if batch.penalties is None else jax.tree_util.tree_map(repeat, batch.penalties)
     flat = out.reshape(b * r, v)
-    tokens, logprobs = draw(flat, sampling, penalties, repeat(batch.keys), batch.draw_index.reshape(-1), flags)
-    kept = filter_logits(flat, sampling, penalties, flags).reshape(b, r, v) if filtered else None
-    return MixedOutput(tokens.reshape(b, r), logprobs.reshape(b, r), out if logits else None, kept), kv
+    allowed = None if token_mask is None else repeat(allowed_tokens(token_mask, v))
+    tokens, logprobs = draw(flat, sampling, penalties, repeat(batch.keys), batch.draw_index.reshape(-1), flags, allowed)
+    kept = filter_logits(_masked(flat, allowed), sampling, penalties, flags).reshape(b, r, v) if filtered else None
+    return MixedOutput(tokens.reshape(b, r), logprobs.reshape(b, r), out if logits else None, kept)
+
+
+def _masked(logits: Float[Array, "N V"], allowed: Bool[Array, "N V"] | None) -> Float[Array, "N V"]:
+    return logits if allowed is None else jnp.where(allowed, logits, -jnp.inf)
 
 
 @jax.tree_util.register_dataclass

@@ -47,7 +47,7 @@ rotation is undone on the attention output, outside the kernels.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, TypeAlias
+from typing import Literal, Protocol, TypeAlias
 
 import jax
 import jax.numpy as jnp
@@ -142,7 +142,20 @@ class Q3Pages:
 
 
 QuantizedPages: TypeAlias = Fp8Pages | Q4Pages | Q3Pages
-KVPages: TypeAlias = Array | QuantizedPages
+
+
+class PageLayout(Protocol):
+    """What any page layout offers, a format registered outside zgen's included
+    (:func:`zgen.cache.formats.register_format`): a registered pytree whose leaves all lead with
+    ``[kv_heads, pages, page_size]``."""
+
+    @property
+    def head_dim(self) -> int: ...
+
+    def dequantize(self, dtype: jnp.dtype) -> Float[Array, "*lead d"]: ...
+
+
+KVPages: TypeAlias = Array | QuantizedPages | PageLayout
 QuantFormat = Literal["bf16", "fp8", "q4", "q3"]
 
 

