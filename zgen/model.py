@@ -23,13 +23,15 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from zgen.config import ModelConfig
-from zgen.errors import CheckpointError, ConfigError, ModelNotFoundError
+from zgen.errors import AdapterError, CheckpointError, ConfigError, ModelNotFoundError
 from zgen.graph.core import Graph
 from zgen.graph.decoder import build_decoder
 from zgen.loading.builtin import BUILTIN_MODELS, builtin_model_path
 from zgen.loading.gguf_file import config_from_gguf, open_gguf, params_from_gguf
 from zgen.loading.params import HostParams, check_values
 from zgen.loading.safetensors_dir import config_from_dir, params_from_dir
+from zgen.lora.adapter import LoraAdapter, check_adapter
+from zgen.lora.merge import merged_weights
 from zgen.tokenizer import Tokenizer
 
 T = TypeVar("T")
@@ -63,12 +65,47 @@ class Model:
     # What higher layers derive from this model once and keep with it (its compiled steps, its key
     # calibration, the default engine of its contexts; see `attached`). The model never reads it.
     attachments: dict[str, object] = field(default_factory=lambda: {}, repr=False)
+    # LoRA adapters every request of this model runs with (on top of its own), with their scales;
+    # the runtime reads the stack when a request is submitted.
+    adapters: list[tuple[LoraAdapter, float]] = field(default_factory=lambda: [], repr=False)
+    merged_adapters: list[tuple[LoraAdapter, float]] = field(default_factory=lambda: [], repr=False)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         ids = list(self.config.eos_token_ids)
         ids += [i for i in self.tokenizer.eos_ids if i not in ids]
         return tuple(ids)
+
+    # The adapter stack changes this model in place rather than returning a view: the compiled
+    # steps, engines and caches kept in `attachments` belong to this object, and a view would compile
+    # everything again and be unseen by engines already serving the model. Requests already submitted
+    # keep the stack they were submitted with.
+    def push_adapter(self, adapter: LoraAdapter, scale: float = 1.0) -> None:
+        """Apply ``adapter`` (times ``scale``) to every later request, on top of those pushed before."""
+        check_adapter(adapter, self.config)
+        self.adapters.append((adapter, float(scale)))
+
+    def pop_adapter(self) -> LoraAdapter:
+        """Take the last pushed adapter off the stack and return it."""
+        if not self.adapters:
+            raise AdapterError("no adapter was pushed on this model; nothing to pop")
+        return self.adapters.pop()[0]
+
+    def merge_adapter(self, adapter: LoraAdapter, scale: float = 1.0) -> None:
+        """Add ``adapter``'s correction into the weights (no per-token cost after). K/V an engine of
+        this model cached before (its prefix cache, contexts) were computed without it."""
+        self.params.update(merged_weights(self.params, self.config, adapter, scale))
+        self.merged_adapters.append((adapter, float(scale)))
+
+    def unmerge_adapter(self, adapter: LoraAdapter | None = None) -> LoraAdapter:
+        """Subtract a merged adapter (default: the last merged) from the weights again; exact up to
+        rounding in the model's dtype."""
+        index = next((i for i in reversed(range(len(self.merged_adapters))) if adapter in (None, self.merged_adapters[i][0])), None)
+        if index is None:
+            raise AdapterError("that adapter is not merged into this model" if adapter else "no adapter is merged into this model")
+        merged, scale = self.merged_adapters.pop(index)
+        self.params.update(merged_weights(self.params, self.config, merged, -scale))
+        return merged
 
 
 def attached(model: Model, name: str, make: Callable[[], T]) -> T:
