@@ -44,6 +44,7 @@ from zgen.model import DTYPES, Model, default_cache_dir, load_model, resolve_mod
 from zgen.runtime.grammar import Grammar
 from zgen.runtime.sampling import SamplingConfig
 from zgen.runtime.step import POOLINGS, Pooling
+from zgen.speculative import DraftModel, PromptLookup, Speculator
 
 
 def _untyped_flags(params: list[Any]) -> list[Any]:
@@ -172,6 +173,37 @@ PrefixCacheOption = Annotated[
         "default cache paged; tiered always has one, unbounded without this flag).",
     ),
 ]
+PromptLookupOption = Annotated[
+    bool,
+    typer.Option(
+        "--prompt-lookup",
+        help="Speculative decoding with n-gram drafts from the prompt and the text so far (same output; faster when "
+        "the reply repeats its context, e.g. summaries and code edits).",
+    ),
+]
+DraftModelOption = Annotated[
+    str | None,
+    typer.Option(
+        "--draft-model",
+        metavar="MODEL",
+        help="Speculative decoding with this smaller model as the draft (same tokenizer required; same output; "
+        "the draft length adapts, and drafting pauses while it is mostly rejected).",
+    ),
+]
+EarlyExitOption = Annotated[
+    int | None,
+    typer.Option(
+        "--early-exit",
+        metavar="N",
+        min=1,
+        help="Speculative decoding drafting with the model's own first N layers, final norm and LM head (a "
+        "self-speculative draft, no second model; same output).",
+    ),
+]
+NumDraftOption = Annotated[
+    int | None,
+    typer.Option("--num-draft-tokens", metavar="K", min=1, max=32, help="Tokens drafted per pass at most (default: 8 with --prompt-lookup, else 4)."),
+]
 
 
 def _finite(value: float) -> float:
@@ -242,11 +274,11 @@ def _main(
 # -- checks before anything loads -------------------------------------------------------------------
 
 
-def _model_path(model: str) -> Path:
+def _model_path(model: str, flag: str = "--model") -> Path:
     try:
         return resolve_model(model)
     except ZgenError as err:
-        raise typer.BadParameter(str(err), param_hint="'--model'") from None
+        raise typer.BadParameter(str(err), param_hint=f"'{flag}'") from None
 
 
 def _cache_options(kind: str | None, dtype: str | None, prefix: bool) -> list[CacheOption]:
@@ -397,6 +429,14 @@ def generate(
     kv_cache: KVCacheOption = None,
     kv_dtype_name: KVDtypeOption = None,
     use_prefix_cache: PrefixCacheOption = False,
+    prompt_lookup: PromptLookupOption = False,
+    draft_model: DraftModelOption = None,
+    early_exit: EarlyExitOption = None,
+    num_draft_tokens: NumDraftOption = None,
+    as_json: Annotated[
+        bool,
+        typer.Option("--json", help="Print one JSON object (text, ids, log-probs, usage, timings, speculative) instead of streaming text."),
+    ] = False,
     lora: LoraOption = None,
     num_beams: Annotated[
         int, typer.Option("--num-beams", min=1, help="Beam search with this many beams (1: sample as the flags say). Prints the best beam; --json gives every beam.")
@@ -404,7 +444,6 @@ def generate(
     length_penalty: Annotated[
         float, typer.Option("--length-penalty", callback=_finite, help="Beam scores are summed log-probs / length ** this (> 0 favours longer beams).")
     ] = 1.0,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (text, ids, log-probs, usage, timings) instead of streaming text.")] = False,
     quiet: QuietOption = False,
     json_schema: Annotated[Path | None, typer.Option("--json-schema", help="The output is JSON valid under this JSON Schema file.")] = None,
     regex: Annotated[str | None, typer.Option("--regex", help="The output matches this regular expression as a whole.")] = None,
@@ -416,10 +455,22 @@ def generate(
     directory). Otherwise sampling is plain, temperature 1.0 without filtering: the built-in SmolLM2
     GGUF recommends nothing, so pass --temperature 0 for greedy, repeatable text (or e.g.
     --temperature 0.7 --top-p 0.9).
+
+    Speculative decoding (--prompt-lookup, --draft-model, --early-exit) drafts tokens cheaply and checks
+    them in one forward pass: greedy output is exactly the plain output, sampled output follows the
+    same distribution.
     """
     if not (prompt or chat):
         raise typer.BadParameter("the prompt is empty", param_hint="'--prompt'")
+    chosen_speculators = [flag for flag, on in (("--prompt-lookup", prompt_lookup), ("--draft-model", draft_model), ("--early-exit", early_exit)) if on]
+    if len(chosen_speculators) > 1:
+        raise typer.BadParameter(f"choose one speculator, got {' and '.join(chosen_speculators)}", param_hint="'--prompt-lookup'")
+    if num_draft_tokens is not None and not chosen_speculators:
+        raise typer.BadParameter("--num-draft-tokens needs --prompt-lookup, --draft-model or --early-exit", param_hint="'--num-draft-tokens'")
+    if chosen_speculators and kv_cache == "compressed":
+        raise typer.BadParameter("speculative decoding cannot roll back the lossy compressed cache; choose another", param_hint="'--kv-cache'")
     path = _model_path(model)
+    draft_path = _model_path(draft_model, "--draft-model") if draft_model is not None else None
     chosen = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p, "repetition_penalty": repetition_penalty}
     sampling = _sampling(path, GENERATE_DEFAULTS, chosen, max_new_tokens=max_new_tokens, seed=seed, stop=stop, ignore_eos=ignore_eos)
     grammar = _grammar(json_schema, regex, lark)
@@ -431,7 +482,10 @@ def generate(
     try:
         adapters = _read_adapters(lora)
         with Phases.on_stderr(enabled=show) as phases:
-            generator = Generator(_with_adapters(_load(phases, model, path, dtype, sampling), adapters), *options)
+            loaded = _with_adapters(_load(phases, model, path, dtype, sampling), adapters)
+            draft = _load(phases, draft_model, draft_path, dtype, None) if draft_model is not None and draft_path is not None else None
+            speculator = _speculator(loaded, prompt_lookup, draft, early_exit, num_draft_tokens)
+            generator = Generator(loaded, *options, speculative=speculator)
         with generator:
             if num_beams > 1:
                 _print_beams(generator, request, num_beams, length_penalty, max_new_tokens, as_json)
@@ -449,6 +503,18 @@ def generate(
             _write("\n")
     except ZgenError as err:
         raise _fail(err) from None
+
+
+def _speculator(
+    model: Model, prompt_lookup: bool, draft: Model | None, early_exit: int | None, num_tokens: int | None
+) -> Speculator | None:
+    if prompt_lookup:
+        return PromptLookup(num_tokens=num_tokens or 8)
+    if draft is not None:
+        return DraftModel(draft, num_tokens or 4)
+    if early_exit is not None:
+        return DraftModel.early_exit(model, layers=early_exit, num_tokens=num_tokens or 4)
+    return None
 
 
 def _print_beams(generator: Generator, request: Prompt, num_beams: int, length_penalty: float, max_new: int, as_json: bool) -> None:
@@ -502,6 +568,7 @@ def _json_result(generator: Generator, request: Prompt, sampling: SamplingConfig
             "total_s": total_s,
             "decode_tokens_per_s": decoded / decode_s if decoded > 0 and decode_s > 0 else 0.0,
         },
+        "speculative": None if result.speculative is None else result.speculative.as_dict(),
     }
 
 
