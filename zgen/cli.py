@@ -37,7 +37,7 @@ from zgen.errors import ConfigError, ZgenError
 from zgen.evaluation import perplexity, read_text_file
 from zgen.generator import Generator, Prompt
 from zgen.loading.builtin import BUILTIN_MODELS, DEFAULT_MODEL, builtin_model_path
-from zgen.model import DTYPES, Model, default_cache_dir, load_model, resolve_model
+from zgen.model import DTYPES, GGUF_WEIGHTS, WEIGHTS_CHOICES, Model, default_cache_dir, load_model, resolve_model
 from zgen.runtime.grammar import Grammar
 from zgen.runtime.sampling import SamplingConfig
 
@@ -112,6 +112,15 @@ ModelOption = Annotated[
     str, typer.Option("--model", "-m", help=f"Built-in name ({', '.join(BUILTIN_MODELS)}), HF model directory or .gguf file.")
 ]
 DtypeOption = Annotated[str, _choice("--dtype", tuple(DTYPES), "Weight and activation dtype.")]
+WeightsOption = Annotated[
+    str | None,
+    _choice(
+        "--weights",
+        WEIGHTS_CHOICES,
+        "Hold the linear layers' weights quantized: int8 / int4 quantized at load, gguf computes on a GGUF file's own "
+        "Q8_0/Q4_0/Q4_1 blocks. Default: in --dtype.",
+    ),
+]
 MaxNewOption = Annotated[int, typer.Option("--max-new-tokens", "-n", min=1, help="Tokens to generate at most.")]
 _MODEL_DEFAULT = "Default: the model's recommendation, else"
 TemperatureOption = Annotated[
@@ -273,19 +282,32 @@ def _sampling(
 # -- phases -----------------------------------------------------------------------------------------
 
 
-def _load(phases: Phases, model: str, path: Path, dtype: str, sampling: _Sampling | None) -> Model:
+def _check_weights(weights: str | None, path: Path) -> None:
+    """--weights gguf needs a GGUF file: said before anything loads."""
+    if weights == GGUF_WEIGHTS and path.is_dir():
+        raise typer.BadParameter(
+            f"gguf computes on a GGUF file's own quantized tensors and {path} is an HF directory; use --weights int8 or int4",
+            param_hint="'--weights'",
+        )
+
+
+def _load(phases: Phases, model: str, path: Path, dtype: str, sampling: _Sampling | None, weights: str | None = None) -> Model:
     phases.note(f"Model {path}" if model == str(path) else f"Model {model}: {path}")
     if sampling is not None:
         phases.note(f"Sampling: {_describe_sampling(sampling.config)}; knobs left out come from {sampling.source}")
-    with phases.phase(f"Loading weights ({dtype})") as phase:
+    held = dtype if weights is None else f"{dtype}, {weights} linear weights"
+    with phases.phase(f"Loading weights ({held})") as phase:
 
         def converting(done: int, total: int) -> None:
-            phase.describe("Converting GGUF weights to float32 (first load only)" if done < total else "Saving the converted weights")
+            if weights == GGUF_WEIGHTS:
+                phase.describe("Repacking the GGUF's quantized blocks")
+            else:
+                phase.describe("Converting GGUF weights to float32 (first load only)" if done < total else "Saving the converted weights")
             phase.measure(done, total)
 
-        loaded = load_model(path, dtype=dtype, progress=converting)
+        loaded = load_model(path, dtype=dtype, progress=converting, weights=weights)
         outcome = {"gguf": "Converted the GGUF weights and cached them", "converted-cache": "Loaded the converted weights from the cache"}
-        phase.describe(f"{outcome.get(loaded.load_timings.source, 'Loaded the weights')} ({dtype})")
+        phase.describe(f"{outcome.get(loaded.load_timings.source, 'Loaded the weights')} ({held})")
     return loaded
 
 
@@ -341,6 +363,7 @@ def generate(
     stop: StopOption = None,
     ignore_eos: IgnoreEosOption = False,
     dtype: DtypeOption = "float32",
+    weights: WeightsOption = None,
     kv_cache: KVCacheOption = None,
     kv_dtype_name: KVDtypeOption = None,
     use_prefix_cache: PrefixCacheOption = False,
@@ -360,6 +383,7 @@ def generate(
     if not (prompt or chat):
         raise typer.BadParameter("the prompt is empty", param_hint="'--prompt'")
     path = _model_path(model)
+    _check_weights(weights, path)
     chosen = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p, "repetition_penalty": repetition_penalty}
     sampling = _sampling(path, GENERATE_DEFAULTS, chosen, max_new_tokens=max_new_tokens, seed=seed, stop=stop, ignore_eos=ignore_eos)
     grammar = _grammar(json_schema, regex, lark)
@@ -370,7 +394,7 @@ def generate(
     show = not (quiet or as_json)
     try:
         with Phases.on_stderr(enabled=show) as phases:
-            loaded = _load(phases, model, path, dtype, sampling)
+            loaded = _load(phases, model, path, dtype, sampling, weights)
             generator = Generator(loaded, *options)
         with generator:
             if as_json:
@@ -445,6 +469,7 @@ def chat(
     repetition_penalty: RepetitionOption = None,
     seed: SeedOption = None,
     dtype: DtypeOption = "float32",
+    weights: WeightsOption = None,
     kv_cache: KVCacheOption = None,
     kv_dtype_name: KVDtypeOption = None,
     use_prefix_cache: PrefixCacheOption = False,
@@ -457,12 +482,13 @@ def chat(
     recommendation (generation_config.json in an HF directory), else temperature 0.7, top-p 0.95.
     """
     path = _model_path(model)
+    _check_weights(weights, path)
     chosen = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p, "repetition_penalty": repetition_penalty}
     sampling = _sampling(path, CHAT_DEFAULTS, chosen, max_new_tokens=max_new_tokens, seed=seed, stop=None, ignore_eos=False)
     options = _cache_options(kv_cache, kv_dtype_name, use_prefix_cache)
     try:
         with Phases.on_stderr(enabled=not quiet) as phases:
-            generator = Generator(_load(phases, model, path, dtype, sampling), *options)
+            generator = Generator(_load(phases, model, path, dtype, sampling, weights), *options)
     except ZgenError as err:
         raise _fail(err) from None
     messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
@@ -521,6 +547,7 @@ def eval_ppl(
     kv_cache: KVCacheOption = None,
     kv_dtype_name: KVDtypeOption = None,
     dtype: DtypeOption = "float32",
+    weights: WeightsOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     quiet: QuietOption = False,
 ) -> None:
@@ -528,6 +555,7 @@ def eval_ppl(
     if chunk is not None and chunk > window:
         raise typer.BadParameter(f"{chunk} is larger than --window {window}; a window is fed at most whole", param_hint="'--chunk'")
     path = _model_path(model)
+    _check_weights(weights, path)
     options = _cache_options(kv_cache, kv_dtype_name, False)
     try:
         text = read_text_file(text_file)
@@ -535,7 +563,7 @@ def eval_ppl(
         raise typer.BadParameter(str(err), param_hint="'--text-file'") from None
     try:
         with Phases.on_stderr(enabled=not (quiet or as_json)) as phases:
-            loaded = _load(phases, model, path, dtype, None)
+            loaded = _load(phases, model, path, dtype, None, weights)
             ids = loaded.tokenizer.encode(text, add_special_tokens=False)
             scoring = f"Scoring {len(ids)} tokens in windows of {window}"
             with phases.phase(scoring) as phase, CompileClock(_compile_status(phase, scoring)):
