@@ -53,9 +53,10 @@ def test_int4_packs_two_codes_per_byte_in_planar_halves() -> None:
     np.testing.assert_array_equal(packed >> 4, codes[:, 64:])
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_quantized_linear_is_the_dot_with_the_dequantized_matrix(bits: int) -> None:
-    w = quantize(jnp.asarray(_matrix(40, 192)), WeightQuantization(bits, 32), F32)
+@pytest.mark.parametrize("bits, group", [(8, 32), (8, None), (4, 32)])
+@pytest.mark.parametrize("matmul", ["dequantize", "grouped"])
+def test_quantized_linear_is_the_dot_with_the_dequantized_matrix(bits: int, group: int | None, matmul: str) -> None:
+    w = quantize(jnp.asarray(_matrix(40, 192)), WeightQuantization(bits, group, matmul), F32)
     x = jnp.asarray(_matrix(3, 192, seed=1))
     expected = np.asarray(x) @ np.asarray(dequantize(w)).T
     np.testing.assert_allclose(np.asarray(jax.jit(quantized_linear)(x, w)), expected, rtol=1e-5, atol=1e-4)
@@ -71,6 +72,8 @@ def test_default_groups_and_bad_group_sizes() -> None:
         WeightQuantization(4, 64).group_for(576)
     with pytest.raises(ConfigError, match="bits must be 8 or 4"):
         WeightQuantization(3)
+    with pytest.raises(ConfigError, match="matmul must be one of"):
+        WeightQuantization(8, matmul="fast")
 
 
 # -- a tiny random Llama, quantized at load ---------------------------------------------------------

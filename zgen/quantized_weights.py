@@ -12,15 +12,21 @@ consecutive inputs of a row share a scale (and, in the asymmetric layouts, an of
   ``j + in / 2`` in its high nibble, so the matmul splits ``x`` in halves and never interleaves or
   concatenates codes.
 
-The matmul (:func:`quantized_linear`) dequantizes inside the traced computation and then dots, so
-XLA fuses the unpacking and scaling into the dot's operand read: the weights cross memory at their
-stored width. The scale arithmetic runs in float32 and the result is cast to the activation dtype,
-so a float32 model computes exactly the weights a float checkpoint of the dequantized values holds.
+The matmul (:func:`quantized_linear`) works inside the traced computation in one of two ways, a
+static choice of the weight (``matmul``), so that XLA reads the weights at their stored width:
+
+* ``"dequantize"`` (default): unpack and scale the codes into the activation dtype, then dot — XLA
+  fuses the unpacking into the dot's operand. The scale arithmetic runs in float32 and is cast to
+  the activation dtype, so a float32 model computes exactly the weights a float checkpoint of the
+  dequantized values holds.
+* ``"grouped"``: dot the activations with the raw codes group by group (accumulating in float32)
+  and apply scales and offsets to the per-group sums: the dot's operand is only a conversion of the
+  codes. Per output channel (int8's default) this is a plain dot followed by one scale per column.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -34,6 +40,7 @@ from zgen.numerics import matmul_precision
 # A leaf is a device array once loaded, a numpy array while a checkpoint is assembled on the host.
 Leaf = Any
 INT4_GROUP_SIZES = (128, 64, 32)  # the default int4 group: the largest of these a matrix's width allows
+MATMULS = ("dequantize", "grouped")
 
 
 @dataclass(frozen=True)
@@ -41,8 +48,9 @@ class QuantizedWeight:
     values: Leaf  # int8 [out, in] (bits 8) or uint8 [out, in / 2] (bits 4, planar nibbles)
     scales: Leaf  # [out, in / group_size], float
     offsets: Leaf | None  # like scales; None for symmetric codes
-    bits: int = field(default=8, metadata={"static": True})
-    group_size: int = field(default=32, metadata={"static": True})
+    bits: int = 8
+    group_size: int = 32
+    matmul: str = "dequantize"  # one of MATMULS
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -59,23 +67,27 @@ class QuantizedWeight:
 
 
 jax.tree_util.register_dataclass(
-    QuantizedWeight, data_fields=["values", "scales", "offsets"], meta_fields=["bits", "group_size"]
+    QuantizedWeight, data_fields=["values", "scales", "offsets"], meta_fields=["bits", "group_size", "matmul"]
 )
 
 
 @dataclass(frozen=True)
 class WeightQuantization:
     """How to quantize linear weights at load: ``bits`` 8 or 4; ``group_size`` inputs per scale
-    (None: int8 one group per row, int4 the largest of 128/64/32 that the matrix's width allows)."""
+    (None: int8 one group per row, int4 the largest of 128/64/32 that the matrix's width allows);
+    ``matmul`` how the product is computed (:data:`MATMULS`, see the module notes)."""
 
     bits: int
     group_size: int | None = None
+    matmul: str = "dequantize"
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
             raise ConfigError(f"weight quantization bits must be 8 or 4, got {self.bits!r}")
         if self.group_size is not None and (isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1):
             raise ConfigError(f"weight quantization group_size must be a positive integer or None, got {self.group_size!r}")
+        if self.matmul not in MATMULS:
+            raise ConfigError(f"weight quantization matmul must be one of {', '.join(MATMULS)}, got {self.matmul!r}")
 
     def group_for(self, width: int) -> int:
         """The group size for a matrix of ``width`` inputs (ConfigError when none fits)."""
@@ -123,13 +135,13 @@ def quantize(weight: Float[Array, "out inp"], scheme: WeightQuantization, scale_
         scale = (jnp.max(jnp.abs(w), axis=-1) / 127.0).astype(scale_dtype)
         stored = jnp.where(scale == 0, 1.0, scale.astype(jnp.float32))
         codes = jnp.clip(jnp.round(w / stored[..., None]), -127, 127).astype(jnp.int8)
-        return QuantizedWeight(codes.reshape(out, width), scale, None, bits=8, group_size=group)
+        return QuantizedWeight(codes.reshape(out, width), scale, None, bits=8, group_size=group, matmul=scheme.matmul)
     low, high = jnp.min(w, axis=-1), jnp.max(w, axis=-1)
     scale = ((high - low) / 15.0).astype(scale_dtype)
     offset = low.astype(scale_dtype)
     stored = jnp.where(scale == 0, 1.0, scale.astype(jnp.float32))
     codes = jnp.clip(jnp.round((w - offset.astype(jnp.float32)[..., None]) / stored[..., None]), 0, 15).astype(jnp.uint8)
-    return QuantizedWeight(pack_nibbles(codes.reshape(out, width)), scale, offset, bits=4, group_size=group)
+    return QuantizedWeight(pack_nibbles(codes.reshape(out, width)), scale, offset, bits=4, group_size=group, matmul=scheme.matmul)
 
 
 def _scaled(codes: jax.Array, scales: jax.Array, offsets: jax.Array | None, group: int, dtype: jnp.dtype) -> jax.Array:
@@ -160,12 +172,43 @@ def dequantize(weight: QuantizedWeight, dtype: jnp.dtype = jnp.dtype(jnp.float32
     return jnp.concatenate([low, high], axis=1)
 
 
+def _grouped_dot(x: jax.Array, codes: jax.Array, scales: jax.Array, offsets: jax.Array | None) -> jax.Array:
+    """``x @ (scales * codes + offsets).T`` with the scales applied to per-group sums, in float32."""
+    out, width = codes.shape
+    groups = scales.shape[1]
+    precision = matmul_precision(x.dtype)
+    operand = codes.astype(x.dtype)  # small integers: exact in every float dtype
+    if groups == 1:
+        y = jnp.einsum("...i,oi->...o", x, operand, precision=precision, preferred_element_type=jnp.float32)
+        y = y * scales[:, 0].astype(jnp.float32)
+    else:
+        xg = x.reshape(*x.shape[:-1], groups, width // groups)
+        partial = jnp.einsum(
+            "...gi,ogi->...og", xg, operand.reshape(out, groups, width // groups), precision=precision,
+            preferred_element_type=jnp.float32,
+        )
+        y = jnp.einsum("...og,og->...o", partial, scales.astype(jnp.float32))
+    if offsets is not None:
+        sums = x.astype(jnp.float32).reshape(*x.shape[:-1], groups, width // groups).sum(axis=-1)
+        y = y + jnp.einsum("...g,og->...o", sums, offsets.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    return y
+
+
 def quantized_linear(x: Float[Array, "*batch inp"], weight: QuantizedWeight) -> Float[Array, "*batch out"]:
-    """``x @ W.T`` for the matrix ``weight`` stands for, dequantized inside the computation."""
+    """``x @ W.T`` for the matrix ``weight`` stands for, computed from its codes inside the computation."""
 
     def dot(a: jax.Array, w: jax.Array) -> jax.Array:
         return jnp.einsum("...i,oi->...o", a, w, precision=matmul_precision(a.dtype))
 
+    values, scales = jnp.asarray(weight.values), jnp.asarray(weight.scales)
+    offsets = None if weight.offsets is None else jnp.asarray(weight.offsets)
+    if weight.matmul == "grouped":
+        if weight.bits == 8:
+            return _grouped_dot(x, values, scales, offsets).astype(x.dtype)
+        half, groups = values.shape[1], scales.shape[1] // 2
+        low = _grouped_dot(x[..., :half], values & 0xF, scales[:, :groups], None if offsets is None else offsets[:, :groups])
+        high = _grouped_dot(x[..., half:], values >> 4, scales[:, groups:], None if offsets is None else offsets[:, groups:])
+        return (low + high).astype(x.dtype)
     if weight.bits == 8:
         return dot(x, dequantize(weight, x.dtype))
     low, high = _halves(weight, x.dtype)
