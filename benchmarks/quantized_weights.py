@@ -108,11 +108,12 @@ def speed(args: argparse.Namespace) -> None:
 def ppl(args: argparse.Namespace) -> None:
     from zgen.evaluation import perplexity, read_text_file
 
-    loads = {
+    loads: dict[str, dict[str, Any]] = {
         "float32 (GGUF dequantized)": dict(),
         "Q4_1 direct (weights='gguf')": dict(weights="gguf"),
         "int8 re-quantized": dict(weights="int8"),
-        "int4 re-quantized": dict(weights="int4"),
+        "int4 re-quantized (default groups: 32, 128 for the down projection)": dict(weights="int4"),
+        "int4 re-quantized, groups of 32": dict(weights=WeightQuantization(4, 32)),
     }
     ids: list[int] = []
     rows = []

@@ -17,6 +17,7 @@ from tests.hf_reference import SMALL, save_random_checkpoint
 from tests.tiny_gguf import VOCAB, write_tiny_gguf
 from zgen import Generator, SamplingConfig
 from zgen.cli import app
+from zgen.contexts.snapshot import model_fingerprint
 from zgen.errors import ConfigError, UnsupportedModelError
 from zgen.model import Model, load_model, quantize_model
 from zgen.quantized_weights import QuantizedWeight, WeightQuantization, dequantize, quantize, quantized_linear
@@ -130,6 +131,8 @@ def test_int8_and_int4_models_compute_their_weights_and_stay_near_the_float_mode
 def test_quantize_model_matches_quantizing_at_load(tiny_dir: Path, tiny_float: Model) -> None:
     in_memory, at_load = quantize_model(tiny_float, "int4"), load_model(tiny_dir, dtype="float32", weights="int4")
     np.testing.assert_array_equal(Generator(in_memory).logits(IDS), Generator(at_load).logits(IDS))
+    # Saved contexts know a quantized model from its float original.
+    assert model_fingerprint(in_memory) == model_fingerprint(at_load) != model_fingerprint(tiny_float)
     with pytest.raises(ConfigError, match="already quantized"):
         quantize_model(in_memory, "int8")
 
