@@ -315,6 +315,18 @@ def test_tokenizer_refuses_what_is_not_text(tiny: Model) -> None:
             tokenizer.decode(ids)  # type: ignore[arg-type]
 
 
+def test_prompts_that_are_neither_text_ids_nor_messages(tiny: Model) -> None:
+    with Generator(tiny) as gen:
+        with pytest.raises(InputError, match="decode it first"):
+            gen.encode_prompt(b"w3 w4")  # type: ignore[arg-type]
+        for prompt in ([{"role": "user", "content": "w3"}, 5], [{"role": "user", "content": "w3"}, "w4"]):
+            with pytest.raises(InputError, match="chat messages are dicts"):
+                gen.encode_prompt(prompt)  # type: ignore[arg-type]
+        for ids in ([1, 1.5], [1, "5"], [True]):
+            with pytest.raises(TokenIdError):
+                gen.encode_prompt(ids)  # type: ignore[arg-type]
+
+
 def test_chat_messages_must_be_string_dicts(tiny: Model) -> None:
     tokenizer = dataclasses.replace(tiny.tokenizer, chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
     assert tokenizer.apply_chat_template([{"role": "user", "content": "w3"}]) == "w3"

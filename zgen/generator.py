@@ -165,11 +165,18 @@ class Generator:
         tokenizer = self.model.tokenizer
         if isinstance(prompt, str):
             ids = tokenizer.encode(prompt)
-        elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
+        elif isinstance(prompt, (bytes, bytearray)):  # a Sequence of ints, but never meant as token ids
+            raise InputError("a prompt is text, not bytes: decode it first (e.g. data.decode('utf-8'))")
+        elif isinstance(prompt, Sequence) and any(isinstance(m, Mapping) for m in prompt):
             messages = [m for m in prompt if isinstance(m, Mapping)]
+            if len(messages) != len(prompt):
+                raise InputError(
+                    "chat messages are dicts like {'role': 'user', 'content': 'Hi'}; "
+                    f"got a list holding {', '.join(sorted({type(m).__name__ for m in prompt}))}"
+                )
             ids = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
         elif isinstance(prompt, Sequence):
-            ids = self.engine.check_ids([t for t in prompt if not isinstance(t, Mapping)])
+            ids = self.engine.check_ids([t for t in prompt if not isinstance(t, Mapping)])  # (none are, here)
         else:
             raise InputError(f"a prompt is text, chat messages or token ids, got {type(prompt).__name__}")
         if not ids:
