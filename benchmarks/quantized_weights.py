@@ -4,8 +4,9 @@
 SmolLM2 shapes against the same weights quantized to int8 (per output channel) and int4 (groups of
 128 for Llama-3-8B, 32 for SmolLM2's width 576), in one process, same prompt and method as
 ``gpu_decode.py`` (generate N tokens minus generate 1). Each quantized format runs with each
-``--matmul`` way of computing the product (``zgen.quantized_weights.MATMULS``: dequantize-then-dot,
-or dots over the raw codes per group with the scales applied after). Also one matmul alone (batch 1
+``--matmul`` way of computing the product (``zgen.quantized_weights.MATMULS``: dequantize-then-dot;
+dots over the raw codes per group with the scales applied after; or, for decode, a multiply-and-sum
+reduction). Also one matmul alone (batch 1
 by the MLP's down projection), where only the weight bytes differ. Goals: int8 ≥ 1.7×, int4 ≥ 2.8×
 bf16's tokens/s at the Llama-3-8B shape.
 

@@ -55,10 +55,10 @@ def test_int4_packs_two_codes_per_byte_in_planar_halves() -> None:
 
 
 @pytest.mark.parametrize("bits, group", [(8, 32), (8, None), (4, 32)])
-@pytest.mark.parametrize("matmul", ["dequantize", "grouped"])
-def test_quantized_linear_is_the_dot_with_the_dequantized_matrix(bits: int, group: int | None, matmul: str) -> None:
+@pytest.mark.parametrize("matmul, rows", [("dequantize", 3), ("grouped", 3), ("reduce", 3), ("reduce", 12)])
+def test_quantized_linear_is_the_dot_with_the_dequantized_matrix(bits: int, group: int | None, matmul: str, rows: int) -> None:
     w = quantize(jnp.asarray(_matrix(40, 192)), WeightQuantization(bits, group, matmul), F32)
-    x = jnp.asarray(_matrix(3, 192, seed=1))
+    x = jnp.asarray(_matrix(rows, 192, seed=1))
     expected = np.asarray(x) @ np.asarray(dequantize(w)).T
     np.testing.assert_allclose(np.asarray(jax.jit(quantized_linear)(x, w)), expected, rtol=1e-5, atol=1e-4)
 
@@ -135,6 +135,17 @@ def test_quantize_model_matches_quantizing_at_load(tiny_dir: Path, tiny_float: M
     assert model_fingerprint(in_memory) == model_fingerprint(at_load) != model_fingerprint(tiny_float)
     with pytest.raises(ConfigError, match="already quantized"):
         quantize_model(in_memory, "int8")
+
+
+def test_every_matmul_form_computes_the_same_logits(tiny_float: Model) -> None:
+    """Through the runtime, the three forms compute the same product (a 6-token step: "reduce"
+    takes its multiply-and-sum path)."""
+    logits = {
+        matmul: Generator(quantize_model(tiny_float, WeightQuantization(4, 32, matmul))).logits(IDS[:6])
+        for matmul in ("dequantize", "grouped", "reduce")
+    }
+    for matmul in ("grouped", "reduce"):
+        np.testing.assert_allclose(logits[matmul], logits["dequantize"], rtol=0, atol=1e-5 * np.abs(logits["dequantize"]).max())
 
 
 def test_unsupported_weight_choices_are_typed_errors(tiny_dir: Path) -> None:

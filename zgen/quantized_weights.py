@@ -22,10 +22,14 @@ static choice of the weight (``matmul``), so that XLA reads the weights at their
 * ``"grouped"``: dot the activations with the raw codes group by group (accumulating in float32)
   and apply scales and offsets to the per-group sums: the dot's operand is only a conversion of the
   codes. Per output channel (int8's default) this is a plain dot followed by one scale per column.
+* ``"reduce"``: for a step of at most :data:`REDUCE_MAX_ROWS` rows (decode), an elementwise product
+  with the dequantized weights summed over the inputs — one reduction that reads each weight once,
+  in place of a dot whose operand XLA might not fuse; more rows (prefill) dequantize and dot.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +44,8 @@ from zgen.numerics import matmul_precision
 # A leaf is a device array once loaded, a numpy array while a checkpoint is assembled on the host.
 Leaf = Any
 INT4_GROUP_SIZES = (128, 64, 32)  # the default int4 group: the largest of these a matrix's width allows
-MATMULS = ("dequantize", "grouped")
+MATMULS = ("dequantize", "grouped", "reduce")
+REDUCE_MAX_ROWS = 8  # "reduce" multiplies and sums for at most this many rows (decode), else dots
 
 
 @dataclass(frozen=True)
@@ -198,6 +203,8 @@ def quantized_linear(x: Float[Array, "*batch inp"], weight: QuantizedWeight) -> 
     """``x @ W.T`` for the matrix ``weight`` stands for, computed from its codes inside the computation."""
 
     def dot(a: jax.Array, w: jax.Array) -> jax.Array:
+        if weight.matmul == "reduce" and math.prod(a.shape[:-1]) <= REDUCE_MAX_ROWS:
+            return jnp.sum(a.astype(jnp.float32)[..., None, :] * w.astype(jnp.float32), axis=-1).astype(a.dtype)
         return jnp.einsum("...i,oi->...o", a, w, precision=matmul_precision(a.dtype))
 
     values, scales = jnp.asarray(weight.values), jnp.asarray(weight.scales)
