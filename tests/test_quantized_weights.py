@@ -19,6 +19,7 @@ from zgen import Generator, SamplingConfig
 from zgen.cli import app
 from zgen.contexts.snapshot import model_fingerprint
 from zgen.errors import ConfigError, UnsupportedModelError
+from zgen.loading.gguf_quantized import fuse, read_codes
 from zgen.model import Model, load_model, quantize_model
 from zgen.quantized_weights import QuantizedWeight, WeightQuantization, dequantize, quantize, quantized_linear
 
@@ -241,6 +242,22 @@ def test_gguf_blocks_computed_directly_equal_the_dequantized_path(tmp_path: Path
     assert np.abs(a - b).max() <= 1e-4 * np.abs(a).max()
     greedy = SamplingConfig(temperature=0.0, max_new_tokens=16, ignore_eos=True)
     assert Generator(direct).generate(ids, greedy).token_ids == Generator(dense).generate(ids, greedy).token_ids
+
+
+def test_q4_k_super_blocks_repack_to_the_weights_gguf_dequantizes() -> None:
+    """Q4_K (no Python quantizer to write a model with): random super-blocks, any byte a valid code or
+    6-bit scale, under small float16 d and dmin, read into groups of 32."""
+    rng = np.random.default_rng(0)
+    out, width = 6, 512
+    blocks = rng.integers(0, 256, size=(out * width // 256, 144), dtype=np.uint8)
+    for start in (0, 2):  # d, dmin
+        blocks[:, start : start + 2] = rng.uniform(1e-3, 2e-2, len(blocks)).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    data = blocks.reshape(out, -1)
+    expected = gguf.quants.dequantize(data, gguf.GGMLQuantizationType.Q4_K).reshape(out, width)
+    weight = fuse([read_codes(data, "Q4_K", (out, width))])
+    assert weight.bits == 4 and weight.group_size == 32
+    # The same float32 products; XLA may fuse scale * q + offset into one rounding.
+    np.testing.assert_allclose(np.asarray(dequantize(weight)), expected, rtol=1e-6, atol=1e-6 * np.abs(expected).max())
 
 
 def test_gguf_weights_refuse_float_projections(tmp_path: Path) -> None:

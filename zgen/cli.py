@@ -118,7 +118,7 @@ WeightsOption = Annotated[
         "--weights",
         WEIGHTS_CHOICES,
         "Hold the linear layers' weights quantized: int8 / int4 quantized at load, gguf computes on a GGUF file's own "
-        "Q8_0/Q4_0/Q4_1 blocks. Default: in --dtype.",
+        "Q8_0/Q4_0/Q4_1/Q4_K blocks. Default: in --dtype.",
     ),
 ]
 MaxNewOption = Annotated[int, typer.Option("--max-new-tokens", "-n", min=1, help="Tokens to generate at most.")]

@@ -123,7 +123,7 @@ def load_model(
 
     ``weights`` picks how the linear layers' weights (q/k/v/o, gate/up/down) are held: None in
     ``dtype``; ``"int8"`` / ``"int4"`` (or a :class:`~zgen.quantized_weights.WeightQuantization`)
-    quantized at load; ``"gguf"`` a GGUF file's own Q8_0/Q4_0/Q4_1 blocks, computed on directly.
+    quantized at load; ``"gguf"`` a GGUF file's own Q8_0/Q4_0/Q4_1/Q4_K blocks, computed on directly.
     Embeddings, norms and the LM head stay in ``dtype``.
     """
     if dtype not in DTYPES:

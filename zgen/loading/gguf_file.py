@@ -123,7 +123,7 @@ def _unpermute_rows(weight: np.ndarray, heads: int) -> np.ndarray:
 
 def params_from_gguf(reader: gguf.GGUFReader, config: ModelConfig, path: Path, *, keep_quantized: bool = False) -> HostParams:
     """Dequantize every tensor to float32 and assemble zgen's parameter layout. With ``keep_quantized``
-    the projections' Q8_0/Q4_0/Q4_1 blocks are repacked into
+    the projections' Q8_0/Q4_0/Q4_1/Q4_K blocks are repacked into
     :class:`~zgen.quantized_weights.QuantizedWeight` values instead (embeddings and norms still
     dequantized): an :class:`UnsupportedModelError` names a projection stored in another type."""
     tensors: dict[str, np.ndarray | Codes] = {}

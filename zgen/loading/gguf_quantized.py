@@ -3,7 +3,10 @@
 Q8_0 (a float16 scale per 32 int8 codes), Q4_0 (a scale per 32 4-bit codes, ``w = d * (q - 8)``) and
 Q4_1 (a scale and a minimum per 32 codes, ``w = d * q + m``) keep their codes and their float16
 scales: ``Q4_0`` becomes ``offset = -8 * d``, exact in float16. Dequantized inside the matmul in
-float32 they give bit for bit the weights `gguf`'s own dequantization gives.
+float32 they give bit for bit the weights `gguf`'s own dequantization gives. Q4_K (super-blocks of
+256 with 6-bit scales and minimums per 32 values under a float16 ``d`` and ``dmin``) becomes groups
+of 32 with float32 scales ``d * sc`` and offsets ``-dmin * m``: the same products `gguf` forms, so
+its weights agree to a float32 rounding (XLA may fuse ``scale * q + offset`` into one).
 """
 
 from __future__ import annotations
@@ -16,8 +19,9 @@ import numpy as np
 
 from zgen.quantized_weights import QuantizedWeight, pack_nibbles
 
-BLOCK = 32  # values per block in Q8_0, Q4_0 and Q4_1
-DIRECT_TYPES = ("Q8_0", "Q4_0", "Q4_1")
+BLOCK = 32  # values per block in Q8_0, Q4_0 and Q4_1 (and per scale in Q4_K)
+DIRECT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K")
+SUPER_BLOCK = 256  # values per Q4_K super-block
 
 
 @dataclass(frozen=True)
@@ -25,8 +29,8 @@ class Codes:
     """One GGUF matrix's codes, unpacked one per byte, with its per-block scales (and offsets)."""
 
     codes: np.ndarray  # [out, in]: int8 for 8 bits, uint8 0..15 for 4 bits
-    scales: np.ndarray  # [out, in / 32] float16
-    offsets: np.ndarray | None  # [out, in / 32] float16
+    scales: np.ndarray  # [out, in / 32] float16 (float32 for Q4_K)
+    offsets: np.ndarray | None  # [out, in / 32], as scales
     bits: int
 
     def map_rows(self, fn: Callable[[np.ndarray], np.ndarray]) -> Codes:
@@ -36,8 +40,10 @@ class Codes:
 
 
 def read_codes(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> Codes:
-    """The codes of a Q8_0/Q4_0/Q4_1 tensor's raw bytes ``data`` ([rows, bytes per row]) of logical ``shape``."""
+    """The codes of a Q8_0/Q4_0/Q4_1/Q4_K tensor's raw bytes ``data`` ([rows, bytes per row]) of logical ``shape``."""
     out, width = shape
+    if type_name == "Q4_K":
+        return _read_q4_k(data, out, width)
     blocks = np.ascontiguousarray(data).reshape(out, width // BLOCK, -1)
     scales = blocks[..., 0:2].copy().view(np.float16)[..., 0]
     if type_name == "Q8_0":
@@ -50,6 +56,19 @@ def read_codes(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> Code
         offsets = blocks[..., 2:4].copy().view(np.float16)[..., 0]
     else:
         offsets = (scales * np.float16(-8)).astype(np.float16)
+    return Codes(codes, scales, offsets, 4)
+
+
+def _read_q4_k(data: np.ndarray, out: int, width: int) -> Codes:
+    blocks = np.ascontiguousarray(data).reshape(out * (width // SUPER_BLOCK), -1)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, m = gguf.quants.Q4_K.get_scale_min(blocks[:, 4 : 4 + gguf.quants.Q4_K.K_SCALE_SIZE])
+    packed = blocks[:, 4 + gguf.quants.Q4_K.K_SCALE_SIZE :].reshape(-1, 4, 1, 32)
+    # Each 32 bytes hold two groups: 32 values in the low nibbles, the next 32 in the high ones.
+    codes = np.concatenate([packed & 0x0F, packed >> 4], axis=2).reshape(out, width)
+    scales = (d * sc.astype(np.float32)).reshape(out, width // BLOCK)
+    offsets = -(dmin * m.astype(np.float32)).reshape(out, width // BLOCK)
     return Codes(codes, scales, offsets, 4)
 
 
