@@ -8,8 +8,10 @@ and attention kernels (``zgen.pallas``) → text.
 
 from zgen.config import ModelConfig
 from zgen.contexts import Context
+from zgen.embeddings import embed
 from zgen.errors import ZgenError
 from zgen.generator import Generator, Request, Session
+from zgen.lora import LoraAdapter, load_adapter
 from zgen.model import Model, load_model
 from zgen.runtime import (
     Engine,
@@ -30,6 +32,7 @@ __all__ = [
     "GenerationResult",
     "Generator",
     "Grammar",
+    "LoraAdapter",
     "Model",
     "ModelConfig",
     "Request",
@@ -39,6 +42,8 @@ __all__ = [
     "StopCondition",
     "TokenUsage",
     "ZgenError",
+    "embed",
+    "load_adapter",
     "load_model",
     "stop",
 ]

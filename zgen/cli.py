@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections.abc
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import re
@@ -33,13 +34,16 @@ from zgen.cache.factory import CACHE_KINDS, PAGED_KINDS, CacheOption, cache_kind
 from zgen.cache.formats import KV_DTYPES, kv_format
 from zgen.cli_progress import CompileClock, Phase, Phases, stderr_console
 from zgen.contexts.snapshot import store_dir
+from zgen.embeddings import embed, parse_inputs
 from zgen.errors import ConfigError, ZgenError
 from zgen.evaluation import perplexity, read_text_file
 from zgen.generator import Generator, Prompt
 from zgen.loading.builtin import BUILTIN_MODELS, DEFAULT_MODEL, builtin_model_path
+from zgen.lora import LoraAdapter, load_adapter
 from zgen.model import DTYPES, GGUF_WEIGHTS, WEIGHTS_CHOICES, Model, default_cache_dir, load_model, resolve_model
 from zgen.runtime.grammar import Grammar
 from zgen.runtime.sampling import SamplingConfig
+from zgen.runtime.step import POOLINGS, Pooling
 
 
 def _untyped_flags(params: list[Any]) -> list[Any]:
@@ -175,6 +179,55 @@ PrefixCacheOption = Annotated[
         "--prefix-cache",
         help="Share prompt prefixes across requests, up to 4096 blocks on the device (needs pages: makes the "
         "default cache paged; tiered always has one, unbounded without this flag).",
+    ),
+]
+
+
+def _finite(value: float) -> float:
+    if not math.isfinite(value):
+        raise typer.BadParameter(f"must be a finite number, got {value}")
+    return value
+
+
+def _lora_specs(values: list[str] | None) -> list[str] | None:
+    for value in values or []:
+        _split_lora(value)
+    return values
+
+
+def _split_lora(value: str) -> tuple[str, float]:
+    """``PATH[:SCALE]`` as (path, scale); a suffix that is not a number belongs to the path."""
+    path, _, scale = value.rpartition(":")
+    if path and scale:
+        try:
+            number = float(scale)
+        except ValueError:
+            return value, 1.0
+        if not math.isfinite(number):
+            raise typer.BadParameter(f"the scale of {value!r} must be a finite number")
+        return path, number
+    if not value:
+        raise typer.BadParameter("an adapter path cannot be empty")
+    return value, 1.0
+
+
+def _read_adapters(specs: list[str] | None) -> list[tuple[LoraAdapter, float]]:
+    return [(load_adapter(path), scale) for path, scale in map(_split_lora, specs or [])]
+
+
+def _with_adapters(model: Model, adapters: list[tuple[LoraAdapter, float]]) -> Model:
+    for adapter, scale in adapters:
+        model.push_adapter(adapter, scale)
+    return model
+
+
+LoraOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--lora",
+        metavar="PATH[:SCALE]",
+        callback=_lora_specs,
+        help="A PEFT LoRA adapter directory, with an optional scale (default 1). Repeat the flag to stack adapters.",
     ),
 ]
 QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="No progress on stderr (it is also off when stderr is not a terminal).")]
@@ -367,6 +420,13 @@ def generate(
     kv_cache: KVCacheOption = None,
     kv_dtype_name: KVDtypeOption = None,
     use_prefix_cache: PrefixCacheOption = False,
+    lora: LoraOption = None,
+    num_beams: Annotated[
+        int, typer.Option("--num-beams", min=1, help="Beam search with this many beams (1: sample as the flags say). Prints the best beam; --json gives every beam.")
+    ] = 1,
+    length_penalty: Annotated[
+        float, typer.Option("--length-penalty", callback=_finite, help="Beam scores are summed log-probs / length ** this (> 0 favours longer beams).")
+    ] = 1.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (text, ids, log-probs, usage, timings) instead of streaming text.")] = False,
     quiet: QuietOption = False,
     json_schema: Annotated[Path | None, typer.Option("--json-schema", help="The output is JSON valid under this JSON Schema file.")] = None,
@@ -393,10 +453,13 @@ def generate(
     request: Prompt = [{"role": "user", "content": prompt}] if chat else prompt
     show = not (quiet or as_json)
     try:
+        adapters = _read_adapters(lora)
         with Phases.on_stderr(enabled=show) as phases:
-            loaded = _load(phases, model, path, dtype, sampling, weights)
-            generator = Generator(loaded, *options)
+            generator = Generator(_with_adapters(_load(phases, model, path, dtype, sampling, weights), adapters), *options)
         with generator:
+            if num_beams > 1:
+                _print_beams(generator, request, num_beams, length_penalty, max_new_tokens, as_json)
+                return
             if as_json:
                 print(json.dumps(_json_result(generator, request, sampling.config), ensure_ascii=False))
                 return
@@ -410,6 +473,15 @@ def generate(
             _write("\n")
     except ZgenError as err:
         raise _fail(err) from None
+
+
+def _print_beams(generator: Generator, request: Prompt, num_beams: int, length_penalty: float, max_new: int, as_json: bool) -> None:
+    beams = generator.beam_search(request, num_beams, length_penalty=length_penalty, max_new_tokens=max_new)
+    if as_json:
+        listed = [{"text": b.text, "token_ids": b.token_ids, "score": b.score, "finish_reason": b.finish_reason} for b in beams]
+        print(json.dumps({"beams": listed, "prompt_token_ids": generator.encode_prompt(request)}, ensure_ascii=False))
+    else:
+        _write(beams[0].text + "\n")
 
 
 def _grammar(json_schema: Path | None, regex: str | None, lark: Path | None) -> Grammar | None:
@@ -473,6 +545,7 @@ def chat(
     kv_cache: KVCacheOption = None,
     kv_dtype_name: KVDtypeOption = None,
     use_prefix_cache: PrefixCacheOption = False,
+    lora: LoraOption = None,
     quiet: QuietOption = False,
 ) -> None:
     """Chat interactively, each reply streamed as it is generated.
@@ -487,8 +560,9 @@ def chat(
     sampling = _sampling(path, CHAT_DEFAULTS, chosen, max_new_tokens=max_new_tokens, seed=seed, stop=None, ignore_eos=False)
     options = _cache_options(kv_cache, kv_dtype_name, use_prefix_cache)
     try:
+        adapters = _read_adapters(lora)
         with Phases.on_stderr(enabled=not quiet) as phases:
-            generator = Generator(_load(phases, model, path, dtype, sampling, weights), *options)
+            generator = Generator(_with_adapters(_load(phases, model, path, dtype, sampling, weights), adapters), *options)
     except ZgenError as err:
         raise _fail(err) from None
     messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
@@ -575,6 +649,44 @@ def eval_ppl(
         print(json.dumps(fields))
     else:
         Console().print(fields)
+
+
+@app.command("embed", cls=_Command)
+def embed_command(
+    input_file: Annotated[
+        Path, typer.Option("--input", "-i", exists=True, dir_okay=False, readable=True, help="Texts: a .txt file (one per line) or .jsonl ({\"text\": ..., \"id\": ...} per line).")
+    ],
+    output_file: Annotated[Path, typer.Option("--output", "-o", dir_okay=False, help="Where to write one JSON object per text (index, id, embedding).")],
+    model: ModelOption = DEFAULT_MODEL,
+    pooling: Annotated[str, _choice("--pooling", POOLINGS, "How each text's last hidden states become one vector.")] = "mean",
+    normalize: Annotated[bool, typer.Option("--normalize/--no-normalize", help="Scale every embedding to unit length.")] = True,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Texts per step.")] = 32,
+    dtype: DtypeOption = "float32",
+    lora: LoraOption = None,
+    quiet: QuietOption = False,
+) -> None:
+    """Embed texts: the model's last hidden states (after the final norm) pooled per text."""
+    try:
+        items = parse_inputs(read_text_file(input_file), jsonl=input_file.suffix == ".jsonl", source=str(input_file))
+    except ZgenError as err:
+        raise typer.BadParameter(str(err), param_hint="'--input'") from None
+    path = _model_path(model)
+    try:
+        adapters = _read_adapters(lora)
+        with Phases.on_stderr(enabled=not quiet) as phases:
+            loaded = _with_adapters(_load(phases, model, path, dtype, None), adapters)
+            with phases.phase(f"Embedding {len(items)} texts"):
+                vectors = embed(loaded, [text for text, _ in items], pooling=cast(Pooling, pooling), normalize=normalize, batch_size=batch_size)
+    except ZgenError as err:
+        raise _fail(err) from None
+    partial = output_file.with_name(f".{output_file.name}.partial")
+    with open(partial, "w", encoding="utf-8") as out:
+        for index, ((_, key), vector) in enumerate(zip(items, vectors.tolist(), strict=True)):
+            row: dict[str, object] = {"index": index, "embedding": vector}
+            if key is not None:
+                row["id"] = key
+            out.write(json.dumps(row) + "\n")
+    os.replace(partial, output_file)
 
 
 # -- information and caches -------------------------------------------------------------------------

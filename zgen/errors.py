@@ -55,5 +55,9 @@ class SnapshotError(ZgenError):
     """A saved context that cannot be opened: missing, damaged, or from another model or page format."""
 
 
+class AdapterError(ZgenError):
+    """A LoRA adapter that cannot be read, or does not fit the model it is applied to."""
+
+
 class GrammarError(InputError):
     """A grammar, regex or JSON schema that cannot be compiled, or a token the grammar does not allow."""

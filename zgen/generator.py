@@ -20,7 +20,9 @@ import numpy as np
 
 from zgen.cache.factory import CacheOption
 from zgen.errors import ConfigError, InputError, PromptTooLongError
+from zgen.lora.adapter import AdapterChoice, adapter_pairs
 from zgen.model import Model
+from zgen.runtime.beam import Beam, EarlyStopping, beam_search, check_beam_options
 from zgen.runtime.engine import Engine, EngineConfig, ForwardRequest, ForwardResult, Job
 from zgen.runtime.metrics import EngineMetrics
 from zgen.runtime.results import GenerationResult, Timings, TokenUsage
@@ -37,6 +39,7 @@ class Request:
     prompt: Prompt
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     stop: StopCondition | None = None  # more stop rules, on top of the sampling config's own
+    adapter: AdapterChoice | None = None  # LoRA adapter(s) for this request, on top of the model's pushed ones
 
 
 class Generator:
@@ -69,6 +72,7 @@ class Generator:
             max_batch=max_batch_size, steps_per_sync=sync_interval, prefill_chunk=prefill_chunk, on_pool_exhausted="wait"
         )
         self.engine = Engine(model, *options, config=config, default_kind="tensor")
+        self._paged_engine: Engine | None = None  # for beam search when the chosen cache cannot fork
 
     def __enter__(self) -> Self:
         return self
@@ -82,20 +86,29 @@ class Generator:
         """Free what the cache holds outside the device (a tiered store's RAM and files); a tiered
         generator cannot generate after."""
         self.engine.close()
+        if self._paged_engine is not None:
+            self._paged_engine.close()
 
     # -- public API ----------------------------------------------------------------------------
 
-    def generate(self, prompt: Prompt, sampling: SamplingConfig | None = None) -> GenerationResult:
-        return self.batch_generate([Request(prompt, sampling or SamplingConfig())])[0]
+    def generate(
+        self, prompt: Prompt, sampling: SamplingConfig | None = None, *, adapter: AdapterChoice | None = None
+    ) -> GenerationResult:
+        return self.batch_generate([Request(prompt, sampling or SamplingConfig(), adapter=adapter)])[0]
 
-    def chat(self, messages: Sequence[Message], sampling: SamplingConfig | None = None) -> GenerationResult:
-        return self.generate(list(messages), sampling)
+    def chat(
+        self, messages: Sequence[Message], sampling: SamplingConfig | None = None, *, adapter: AdapterChoice | None = None
+    ) -> GenerationResult:
+        return self.generate(list(messages), sampling, adapter=adapter)
 
-    def generate_stream(self, prompt: Prompt, sampling: SamplingConfig | None = None, *, per_token: bool = False) -> Iterator[str]:
+    def generate_stream(
+        self, prompt: Prompt, sampling: SamplingConfig | None = None, *, per_token: bool = False,
+        adapter: AdapterChoice | None = None,
+    ) -> Iterator[str]:
         """Yield text pieces as they are decoded; their concatenation equals ``generate(...).text``.
         Text arrives every ``sync_interval`` tokens, or with ``per_token`` as each token is drawn (a
         host round trip per token). Closing the iterator early frees the request's row."""
-        request = Request(prompt, sampling or SamplingConfig())
+        request = Request(prompt, sampling or SamplingConfig(), adapter=adapter)
         ids = self.encode_prompt(request.prompt)
         self._check_fits(len(ids), request.sampling.max_new_tokens)
         _, job = self._submit(request, ids, stream=True, per_token=per_token)
@@ -138,17 +151,45 @@ class Generator:
             for job in jobs:
                 self.engine.cancel(job)
 
-    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+    def logits(self, token_ids: Sequence[int], *, adapter: AdapterChoice | None = None) -> np.ndarray:
         """Next-token logits ``[len(token_ids), vocab]`` after every prefix, in float32."""
         ids = self.engine.check_ids(token_ids)
         if not ids:
             raise InputError("logits needs at least one token")
         seq = self.engine.new_sequence(ids)
         try:
-            result = self.engine.wait(self.engine.submit(seq, ForwardRequest(end=len(ids), logits_at=tuple(range(len(ids))))))
+            request = ForwardRequest(end=len(ids), logits_at=tuple(range(len(ids))), adapters=adapter_pairs(adapter))
+            result = self.engine.wait(self.engine.submit(seq, request))
         finally:
             self.engine.release(seq)
         return np.stack([result.logits[p] for p in range(len(ids))])
+
+    def beam_search(
+        self,
+        prompt: Prompt,
+        num_beams: int,
+        *,
+        length_penalty: float = 1.0,
+        early_stopping: EarlyStopping = False,
+        max_new_tokens: int = 256,
+        adapter: AdapterChoice | None = None,
+    ) -> list[Beam]:
+        """The ``num_beams`` best continuations of ``prompt`` by beam search, best first, with HF
+        transformers' choices and scores (``generate(num_beams=..., do_sample=False)``; see
+        :mod:`zgen.runtime.beam`). Beams share KV pages copy-on-write: on a cache without pages the
+        generator keeps a paged engine for them."""
+        check_beam_options(num_beams, max_new_tokens, length_penalty, early_stopping)
+        ids = self.encode_prompt(prompt)
+        self._check_fits(len(ids), max_new_tokens)
+        engine = self.engine
+        if not engine.kv.pages:
+            if self._paged_engine is None:
+                self._paged_engine = Engine(self.model, config=self.engine.config)
+            engine = self._paged_engine
+        return beam_search(
+            engine, ids, num_beams=num_beams, max_new_tokens=max_new_tokens, eos_token_ids=self.model.eos_token_ids,
+            length_penalty=length_penalty, early_stopping=early_stopping, adapters=adapter_pairs(adapter),
+        )
 
     def new_session(self) -> Session:
         return Session(self)
@@ -211,7 +252,8 @@ class Generator:
         if request.stop is not None:
             stop = stop | request.stop
         forward = ForwardRequest(
-            end=len(ids), sample_at=(len(ids) - 1,), sampling=config, generate=stop, stream=stream, per_token=per_token
+            end=len(ids), sample_at=(len(ids) - 1,), sampling=config, generate=stop, stream=stream, per_token=per_token,
+            adapters=adapter_pairs(request.adapter),
         )
         if seq is not None:
             return seq, self.engine.submit(seq, forward)
@@ -302,4 +344,4 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-__all__ = ["GenerationResult", "Generator", "Request", "Session", "Timings", "TokenUsage"]
+__all__ = ["Beam", "GenerationResult", "Generator", "Request", "Session", "Timings", "TokenUsage"]

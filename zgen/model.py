@@ -12,7 +12,7 @@ import hashlib
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TypeVar, cast
 
@@ -23,7 +23,7 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from zgen.config import ModelConfig
-from zgen.errors import CheckpointError, ConfigError, ModelNotFoundError
+from zgen.errors import AdapterError, CheckpointError, ConfigError, ModelNotFoundError
 from zgen.graph.core import Graph
 from zgen.graph.decoder import build_decoder
 from zgen.graph.quantize import quantize_linear_weights
@@ -31,6 +31,8 @@ from zgen.loading.builtin import BUILTIN_MODELS, builtin_model_path
 from zgen.loading.gguf_file import config_from_gguf, open_gguf, params_from_gguf
 from zgen.loading.params import HostParams, check_values
 from zgen.loading.safetensors_dir import config_from_dir, params_from_dir
+from zgen.lora.adapter import LoraAdapter, check_adapter
+from zgen.lora.merge import merged_weights
 from zgen.quantized_weights import WEIGHT_FORMATS, QuantizedWeight, WeightQuantization
 from zgen.tokenizer import Tokenizer
 
@@ -68,12 +70,56 @@ class Model:
     # What higher layers derive from this model once and keep with it (its compiled steps, its key
     # calibration, the default engine of its contexts; see `attached`). The model never reads it.
     attachments: dict[str, object] = field(default_factory=lambda: {}, repr=False)
+    # LoRA adapters every request of this model runs with (on top of its own), with their scales;
+    # the runtime reads the stack when a request is submitted.
+    adapters: list[tuple[LoraAdapter, float]] = field(default_factory=lambda: [], repr=False)
+    merged_adapters: list[tuple[LoraAdapter, float]] = field(default_factory=lambda: [], repr=False)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         ids = list(self.config.eos_token_ids)
         ids += [i for i in self.tokenizer.eos_ids if i not in ids]
         return tuple(ids)
+
+    # The adapter stack changes this model in place rather than returning a view: the compiled
+    # steps, engines and caches kept in `attachments` belong to this object, and a view would compile
+    # everything again and be unseen by engines already serving the model. Requests already submitted
+    # keep the stack they were submitted with.
+    def push_adapter(self, adapter: LoraAdapter, scale: float = 1.0) -> None:
+        """Apply ``adapter`` (times ``scale``) to every later request, on top of those pushed before."""
+        check_adapter(adapter, self.config)
+        self.adapters.append((adapter, float(scale)))
+
+    def pop_adapter(self) -> LoraAdapter:
+        """Take the last pushed adapter off the stack and return it."""
+        if not self.adapters:
+            raise AdapterError("no adapter was pushed on this model; nothing to pop")
+        return self.adapters.pop()[0]
+
+    def merge_adapter(self, adapter: LoraAdapter, scale: float = 1.0) -> None:
+        """Add ``adapter``'s correction into the weights (no per-token cost after). K/V an engine of
+        this model cached before (its prefix cache, contexts) were computed without it."""
+        self.params.update(merged_weights(self._float_params(), self.config, adapter, scale))
+        self.merged_adapters.append((adapter, float(scale)))
+
+    def unmerge_adapter(self, adapter: LoraAdapter | None = None) -> LoraAdapter:
+        """Subtract a merged adapter (default: the last merged) from the weights again; exact up to
+        rounding in the model's dtype."""
+        index = next((i for i in reversed(range(len(self.merged_adapters))) if adapter in (None, self.merged_adapters[i][0])), None)
+        if index is None:
+            raise AdapterError("that adapter is not merged into this model" if adapter else "no adapter is merged into this model")
+        merged, scale = self.merged_adapters.pop(index)
+        self.params.update(merged_weights(self._float_params(), self.config, merged, -scale))
+        return merged
+
+    def _float_params(self) -> dict[str, jax.Array]:
+        """The parameters, all float: an adapter cannot be merged into quantized weights."""
+        if any(isinstance(value, QuantizedWeight) for value in self.params.values()):
+            raise AdapterError(
+                "this model's linear weights are quantized, and an adapter merged into them would be rounded away; "
+                "apply it per request (adapter=...) or with push_adapter, which keep it in float"
+            )
+        return cast(dict[str, jax.Array], self.params)
 
 
 def attached(model: Model, name: str, make: Callable[[], T]) -> T:
@@ -191,7 +237,8 @@ def quantize_model(model: Model, weights: str | WeightQuantization) -> Model:
     if any(isinstance(value, QuantizedWeight) for value in model.params.values()):
         raise ConfigError("the model's weights are already quantized; quantize a float model")
     params = quantize_linear_weights(model.graph, model.params, scheme, model.dtype)
-    return Model(model.config, model.tokenizer, model.graph, params, model.dtype, model.source, model.load_timings)
+    # Its own compiled steps and adapter stacks; pushed adapters carry over, merged ones stay in the weights.
+    return replace(model, params=params, attachments={}, adapters=list(model.adapters), merged_adapters=[])
 
 
 def _to_device(value: np.ndarray | QuantizedWeight, dtype: jnp.dtype) -> jax.Array | QuantizedWeight:

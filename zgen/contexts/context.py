@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import weakref
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, TypeVar, overload
 
 import numpy as np
@@ -28,7 +28,8 @@ from zgen.cache.paged import PagedKVCache
 from zgen.contexts import snapshot
 from zgen.contexts.drafter import Drafter
 from zgen.contexts.snapshot import ImportedKVState
-from zgen.errors import CacheError, ConfigError, InputError, PromptTooLongError
+from zgen.errors import AdapterError, CacheError, ConfigError, InputError, PromptTooLongError
+from zgen.lora.adapter import LoraAdapter, adapter_pairs, check_adapter
 from zgen.model import Model, attached
 from zgen.runtime.engine import GREEDY, Engine, ForwardRequest, ForwardResult, Job
 from zgen.runtime.results import GenerationResult, Timings, TokenUsage
@@ -92,6 +93,7 @@ class Context:
         self._messages: list[dict[str, str]] = []
         self._awaiting_reply = False  # a chat turn was filled; generate adds the assistant header
         self._reply_open = False  # the last message is a generated reply that no stop ended: generate continues it
+        self._adapters: list[tuple[LoraAdapter, float]] = []  # LoRA stack of this context's forward passes
         self._release = weakref.finalize(self, engine.release, seq)
 
     @classmethod
@@ -236,7 +238,22 @@ class Context:
     def _submit(self, request: ForwardRequest) -> Job:
         if not self._release.alive:
             raise CacheError("this context was released; fork or open a live one")
+        if self._adapters:
+            request = replace(request, adapters=(*self._adapters, *request.adapters))
         return self.engine.submit(self.seq, request)
+
+    def push_adapter(self, adapter: LoraAdapter, scale: float = 1.0) -> None:
+        """Run this context's later forward passes with ``adapter`` (times ``scale``) too, on top of
+        those pushed before (and the model's). K/V already computed stay as they were."""
+        ((adapter, scale),) = adapter_pairs((adapter, scale))
+        check_adapter(adapter, self.engine.model.config)
+        self._adapters.append((adapter, scale))
+
+    def pop_adapter(self) -> LoraAdapter:
+        """Take the last adapter pushed on this context off its stack and return it."""
+        if not self._adapters:
+            raise AdapterError("no adapter was pushed on this context; nothing to pop")
+        return self._adapters.pop()[0]
 
     def _run(self, job: Job, then: Callable[[ForwardResult], T]) -> T:
         return then(self.engine.wait(job))
@@ -419,6 +436,7 @@ class Context:
         twin = Context._wrap(self.engine, self.engine.fork(self.seq, seed=seed))
         twin._messages, twin._awaiting_reply = [dict(m) for m in self._messages], self._awaiting_reply
         twin._reply_open = self._reply_open
+        twin._adapters = list(self._adapters)
         return twin
 
     def mask_token_range(self, start: int, end: int, masked: bool = True) -> None:

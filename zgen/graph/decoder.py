@@ -13,6 +13,7 @@ from zgen.graph.nodes import Add, Attention, Embed, GatedMLP, LMHead, RMSNorm, S
 # Graph inputs: the token ids, their positions, and which rows to return logits for.
 TOKENS, POSITIONS, LOGIT_ROWS = "tokens", "positions", "logit_rows"
 LOGITS = "logits"
+HIDDEN = "final_norm"  # the last hidden states, after the final norm
 
 
 def build_decoder(config: ModelConfig) -> Graph:
@@ -51,3 +52,18 @@ def build_decoder(config: ModelConfig) -> Graph:
     graph.add(LMHead(LOGITS, (selected,), c.hidden_size, c.vocab_size, head_weight))
     graph.set_outputs(LOGITS)
     return graph
+
+
+def hidden_state_graph(graph: Graph) -> Graph:
+    """A decoder graph cut after the final norm: hidden states ``[batch, seq, hidden]`` at every
+    position instead of logits at chosen rows (what embeddings pool)."""
+    out = Graph()
+    for name, type_ in graph.inputs.items():
+        if name != LOGIT_ROWS:
+            out.add_input(name, type_)
+    for node in graph.nodes:
+        out.add(node)
+        if node.name == HIDDEN:
+            break
+    out.set_outputs(HIDDEN)
+    return out

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import jax
@@ -28,6 +28,15 @@ def linear(x: jax.Array, weight: jax.Array | QuantizedWeight) -> jax.Array:
     if isinstance(weight, QuantizedWeight):
         return quantized_linear(x, weight)
     return jnp.einsum("...i,oi->...o", x, weight, precision=matmul_precision(x.dtype, weight.dtype))
+
+
+# How a node computes ``x @ W.T`` for one of its weights (named relative to its prefix): plainly, or
+# with a per-row low-rank correction once a graph transform (``zgen.lora``) has rewired the node.
+Project = Callable[[str, jax.Array], jax.Array]
+
+
+def plain_projection(params: Mapping[str, jax.Array], prefix: str) -> Project:
+    return lambda name, x: linear(x, param(params, prefix, name))
 
 
 def rotary(x: Float[Array, "B T heads D"], positions: Int[Array, "B T"], inv_freq: Float[Array, " half"]) -> Float[Array, "B T heads D"]:
@@ -137,8 +146,13 @@ class Attention(Node):
 
     def apply(self, params: Mapping[str, jax.Array], args: Sequence[jax.Array], ctx: ForwardContext) -> jax.Array:
         x, positions = args
+        return self.attend(params, x, positions, ctx, plain_projection(params, self.prefix))
+
+    def attend(
+        self, params: Mapping[str, jax.Array], x: jax.Array, positions: jax.Array, ctx: ForwardContext, project: Project
+    ) -> jax.Array:
         batch, seq, _ = x.shape
-        qkv = linear(x, param(params, self.prefix, "qkv"))
+        qkv = project("qkv", x)
         if self.bias:
             qkv = qkv + param(params, self.prefix, "qkv_bias")
         q_size = self.num_heads * self.head_dim
@@ -154,7 +168,7 @@ class Attention(Node):
         # k goes to the cache un-rotated: the cache applies RoPE before storing it, or (for formats
         # that quantize keys before RoPE) after reading it back.
         out = ctx.write_and_attend(self.layer, q, k, v, positions, inv_freq)
-        return linear(out.reshape(batch, seq, q_size), param(params, self.prefix, "o"))
+        return project("o", out.reshape(batch, seq, q_size))
 
 
 @dataclass
@@ -183,8 +197,11 @@ class GatedMLP(Node):
         return (f"{self.prefix}.gate_up", f"{self.prefix}.down")
 
     def apply(self, params: Mapping[str, jax.Array], args: Sequence[jax.Array], ctx: ForwardContext) -> jax.Array:
-        gate, up = jnp.split(linear(args[0], param(params, self.prefix, "gate_up")), 2, axis=-1)
-        return linear(jax.nn.silu(gate) * up, param(params, self.prefix, "down"))
+        return self.feed_forward(args[0], plain_projection(params, self.prefix))
+
+    def feed_forward(self, x: jax.Array, project: Project) -> jax.Array:
+        gate, up = jnp.split(project("gate_up", x), 2, axis=-1)
+        return project("down", jax.nn.silu(gate) * up)
 
 
 @dataclass

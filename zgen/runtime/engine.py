@@ -50,9 +50,11 @@ from zgen.cache.base import KVManager, KVState, StepRow
 from zgen.cache.factory import CacheOption, make_kv, resolve
 from zgen.cache.formats import kv_dtype_of, kv_format
 from zgen.cache.paged_manager import PagedKVManager
-from zgen.errors import CacheError, ConfigError, InputError, PoolExhaustedError, PromptTooLongError, TokenIdError, ZgenError
+from zgen.errors import AdapterError, CacheError, ConfigError, InputError, PoolExhaustedError, PromptTooLongError, TokenIdError, ZgenError
+from zgen.lora.adapter import LoraAdapter, check_adapter
 from zgen.model import Model
 from zgen.pallas.paged_attention.layouts import KeyCalibration
+from zgen.runtime.adapters import AdapterBanks
 from zgen.runtime.calibration import key_calibration as model_key_calibration
 from zgen.runtime.grammar import GrammarMatcher, fill_masks, mask_words
 from zgen.runtime.metrics import EngineMetrics, MetricsCollector
@@ -109,6 +111,8 @@ class ForwardRequest:
     go on until this stop condition (or the model's context is full). ``stream``: keep the generated
     text's pieces for :meth:`Engine.stream` as they come. ``per_token``: the host takes every token as
     it is drawn (the batch it runs in then decodes one token per host round trip).
+    ``adapters``: LoRA adapters with their scales this request runs with, on top of the model's pushed
+    ones (``Model.push_adapter``).
     """
 
     end: int
@@ -118,6 +122,7 @@ class ForwardRequest:
     attention_mask: np.ndarray | None = None
     generate: StopCondition | None = None
     stream: bool = False
+    adapters: tuple[tuple[LoraAdapter, float], ...] = ()
     per_token: bool = False
 
 
@@ -153,6 +158,8 @@ class Job:
         self.pieces: list[str] = []
         self.cancelled = False
         self.admitted = False
+        # The LoRA adapters it runs with: the model's stack when it was submitted, then its own.
+        self.adapters = request.adapters
         self.grammar: GrammarMatcher | None = None  # a constrained generation's parser (SamplingConfig.grammar)
         self._started: float | None = None
         self._first_token: float | None = None
@@ -240,6 +247,7 @@ class Engine:
         self._scheduled: set[asyncio.AbstractEventLoop] = set()
         self._seeds = itertools.count(0x5EED)
         self._sequences: weakref.WeakSet[Sequence] = weakref.WeakSet()  # every live sequence (preemption victims)
+        self._banks = AdapterBanks(model.config, model.dtype)  # LoRA banks of the steps' adapter mixes
 
     @property
     def max_len(self) -> int:
@@ -310,6 +318,7 @@ class Engine:
         self._check(seq, request)
         stream = None if request.generate is None else TextStream(self.model.tokenizer, request.generate, incremental=request.stream)
         job = Job(seq, request, stream)
+        job.adapters = (*self.model.adapters, *request.adapters)
         if request.sampling.grammar is not None and request.generate is not None:
             job.grammar = GrammarMatcher(request.sampling.grammar, self.model, request.generate.device_token_ids)
         seq.busy = True
@@ -513,7 +522,8 @@ class Engine:
         """A job's first step (or a preempted one's next): an empty sequence starts from a cached
         prefix if the prefix cache has one; the first step starts the job's clock."""
         seq = job.seq
-        if seq.kv_len == 0 and not seq.custom_attention and not seq.any_masked and job.request.attention_mask is None:
+        plain = job.request.attention_mask is None and not job.adapters
+        if seq.kv_len == 0 and not seq.custom_attention and not seq.any_masked and plain:
             cached = self.kv.match_prefix(seq.kv, seq.tokens[: job.feed_end()])
             if not job.admitted:
                 job.result.cached_tokens = cached
@@ -533,7 +543,7 @@ class Engine:
                 override = np.asarray(r.attention_mask, bool)[first : first + row.count]
                 seq.custom_attention = True
             masked = np.flatnonzero(seq.masked) if seq.any_masked else None
-            if masked is not None:
+            if masked is not None or row.job.adapters:  # K/V unlike a plain prefill's: never a shared prefix
                 seq.custom_attention = True
             step_rows.append(StepRow(seq.kv, row.start, row.count, masked, override))
         return width, index, self.kv.step_state(step_rows, width, tokens)
@@ -582,13 +592,17 @@ class Engine:
         params, flags, keys, penalties = self._sampling(rows, index, width)
         host_choice = any(row.job.sampling.choose is not None for row in rows)
         want_logits = host_choice or any(p in row.job.request.logits_at for row in rows for p in row.reads if not row.job.generating)
+        slots, bank = self._banks.for_rows([row.job.adapters for row in rows], index, width)
         batch = MixedBatch(
-            jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(read_rows), jnp.asarray(draw_index), keys, params, penalties
+            jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(read_rows), jnp.asarray(draw_index), keys, params,
+            penalties, slots,
         )
         constrained = [(row.job.grammar, i) for row, i in zip(rows, index, strict=True) if row.job.grammar is not None and row.reads]
         if constrained:
             # The forward is dispatched first; the grammar masks are computed on the host while it runs.
-            out_logits, state = self.runner.forward(state, batch.tokens, batch.positions, batch.read_rows)
+            out_logits, state = self.runner.forward(
+                state, batch.tokens, batch.positions, batch.read_rows, batch.adapter_slots, adapters=bank
+            )
             self.kv.absorb(state)
             masks = np.full((width, mask_words(self.model.config.vocab_size)), -1, np.int32)
             failed = fill_masks(constrained, masks)
@@ -597,7 +611,7 @@ class Engine:
                     self._fail(row.job, failed[i])
             out = self.runner.draw(out_logits, batch, jnp.asarray(masks), flags=flags, logits=want_logits, filtered=host_choice)
         else:
-            out, state = self.runner.mixed(state, batch, flags=flags, logits=want_logits, filtered=host_choice)
+            out, state = self.runner.mixed(state, batch, flags=flags, logits=want_logits, filtered=host_choice, adapters=bank)
             self.kv.absorb(state)
         sampled, logprobs, logits, filtered = jax.device_get((out.tokens, out.logprobs, out.logits, out.filtered))
         self.stats.steps += 1
@@ -652,14 +666,16 @@ class Engine:
             token[i], position[i], done[i], last_step[i] = row.job.seq.tokens[row.start], row.start, row.count <= 0, row.count - 1
             stop_ids[i, : len(ids)] = ids
         params, flags, keys, penalties = self._sampling(rows, index, width)
+        slots, bank = self._banks.for_rows([row.job.adapters for row in rows], index, width)
         loop = DecodeLoop(
             token=jnp.asarray(token), position=jnp.asarray(position), done=jnp.asarray(done),
             last_step=jnp.asarray(last_step), stop_ids=jnp.asarray(stop_ids), keys=keys, penalties=penalties,
             out_tokens=jnp.full((width, steps), -1, jnp.int32), out_logprobs=jnp.zeros((width, steps), jnp.float32),
             step=jnp.asarray(0, jnp.int32), max_steps=jnp.asarray(steps, jnp.int32),
             exit_on_finish=jnp.asarray(exit_on_finish), done_at_start=jnp.asarray(int(done.sum()), jnp.int32),
+            adapter_slots=slots,
         )
-        loop, state = self.runner.decode(state, loop, params, flags=flags)
+        loop, state = self.runner.decode(state, loop, params, flags=flags, adapters=bank)
         self.kv.absorb(state)
         out, logprobs, iterations = jax.device_get((loop.out_tokens, loop.out_logprobs, loop.step))
         self.stats.steps += 1
@@ -772,6 +788,10 @@ class Engine:
             raise InputError(f"attention_mask must be bool [{end - start}, {end}] (fed tokens x all tokens), got {np.shape(mask)}")
         if (mask is not None or seq.any_masked) and not self.kv.pages:
             raise ConfigError(f"masks need a paged cache (paged or tiered); this engine uses {self.kv.kind}")
+        for pair in request.adapters:
+            if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], LoraAdapter)):
+                raise AdapterError(f"a request's adapters are (LoraAdapter, scale) pairs, got {pair!r}")
+            check_adapter(pair[0], self.model.config)
 
 
 def _row_draws(out: list[int], stop_ids: tuple[int, ...]) -> list[int]:

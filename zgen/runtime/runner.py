@@ -18,9 +18,15 @@ import jax
 from jaxtyping import Array, Float, Int
 
 from zgen.cache.base import KVState
+from zgen.graph.decoder import hidden_state_graph
+from zgen.lora.bank import LoraBank
+from zgen.lora.graph import inject_lora
 from zgen.model import Model, attached
 from zgen.runtime.sampling import SamplingFlags, SamplingParams
-from zgen.runtime.step import DecodeLoop, MixedBatch, MixedOutput, ModelSpec, decode_loop, draw_reads, forward, mixed_step
+from zgen.runtime.step import (
+    DecodeLoop, MixedBatch, MixedOutput, ModelSpec, Pooling, decode_loop, draw_reads, forward, hidden_states, mixed_step,
+    pool_hidden,
+)
 
 S = TypeVar("S", bound=KVState)
 
@@ -44,26 +50,36 @@ class Runner:
     def __init__(self, model: Model) -> None:
         enable_persistent_compilation_cache()
         self.model = model
-        self.spec = ModelSpec(model.graph, model.config.sliding_window)
+        lora_graph = inject_lora(model.graph)
+        self.spec = ModelSpec(model.graph, model.config.sliding_window, lora_graph)
         self._executables: dict[Hashable, Any] = {}
+        self._hidden_graph = hidden_state_graph(model.graph)
+        self._hidden_lora_graph = hidden_state_graph(lora_graph)
 
     @property
     def params(self) -> Any:
         return self.model.params
 
+    def _params(self, adapters: LoraBank | None) -> Any:
+        """The model's parameters, with a step's LoRA bank (:func:`zgen.lora.bank.stack_mixes`) beside them."""
+        return self.params if adapters is None else {**self.params, **adapters.arrays}
+
     def forward(
-        self, kv: S, tokens: Int[Array, "B T"], positions: Int[Array, "B T"], read_rows: Int[Array, "B R"]
+        self, kv: S, tokens: Int[Array, "B T"], positions: Int[Array, "B T"], read_rows: Int[Array, "B R"],
+        adapter_slots: Int[Array, " B"] | None = None, *, adapters: LoraBank | None = None,
     ) -> tuple[Float[Array, "B R V"], S]:
-        """Feed ``tokens`` at ``positions`` (-1: padding), writing the cache; raw logits at ``read_rows``."""
-        key = ("forward", _shape_key(kv), tokens.shape, read_rows.shape)
-        args = (self.params, kv, tokens, positions, read_rows)
+        """Feed ``tokens`` at ``positions`` (-1: padding), writing the cache; raw logits at ``read_rows``
+        (with ``adapter_slots``, each row's LoRA from the bank ``adapters``)."""
+        key = ("forward", _shape_key(kv), tokens.shape, read_rows.shape, None if adapters is None else adapters.shapes)
+        args = (self._params(adapters), kv, tokens, positions, read_rows, adapter_slots)
         return self._compiled(key, lambda: jax.jit(self._forward, donate_argnums=(1,)).lower(*args))(*args)
 
     def mixed(
-        self, kv: S, batch: MixedBatch, *, flags: SamplingFlags, logits: bool = False, filtered: bool = False
+        self, kv: S, batch: MixedBatch, *, flags: SamplingFlags, logits: bool = False, filtered: bool = False,
+        adapters: LoraBank | None = None,
     ) -> tuple[MixedOutput, S]:
-        key = ("mixed", _shape_key(kv), _shape_key(batch), flags, logits, filtered)
-        args = (self.params, kv, batch)
+        key = ("mixed", _shape_key(kv), _shape_key(batch), flags, logits, filtered, None if adapters is None else adapters.shapes)
+        args = (self._params(adapters), kv, batch)
 
         def lower() -> Any:
             fn = jax.jit(self._mixed, donate_argnums=(1,), static_argnames=("flags", "logits", "filtered"))
@@ -85,12 +101,29 @@ class Runner:
 
         return self._compiled(key, lower)(*args)
 
-    def decode(self, kv: S, loop: DecodeLoop, sampling: SamplingParams, *, flags: SamplingFlags) -> tuple[DecodeLoop, S]:
-        key = ("decode", _shape_key(kv), _shape_key(loop), flags)
-        args = (self.params, kv, loop, sampling)
+    def decode(
+        self, kv: S, loop: DecodeLoop, sampling: SamplingParams, *, flags: SamplingFlags,
+        adapters: LoraBank | None = None,
+    ) -> tuple[DecodeLoop, S]:
+        key = ("decode", _shape_key(kv), _shape_key(loop), flags, None if adapters is None else adapters.shapes)
+        args = (self._params(adapters), kv, loop, sampling)
 
         def lower() -> Any:
             return jax.jit(self._decode, donate_argnums=(1, 2), static_argnames=("flags",)).lower(*args, flags=flags)
+
+        return self._compiled(key, lower)(*args)
+
+    def embed(
+        self, kv: KVState, tokens: Int[Array, "B T"], positions: Int[Array, "B T"], lengths: Int[Array, " B"], *,
+        pooling: Pooling, normalize: bool, adapter_slots: Int[Array, " B"] | None = None, adapters: LoraBank | None = None,
+    ) -> Float[Array, "B H"]:
+        """Pooled last hidden states of ``tokens`` (see :mod:`zgen.runtime.embedding`); ``kv`` is scratch."""
+        key = ("embed", _shape_key(kv), tokens.shape, pooling, normalize, None if adapters is None else adapters.shapes)
+        args = (self._params(adapters), kv, tokens, positions, lengths, adapter_slots)
+
+        def lower() -> Any:
+            fn = jax.jit(self._embed, static_argnames=("pooling", "normalize"))  # the scratch KV is not returned
+            return fn.lower(*args, pooling=pooling, normalize=normalize)
 
         return self._compiled(key, lower)(*args)
 
@@ -113,8 +146,10 @@ class Runner:
 
     # -- traced ---------------------------------------------------------------------------------
 
-    def _forward(self, params: Any, kv: S, tokens: Array, positions: Array, read_rows: Array) -> tuple[Array, S]:
-        return forward(self.spec, params, kv, tokens, positions, read_rows)
+    def _forward(
+        self, params: Any, kv: S, tokens: Array, positions: Array, read_rows: Array, adapter_slots: Array | None
+    ) -> tuple[Array, S]:
+        return forward(self.spec, params, kv, tokens, positions, read_rows, adapter_slots)
 
     def _mixed(
         self, params: Any, kv: S, batch: MixedBatch, *, flags: SamplingFlags, logits: bool, filtered: bool
@@ -125,6 +160,14 @@ class Runner:
         self, params: Any, kv: S, loop: DecodeLoop, sampling: SamplingParams, *, flags: SamplingFlags
     ) -> tuple[DecodeLoop, S]:
         return decode_loop(self.spec, params, kv, loop, sampling, flags=flags)
+
+    def _embed(
+        self, params: Any, kv: KVState, tokens: Array, positions: Array, lengths: Array, adapter_slots: Array | None, *,
+        pooling: Pooling, normalize: bool,
+    ) -> Array:
+        graph = self._hidden_graph if adapter_slots is None else self._hidden_lora_graph
+        hidden, _ = hidden_states(graph, self.spec.sliding_window, params, kv, tokens, positions, adapter_slots)
+        return pool_hidden(hidden, lengths, pooling, normalize)
 
     def _compiled(self, key: Hashable, lower: Callable[[], Any]) -> Any:
         compiled = self._executables.get(key)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Generic, TypeVar, cast
+from typing import Generic, Literal, TypeVar, cast, get_args
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +30,7 @@ from zgen.cache.base import KVState
 from zgen.graph.core import ForwardContext, Graph
 from zgen.graph.decoder import LOGIT_ROWS, POSITIONS, TOKENS
 from zgen.graph.nodes import rotary
+from zgen.lora.graph import ADAPTER_SLOTS
 from zgen.runtime.grammar import allowed_tokens
 from zgen.runtime.sampling import PenaltyState, SamplingFlags, SamplingParams, filter_logits, sample, update_penalty_state
 
@@ -59,10 +60,12 @@ class _CacheContext(ForwardContext, Generic[S]):
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """What a step needs of a model: its graph and sliding window (static), its parameters (traced)."""
+    """What a step needs of a model: its graph and sliding window (static), its parameters (traced).
+    ``lora_graph`` is the graph with LoRA injected, run for steps where a row has an adapter."""
 
     graph: Graph
     sliding_window: int | None
+    lora_graph: Graph | None = None
 
 
 def forward(
@@ -72,12 +75,62 @@ def forward(
     tokens: Int[Array, "B T"],
     positions: Int[Array, "B T"],
     read_rows: Int[Array, "B R"],
+    adapter_slots: Int[Array, " B"] | None = None,
 ) -> tuple[Float[Array, "B R V"], S]:
     """Run the model over ``tokens`` at ``positions``, writing their K/V; float32 logits at ``read_rows``
-    (indices into T)."""
+    (indices into T). With ``adapter_slots`` the graph is the LoRA-injected one (:mod:`zgen.lora.graph`)
+    and ``params`` carry the adapter bank."""
     ctx = _CacheContext(kv, model.sliding_window)
-    (logits,) = model.graph.run(params, {TOKENS: tokens, POSITIONS: positions, LOGIT_ROWS: read_rows}, ctx)
+    feeds = {TOKENS: tokens, POSITIONS: positions, LOGIT_ROWS: read_rows}
+    graph = model.graph
+    if adapter_slots is not None:
+        assert model.lora_graph is not None, "adapter slots given to a model spec without a LoRA graph"
+        feeds[ADAPTER_SLOTS], graph = adapter_slots, model.lora_graph
+    (logits,) = graph.run(params, feeds, ctx)
     return logits, ctx.state
+
+
+def hidden_states(
+    graph: Graph,
+    sliding_window: int | None,
+    params: Params,
+    kv: S,
+    tokens: Int[Array, "B T"],
+    positions: Int[Array, "B T"],
+    adapter_slots: Int[Array, " B"] | None = None,
+) -> tuple[Float[Array, "B T H"], S]:
+    """Run a graph cut after the final norm (:func:`~zgen.graph.decoder.hidden_state_graph`) over
+    ``tokens`` at ``positions`` (-1: padding), writing their K/V; the hidden states of every token.
+    ``adapter_slots`` feed a LoRA-injected graph, as in :func:`forward`."""
+    ctx = _CacheContext(kv, sliding_window)
+    feeds = {TOKENS: tokens, POSITIONS: positions}
+    if adapter_slots is not None:
+        feeds[ADAPTER_SLOTS] = adapter_slots
+    (hidden,) = graph.run(params, feeds, ctx)
+    return hidden, ctx.state
+
+
+Pooling = Literal["mean", "last", "cls", "max"]
+POOLINGS: tuple[str, ...] = get_args(Pooling)
+
+
+def pool_hidden(
+    hidden: Float[Array, "B T H"], lengths: Int[Array, " B"], pooling: Pooling, normalize: bool
+) -> Float[Array, "B H"]:
+    """Pool each row's first ``lengths[b]`` hidden states, in float32."""
+    hidden = hidden.astype(jnp.float32)
+    real = jnp.arange(hidden.shape[1])[None, :] < lengths[:, None]  # [B, T]
+    if pooling == "mean":
+        pooled = jnp.sum(jnp.where(real[..., None], hidden, 0.0), axis=1) / jnp.maximum(lengths, 1)[:, None]
+    elif pooling == "max":
+        pooled = jnp.max(jnp.where(real[..., None], hidden, -jnp.inf), axis=1)
+    elif pooling == "last":
+        pooled = jnp.take_along_axis(hidden, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
+    else:
+        pooled = hidden[:, 0]
+    if normalize:
+        pooled = pooled / jnp.maximum(jnp.linalg.norm(pooled, axis=-1, keepdims=True), 1e-12)
+    return pooled
 
 
 def draw(
@@ -108,6 +161,7 @@ class MixedBatch:
     keys: UInt32[Array, "B 2"]
     sampling: SamplingParams
     penalties: PenaltyState | None
+    adapter_slots: Int[Array, " B"] | None = None  # each row's LoRA bank slot (0: none), when any row has one
 
 
 @jax.tree_util.register_dataclass
@@ -123,7 +177,7 @@ def mixed_step(
     model: ModelSpec, params: Params, kv: S, batch: MixedBatch, *, flags: SamplingFlags, logits: bool, filtered: bool
 ) -> tuple[MixedOutput, S]:
     """One forward of ``batch``, then a draw at every read row (a row's reads share its penalties)."""
-    out, kv = forward(model, params, kv, batch.tokens, batch.positions, batch.read_rows)
+    out, kv = forward(model, params, kv, batch.tokens, batch.positions, batch.read_rows, batch.adapter_slots)
     return draw_reads(out, batch, None, flags=flags, logits=logits, filtered=filtered), kv
 
 
@@ -171,6 +225,7 @@ class DecodeLoop:
     max_steps: Int[Array, ""]  # leave after this many iterations (<= N)
     exit_on_finish: Bool[Array, ""]  # leave as soon as a row finishes (another request waits for a slot)
     done_at_start: Int[Array, ""]  # rows done when the loop began
+    adapter_slots: Int[Array, " B"] | None = None  # each row's LoRA bank slot (0: none), when any row has one
 
 
 def decode_loop(
@@ -190,7 +245,9 @@ def decode_loop(
     def body(carry: tuple[DecodeLoop, S]) -> tuple[DecodeLoop, S]:
         s, kv = carry
         active = ~s.done
-        logits, kv = forward(model, params, kv, s.token[:, None], s.position[:, None], jnp.zeros_like(s.token)[:, None])
+        logits, kv = forward(
+            model, params, kv, s.token[:, None], s.position[:, None], jnp.zeros_like(s.token)[:, None], s.adapter_slots
+        )
         new, logprob = draw(logits[:, 0], sampling, s.penalties, s.keys, s.position, flags)
         ends = jnp.any(new[:, None] == s.stop_ids, axis=1) | (s.step >= s.last_step)
         s = replace(
