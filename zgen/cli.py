@@ -40,7 +40,7 @@ from zgen.evaluation import perplexity, read_text_file
 from zgen.generator import Generator, Prompt
 from zgen.loading.builtin import BUILTIN_MODELS, DEFAULT_MODEL, builtin_model_path
 from zgen.lora import LoraAdapter, load_adapter
-from zgen.model import DTYPES, Model, default_cache_dir, load_model, resolve_model
+from zgen.model import DTYPES, GGUF_WEIGHTS, WEIGHTS_CHOICES, Model, default_cache_dir, load_model, resolve_model
 from zgen.runtime.grammar import Grammar
 from zgen.runtime.sampling import SamplingConfig
 from zgen.runtime.step import POOLINGS, Pooling
@@ -117,6 +117,15 @@ ModelOption = Annotated[
     str, typer.Option("--model", "-m", help=f"Built-in name ({', '.join(BUILTIN_MODELS)}), HF model directory or .gguf file.")
 ]
 DtypeOption = Annotated[str, _choice("--dtype", tuple(DTYPES), "Weight and activation dtype.")]
+WeightsOption = Annotated[
+    str | None,
+    _choice(
+        "--weights",
+        WEIGHTS_CHOICES,
+        "Hold the linear layers' weights quantized: int8 / int4 quantized at load, gguf computes on a GGUF file's own "
+        "Q8_0/Q4_0/Q4_1/Q4_K blocks. Default: in --dtype.",
+    ),
+]
 MaxNewOption = Annotated[int, typer.Option("--max-new-tokens", "-n", min=1, help="Tokens to generate at most.")]
 _MODEL_DEFAULT = "Default: the model's recommendation, else"
 TemperatureOption = Annotated[
@@ -358,19 +367,32 @@ def _sampling(
 # -- phases -----------------------------------------------------------------------------------------
 
 
-def _load(phases: Phases, model: str, path: Path, dtype: str, sampling: _Sampling | None) -> Model:
+def _check_weights(weights: str | None, path: Path) -> None:
+    """--weights gguf needs a GGUF file: said before anything loads."""
+    if weights == GGUF_WEIGHTS and path.is_dir():
+        raise typer.BadParameter(
+            f"gguf computes on a GGUF file's own quantized tensors and {path} is an HF directory; use --weights int8 or int4",
+            param_hint="'--weights'",
+        )
+
+
+def _load(phases: Phases, model: str, path: Path, dtype: str, sampling: _Sampling | None, weights: str | None = None) -> Model:
     phases.note(f"Model {path}" if model == str(path) else f"Model {model}: {path}")
     if sampling is not None:
         phases.note(f"Sampling: {_describe_sampling(sampling.config)}; knobs left out come from {sampling.source}")
-    with phases.phase(f"Loading weights ({dtype})") as phase:
+    held = dtype if weights is None else f"{dtype}, {weights} linear weights"
+    with phases.phase(f"Loading weights ({held})") as phase:
 
         def converting(done: int, total: int) -> None:
-            phase.describe("Converting GGUF weights to float32 (first load only)" if done < total else "Saving the converted weights")
+            if weights == GGUF_WEIGHTS:
+                phase.describe("Repacking the GGUF's quantized blocks")
+            else:
+                phase.describe("Converting GGUF weights to float32 (first load only)" if done < total else "Saving the converted weights")
             phase.measure(done, total)
 
-        loaded = load_model(path, dtype=dtype, progress=converting)
+        loaded = load_model(path, dtype=dtype, progress=converting, weights=weights)
         outcome = {"gguf": "Converted the GGUF weights and cached them", "converted-cache": "Loaded the converted weights from the cache"}
-        phase.describe(f"{outcome.get(loaded.load_timings.source, 'Loaded the weights')} ({dtype})")
+        phase.describe(f"{outcome.get(loaded.load_timings.source, 'Loaded the weights')} ({held})")
     return loaded
 
 
@@ -426,6 +448,7 @@ def generate(
     stop: StopOption = None,
     ignore_eos: IgnoreEosOption = False,
     dtype: DtypeOption = "float32",
+    weights: WeightsOption = None,
     kv_cache: KVCacheOption = None,
     kv_dtype_name: KVDtypeOption = None,
     use_prefix_cache: PrefixCacheOption = False,
@@ -471,6 +494,7 @@ def generate(
         raise typer.BadParameter("speculative decoding cannot roll back the lossy compressed cache; choose another", param_hint="'--kv-cache'")
     path = _model_path(model)
     draft_path = _model_path(draft_model, "--draft-model") if draft_model is not None else None
+    _check_weights(weights, path)
     chosen = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p, "repetition_penalty": repetition_penalty}
     sampling = _sampling(path, GENERATE_DEFAULTS, chosen, max_new_tokens=max_new_tokens, seed=seed, stop=stop, ignore_eos=ignore_eos)
     grammar = _grammar(json_schema, regex, lark)
@@ -482,7 +506,7 @@ def generate(
     try:
         adapters = _read_adapters(lora)
         with Phases.on_stderr(enabled=show) as phases:
-            loaded = _with_adapters(_load(phases, model, path, dtype, sampling), adapters)
+            loaded = _with_adapters(_load(phases, model, path, dtype, sampling, weights), adapters)
             draft = _load(phases, draft_model, draft_path, dtype, None) if draft_model is not None and draft_path is not None else None
             speculator = _speculator(loaded, prompt_lookup, draft, early_exit, num_draft_tokens)
             generator = Generator(loaded, *options, speculative=speculator)
@@ -584,6 +608,7 @@ def chat(
     repetition_penalty: RepetitionOption = None,
     seed: SeedOption = None,
     dtype: DtypeOption = "float32",
+    weights: WeightsOption = None,
     kv_cache: KVCacheOption = None,
     kv_dtype_name: KVDtypeOption = None,
     use_prefix_cache: PrefixCacheOption = False,
@@ -597,13 +622,14 @@ def chat(
     recommendation (generation_config.json in an HF directory), else temperature 0.7, top-p 0.95.
     """
     path = _model_path(model)
+    _check_weights(weights, path)
     chosen = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p, "repetition_penalty": repetition_penalty}
     sampling = _sampling(path, CHAT_DEFAULTS, chosen, max_new_tokens=max_new_tokens, seed=seed, stop=None, ignore_eos=False)
     options = _cache_options(kv_cache, kv_dtype_name, use_prefix_cache)
     try:
         adapters = _read_adapters(lora)
         with Phases.on_stderr(enabled=not quiet) as phases:
-            generator = Generator(_with_adapters(_load(phases, model, path, dtype, sampling), adapters), *options)
+            generator = Generator(_with_adapters(_load(phases, model, path, dtype, sampling, weights), adapters), *options)
     except ZgenError as err:
         raise _fail(err) from None
     messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
@@ -662,6 +688,7 @@ def eval_ppl(
     kv_cache: KVCacheOption = None,
     kv_dtype_name: KVDtypeOption = None,
     dtype: DtypeOption = "float32",
+    weights: WeightsOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     quiet: QuietOption = False,
 ) -> None:
@@ -669,6 +696,7 @@ def eval_ppl(
     if chunk is not None and chunk > window:
         raise typer.BadParameter(f"{chunk} is larger than --window {window}; a window is fed at most whole", param_hint="'--chunk'")
     path = _model_path(model)
+    _check_weights(weights, path)
     options = _cache_options(kv_cache, kv_dtype_name, False)
     try:
         text = read_text_file(text_file)
@@ -676,7 +704,7 @@ def eval_ppl(
         raise typer.BadParameter(str(err), param_hint="'--text-file'") from None
     try:
         with Phases.on_stderr(enabled=not (quiet or as_json)) as phases:
-            loaded = _load(phases, model, path, dtype, None)
+            loaded = _load(phases, model, path, dtype, None, weights)
             ids = loaded.tokenizer.encode(text, add_special_tokens=False)
             scoring = f"Scoring {len(ids)} tokens in windows of {window}"
             with phases.phase(scoring) as phase, CompileClock(_compile_status(phase, scoring)):
