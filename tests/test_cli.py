@@ -111,6 +111,8 @@ def test_chat_loop_streams_replies_until_empty_line() -> None:
         (["eval", "ppl", "--text-file", "/no/such/file.txt"], "'--text-file'"),
         (["eval", "ppl", "--text-file", __file__, "--window", "1"], "'--window'"),
         (["eval", "ppl", "--text-file", __file__, "--window", "16", "--chunk", "32"], "'--chunk'"),
+        (["generate", "--weights", "int3"], "'--weights'"),
+        (["chat", "--weights", "gguf", "--model", str(Path(__file__).parent)], "'--weights'"),
     ],
 )
 def test_bad_flags_fail_before_anything_loads(args: list[str], flag: str, monkeypatch: pytest.MonkeyPatch) -> None:

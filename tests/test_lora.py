@@ -282,3 +282,21 @@ def test_beam_search_with_adapter_matches_peft(setup: dict[str, Any]) -> None:
     lengths = (out.beam_indices != -1).sum(dim=1).tolist()
     assert [b.token_ids for b in beams] == [out.sequences[i, 5 : 5 + n].tolist() for i, n in enumerate(lengths)]
     np.testing.assert_allclose([b.score for b in beams], out.sequences_scores.tolist(), atol=1e-4)
+
+
+def test_adapters_on_quantized_weights(setup: dict[str, Any]) -> None:
+    """A per-request adapter runs on int8 base weights (QLoRA-style) exactly as on the float weights
+    they stand for; merging one into quantized weights is refused."""
+    import dataclasses
+
+    from zgen.errors import AdapterError
+    from zgen.model import quantize_model
+    from zgen.quantized_weights import QuantizedWeight, dequantize
+
+    quantized = quantize_model(setup["model"], "int8")
+    params = {name: dequantize(w) if isinstance(w, QuantizedWeight) else w for name, w in quantized.params.items()}
+    float_twin = dataclasses.replace(quantized, params=params, attachments={})
+    ours = Generator(quantized).logits(IDS, adapter=setup["a"])
+    np.testing.assert_allclose(ours, Generator(float_twin).logits(IDS, adapter=setup["a"]), atol=1e-5)
+    with pytest.raises(AdapterError, match="quantized"):
+        quantized.merge_adapter(setup["a"])

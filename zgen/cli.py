@@ -41,10 +41,11 @@ from zgen.evaluation import perplexity, read_text_file
 from zgen.generator import Generator, Prompt
 from zgen.loading.builtin import BUILTIN_MODELS, DEFAULT_MODEL, builtin_model_path
 from zgen.lora import LoraAdapter, load_adapter
-from zgen.model import DTYPES, Model, default_cache_dir, load_model, resolve_model
+from zgen.model import DTYPES, GGUF_WEIGHTS, WEIGHTS_CHOICES, Model, default_cache_dir, load_model, resolve_model
 from zgen.runtime.grammar import Grammar
 from zgen.runtime.sampling import SamplingConfig
 from zgen.runtime.step import POOLINGS, Pooling
+from zgen.speculative import DraftModel, PromptLookup, Speculator
 
 
 def _untyped_flags(params: list[Any]) -> list[Any]:
@@ -117,6 +118,15 @@ ModelOption = Annotated[
     str, typer.Option("--model", "-m", help=f"Built-in name ({', '.join(BUILTIN_MODELS)}), HF model directory or .gguf file.")
 ]
 DtypeOption = Annotated[str, _choice("--dtype", tuple(DTYPES), "Weight and activation dtype.")]
+WeightsOption = Annotated[
+    str | None,
+    _choice(
+        "--weights",
+        WEIGHTS_CHOICES,
+        "Hold the linear layers' weights quantized: int8 / int4 quantized at load, gguf computes on a GGUF file's own "
+        "Q8_0/Q4_0/Q4_1/Q4_K blocks. Default: in --dtype.",
+    ),
+]
 MaxNewOption = Annotated[int, typer.Option("--max-new-tokens", "-n", min=1, help="Tokens to generate at most.")]
 _MODEL_DEFAULT = "Default: the model's recommendation, else"
 TemperatureOption = Annotated[
@@ -172,6 +182,37 @@ PrefixCacheOption = Annotated[
         help="Share prompt prefixes across requests, up to 4096 blocks on the device (needs pages: makes the "
         "default cache paged; tiered always has one, unbounded without this flag).",
     ),
+]
+PromptLookupOption = Annotated[
+    bool,
+    typer.Option(
+        "--prompt-lookup",
+        help="Speculative decoding with n-gram drafts from the prompt and the text so far (same output; faster when "
+        "the reply repeats its context, e.g. summaries and code edits).",
+    ),
+]
+DraftModelOption = Annotated[
+    str | None,
+    typer.Option(
+        "--draft-model",
+        metavar="MODEL",
+        help="Speculative decoding with this smaller model as the draft (same tokenizer required; same output; "
+        "the draft length adapts, and drafting pauses while it is mostly rejected).",
+    ),
+]
+EarlyExitOption = Annotated[
+    int | None,
+    typer.Option(
+        "--early-exit",
+        metavar="N",
+        min=1,
+        help="Speculative decoding drafting with the model's own first N layers, final norm and LM head (a "
+        "self-speculative draft, no second model; same output).",
+    ),
+]
+NumDraftOption = Annotated[
+    int | None,
+    typer.Option("--num-draft-tokens", metavar="K", min=1, max=32, help="Tokens drafted per pass at most (default: 8 with --prompt-lookup, else 4)."),
 ]
 
 
@@ -243,11 +284,11 @@ def _main(
 # -- checks before anything loads -------------------------------------------------------------------
 
 
-def _model_path(model: str) -> Path:
+def _model_path(model: str, flag: str = "--model") -> Path:
     try:
         return resolve_model(model)
     except ZgenError as err:
-        raise typer.BadParameter(str(err), param_hint="'--model'") from None
+        raise typer.BadParameter(str(err), param_hint=f"'{flag}'") from None
 
 
 def _cache_options(kind: str | None, dtype: str | None, prefix: bool) -> list[CacheOption]:
@@ -327,19 +368,33 @@ def _sampling(
 # -- phases -----------------------------------------------------------------------------------------
 
 
-def _load(phases: Phases, model: str, path: Path, dtype: str, sampling: _Sampling | None, tensor_parallel: int = 1) -> Model:
+def _check_weights(weights: str | None, path: Path) -> None:
+    """--weights gguf needs a GGUF file: said before anything loads."""
+    if weights == GGUF_WEIGHTS and path.is_dir():
+        raise typer.BadParameter(
+            f"gguf computes on a GGUF file's own quantized tensors and {path} is an HF directory; use --weights int8 or int4",
+            param_hint="'--weights'",
+        )
+
+
+def _load(phases: Phases, model: str, path: Path, dtype: str, sampling: _Sampling | None, weights: str | None = None, *, tensor_parallel: int = 1
+) -> Model:
     phases.note(f"Model {path}" if model == str(path) else f"Model {model}: {path}")
     if sampling is not None:
         phases.note(f"Sampling: {_describe_sampling(sampling.config)}; knobs left out come from {sampling.source}")
-    with phases.phase(f"Loading weights ({dtype})") as phase:
+    held = dtype if weights is None else f"{dtype}, {weights} linear weights"
+    with phases.phase(f"Loading weights ({held})") as phase:
 
         def converting(done: int, total: int) -> None:
-            phase.describe("Converting GGUF weights to float32 (first load only)" if done < total else "Saving the converted weights")
+            if weights == GGUF_WEIGHTS:
+                phase.describe("Repacking the GGUF's quantized blocks")
+            else:
+                phase.describe("Converting GGUF weights to float32 (first load only)" if done < total else "Saving the converted weights")
             phase.measure(done, total)
 
-        loaded = load_model(path, dtype=dtype, progress=converting, tensor_parallel=tensor_parallel)
+        loaded = load_model(path, dtype=dtype, progress=converting, weights=weights, tensor_parallel=tensor_parallel)
         outcome = {"gguf": "Converted the GGUF weights and cached them", "converted-cache": "Loaded the converted weights from the cache"}
-        phase.describe(f"{outcome.get(loaded.load_timings.source, 'Loaded the weights')} ({dtype})")
+        phase.describe(f"{outcome.get(loaded.load_timings.source, 'Loaded the weights')} ({held})")
     return loaded
 
 
@@ -395,9 +450,18 @@ def generate(
     stop: StopOption = None,
     ignore_eos: IgnoreEosOption = False,
     dtype: DtypeOption = "float32",
+    weights: WeightsOption = None,
     kv_cache: KVCacheOption = None,
     kv_dtype_name: KVDtypeOption = None,
     use_prefix_cache: PrefixCacheOption = False,
+    prompt_lookup: PromptLookupOption = False,
+    draft_model: DraftModelOption = None,
+    early_exit: EarlyExitOption = None,
+    num_draft_tokens: NumDraftOption = None,
+    as_json: Annotated[
+        bool,
+        typer.Option("--json", help="Print one JSON object (text, ids, log-probs, usage, timings, speculative) instead of streaming text."),
+    ] = False,
     lora: LoraOption = None,
     num_beams: Annotated[
         int, typer.Option("--num-beams", min=1, help="Beam search with this many beams (1: sample as the flags say). Prints the best beam; --json gives every beam.")
@@ -405,7 +469,6 @@ def generate(
     length_penalty: Annotated[
         float, typer.Option("--length-penalty", callback=_finite, help="Beam scores are summed log-probs / length ** this (> 0 favours longer beams).")
     ] = 1.0,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (text, ids, log-probs, usage, timings) instead of streaming text.")] = False,
     quiet: QuietOption = False,
     json_schema: Annotated[Path | None, typer.Option("--json-schema", help="The output is JSON valid under this JSON Schema file.")] = None,
     regex: Annotated[str | None, typer.Option("--regex", help="The output matches this regular expression as a whole.")] = None,
@@ -417,10 +480,23 @@ def generate(
     directory). Otherwise sampling is plain, temperature 1.0 without filtering: the built-in SmolLM2
     GGUF recommends nothing, so pass --temperature 0 for greedy, repeatable text (or e.g.
     --temperature 0.7 --top-p 0.9).
+
+    Speculative decoding (--prompt-lookup, --draft-model, --early-exit) drafts tokens cheaply and checks
+    them in one forward pass: greedy output is exactly the plain output, sampled output follows the
+    same distribution.
     """
     if not (prompt or chat):
         raise typer.BadParameter("the prompt is empty", param_hint="'--prompt'")
+    chosen_speculators = [flag for flag, on in (("--prompt-lookup", prompt_lookup), ("--draft-model", draft_model), ("--early-exit", early_exit)) if on]
+    if len(chosen_speculators) > 1:
+        raise typer.BadParameter(f"choose one speculator, got {' and '.join(chosen_speculators)}", param_hint="'--prompt-lookup'")
+    if num_draft_tokens is not None and not chosen_speculators:
+        raise typer.BadParameter("--num-draft-tokens needs --prompt-lookup, --draft-model or --early-exit", param_hint="'--num-draft-tokens'")
+    if chosen_speculators and kv_cache == "compressed":
+        raise typer.BadParameter("speculative decoding cannot roll back the lossy compressed cache; choose another", param_hint="'--kv-cache'")
     path = _model_path(model)
+    draft_path = _model_path(draft_model, "--draft-model") if draft_model is not None else None
+    _check_weights(weights, path)
     chosen = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p, "repetition_penalty": repetition_penalty}
     sampling = _sampling(path, GENERATE_DEFAULTS, chosen, max_new_tokens=max_new_tokens, seed=seed, stop=stop, ignore_eos=ignore_eos)
     grammar = _grammar(json_schema, regex, lark)
@@ -432,7 +508,10 @@ def generate(
     try:
         adapters = _read_adapters(lora)
         with Phases.on_stderr(enabled=show) as phases:
-            generator = Generator(_with_adapters(_load(phases, model, path, dtype, sampling), adapters), *options)
+            loaded = _with_adapters(_load(phases, model, path, dtype, sampling, weights), adapters)
+            draft = _load(phases, draft_model, draft_path, dtype, None) if draft_model is not None and draft_path is not None else None
+            speculator = _speculator(loaded, prompt_lookup, draft, early_exit, num_draft_tokens)
+            generator = Generator(loaded, *options, speculative=speculator)
         with generator:
             if num_beams > 1:
                 _print_beams(generator, request, num_beams, length_penalty, max_new_tokens, as_json)
@@ -450,6 +529,18 @@ def generate(
             _write("\n")
     except ZgenError as err:
         raise _fail(err) from None
+
+
+def _speculator(
+    model: Model, prompt_lookup: bool, draft: Model | None, early_exit: int | None, num_tokens: int | None
+) -> Speculator | None:
+    if prompt_lookup:
+        return PromptLookup(num_tokens=num_tokens or 8)
+    if draft is not None:
+        return DraftModel(draft, num_tokens or 4)
+    if early_exit is not None:
+        return DraftModel.early_exit(model, layers=early_exit, num_tokens=num_tokens or 4)
+    return None
 
 
 def _print_beams(generator: Generator, request: Prompt, num_beams: int, length_penalty: float, max_new: int, as_json: bool) -> None:
@@ -503,6 +594,7 @@ def _json_result(generator: Generator, request: Prompt, sampling: SamplingConfig
             "total_s": total_s,
             "decode_tokens_per_s": decoded / decode_s if decoded > 0 and decode_s > 0 else 0.0,
         },
+        "speculative": None if result.speculative is None else result.speculative.as_dict(),
     }
 
 
@@ -518,6 +610,7 @@ def chat(
     repetition_penalty: RepetitionOption = None,
     seed: SeedOption = None,
     dtype: DtypeOption = "float32",
+    weights: WeightsOption = None,
     kv_cache: KVCacheOption = None,
     kv_dtype_name: KVDtypeOption = None,
     use_prefix_cache: PrefixCacheOption = False,
@@ -531,13 +624,14 @@ def chat(
     recommendation (generation_config.json in an HF directory), else temperature 0.7, top-p 0.95.
     """
     path = _model_path(model)
+    _check_weights(weights, path)
     chosen = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p, "repetition_penalty": repetition_penalty}
     sampling = _sampling(path, CHAT_DEFAULTS, chosen, max_new_tokens=max_new_tokens, seed=seed, stop=None, ignore_eos=False)
     options = _cache_options(kv_cache, kv_dtype_name, use_prefix_cache)
     try:
         adapters = _read_adapters(lora)
         with Phases.on_stderr(enabled=not quiet) as phases:
-            generator = Generator(_with_adapters(_load(phases, model, path, dtype, sampling), adapters), *options)
+            generator = Generator(_with_adapters(_load(phases, model, path, dtype, sampling, weights), adapters), *options)
     except ZgenError as err:
         raise _fail(err) from None
     messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
@@ -632,7 +726,7 @@ def batch_job(
         else:
             with Phases.on_stderr(enabled=not quiet) as phases:
                 split_here = data_parallel == 1  # one split model is loaded split; replicas are split per group
-                loaded = _load(phases, model, path, dtype, None, tensor_parallel if split_here else 1)
+                loaded = _load(phases, model, path, dtype, None, tensor_parallel=tensor_parallel if split_here else 1)
             result = run_batch(
                 loaded, input, output, *options, max_batch_size=max_batch_size, prefill_chunk=prefill_chunk, refill_rows=refill_rows,
                 data_parallel=data_parallel, tensor_parallel=1 if split_here else tensor_parallel, model_name=model,
@@ -669,6 +763,7 @@ def eval_ppl(
     kv_cache: KVCacheOption = None,
     kv_dtype_name: KVDtypeOption = None,
     dtype: DtypeOption = "float32",
+    weights: WeightsOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     quiet: QuietOption = False,
 ) -> None:
@@ -676,6 +771,7 @@ def eval_ppl(
     if chunk is not None and chunk > window:
         raise typer.BadParameter(f"{chunk} is larger than --window {window}; a window is fed at most whole", param_hint="'--chunk'")
     path = _model_path(model)
+    _check_weights(weights, path)
     options = _cache_options(kv_cache, kv_dtype_name, False)
     try:
         text = read_text_file(text_file)
@@ -683,7 +779,7 @@ def eval_ppl(
         raise typer.BadParameter(str(err), param_hint="'--text-file'") from None
     try:
         with Phases.on_stderr(enabled=not (quiet or as_json)) as phases:
-            loaded = _load(phases, model, path, dtype, None)
+            loaded = _load(phases, model, path, dtype, None, weights)
             ids = loaded.tokenizer.encode(text, add_special_tokens=False)
             scoring = f"Scoring {len(ids)} tokens in windows of {window}"
             with phases.phase(scoring) as phase, CompileClock(_compile_status(phase, scoring)):

@@ -28,6 +28,7 @@ from zgen.runtime.metrics import EngineMetrics
 from zgen.runtime.results import GenerationResult, Timings, TokenUsage
 from zgen.runtime.sampling import HostSampler, SamplingConfig
 from zgen.runtime.sequence import Sequence as TokenSequence
+from zgen.runtime.speculation import Speculator
 from zgen.runtime.stop import StopCondition
 
 Message = Mapping[str, str]
@@ -50,9 +51,12 @@ class Generator:
     decode together (more requests queue and take rows as others finish); ``sync_interval`` is how
     many tokens the device loop runs between host checks when stop strings or streaming need the host;
     ``host_sampler`` picks every token with a Python callable on (ids sorted by probability, their
-    probabilities) — a host round trip per token. ``refill_rows``: queued requests wait until that
-    many rows are free, then prefill together; ``prefill_apart``: on a paged cache, prefill steps leave the
-    decoding rows out (:class:`~zgen.runtime.engine.EngineConfig`).
+    probabilities) — a host round trip per token. ``speculative`` decodes every request with a
+    speculator (:mod:`zgen.speculative`: ``PromptLookup``, ``DraftModel``): greedy output is token for
+    token the plain output, and results carry the speculator's figures (``result.speculative``).
+    ``refill_rows``: queued requests wait until that many rows are free, then prefill together;
+    ``prefill_apart``: on a paged cache, prefill steps leave the decoding rows out
+    (:class:`~zgen.runtime.engine.EngineConfig`).
 
     A generator is a context manager: :meth:`close` frees what its cache holds outside the device (a
     tiered cache's host RAM and disk files; garbage collection frees them too). It is safe to use from
@@ -67,17 +71,21 @@ class Generator:
         sync_interval: int = 8,
         prefill_chunk: int = 512,
         host_sampler: HostSampler | None = None,
+        speculative: Speculator | None = None,
         refill_rows: int = 1,
         prefill_apart: bool = False,
     ) -> None:
         self.model = model
         self.host_sampler = host_sampler
+        self.speculative = speculative
         config = EngineConfig(
             max_batch=max_batch_size, steps_per_sync=sync_interval, prefill_chunk=prefill_chunk, on_pool_exhausted="wait",
             refill_rows=refill_rows, prefill_apart=prefill_apart,
         )
         self.engine = Engine(model, *options, config=config, default_kind="tensor")
         self._paged_engine: Engine | None = None  # for beam search when the chosen cache cannot fork
+        if speculative is not None:
+            self.engine.check_speculator(speculative)
 
     def __enter__(self) -> Self:
         return self
@@ -275,6 +283,7 @@ class Generator:
         forward = ForwardRequest(
             end=len(ids), sample_at=(len(ids) - 1,), sampling=config, generate=stop, stream=stream, per_token=per_token,
             adapters=adapter_pairs(request.adapter),
+            speculative=self.speculative,
         )
         if seq is not None:
             return seq, self.engine.submit(seq, forward)
@@ -298,6 +307,7 @@ class Generator:
             finish_reason=result.finish_reason,
             usage=TokenUsage(len(ids), len(result.tokens), result.cached_tokens),
             timings=Timings(result.prefill_s, result.decode_s, result.steps),
+            speculative=result.speculative,
         )
 
 

@@ -11,7 +11,7 @@ import glob
 import hashlib
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar, cast
@@ -26,12 +26,14 @@ from zgen.config import ModelConfig
 from zgen.errors import AdapterError, CheckpointError, ConfigError, ModelNotFoundError
 from zgen.graph.core import Graph
 from zgen.graph.decoder import build_decoder
+from zgen.graph.quantize import quantize_linear_weights
 from zgen.loading.builtin import BUILTIN_MODELS, builtin_model_path
 from zgen.loading.gguf_file import config_from_gguf, open_gguf, params_from_gguf
 from zgen.loading.params import HostParams, check_values
 from zgen.loading.safetensors_dir import config_from_dir, params_from_dir
 from zgen.lora.adapter import LoraAdapter, check_adapter
 from zgen.lora.merge import merged_weights
+from zgen.quantized_weights import WEIGHT_FORMATS, QuantizedWeight, WeightQuantization
 from zgen.sharding import check_tensor_parallel, shard_params
 from zgen.tokenizer import Tokenizer
 
@@ -41,6 +43,9 @@ DTYPES: dict[str, jnp.dtype] = {
     "bfloat16": jnp.dtype(jnp.bfloat16),
     "float16": jnp.dtype(jnp.float16),
 }
+# `weights=` of load_model besides the WEIGHT_FORMATS: compute on a GGUF's own quantized tensors.
+GGUF_WEIGHTS = "gguf"
+WEIGHTS_CHOICES = (*WEIGHT_FORMATS, GGUF_WEIGHTS)
 # Bump when the conversion of GGUF tensors to zgen's layout changes, so stale caches are ignored.
 _CONVERSION_VERSION = 1
 # Converted-weight cache keys hash this many evenly spaced blocks of a GGUF's tensor data.
@@ -59,7 +64,7 @@ class Model:
     config: ModelConfig
     tokenizer: Tokenizer
     graph: Graph
-    params: dict[str, jax.Array]
+    params: dict[str, jax.Array | QuantizedWeight]
     dtype: jnp.dtype
     source: Path | None  # None for weights built in memory (benchmarks, tests)
     load_timings: LoadTimings
@@ -84,7 +89,7 @@ class Model:
     @property
     def split(self) -> bool:
         """Whether the weights are split over several devices (``tensor_parallel``)."""
-        return any(len(p.sharding.device_set) > 1 for p in self.params.values())
+        return any(isinstance(p, jax.Array) and len(p.sharding.device_set) > 1 for p in self.params.values())
 
     def push_adapter(self, adapter: LoraAdapter, scale: float = 1.0) -> None:
         """Apply ``adapter`` (times ``scale``) to every later request, on top of those pushed before."""
@@ -104,7 +109,7 @@ class Model:
         this model cached before (its prefix cache, contexts) were computed without it."""
         if self.split:
             raise ConfigError("LoRA adapters on a model split with tensor_parallel are not available yet; merge before splitting")
-        self.params.update(merged_weights(self.params, self.config, adapter, scale))
+        self.params.update(merged_weights(self._float_params(), self.config, adapter, scale))
         self.merged_adapters.append((adapter, float(scale)))
 
     def unmerge_adapter(self, adapter: LoraAdapter | None = None) -> LoraAdapter:
@@ -114,8 +119,17 @@ class Model:
         if index is None:
             raise AdapterError("that adapter is not merged into this model" if adapter else "no adapter is merged into this model")
         merged, scale = self.merged_adapters.pop(index)
-        self.params.update(merged_weights(self.params, self.config, merged, -scale))
+        self.params.update(merged_weights(self._float_params(), self.config, merged, -scale))
         return merged
+
+    def _float_params(self) -> dict[str, jax.Array]:
+        """The parameters, all float: an adapter cannot be merged into quantized weights."""
+        if any(isinstance(value, QuantizedWeight) for value in self.params.values()):
+            raise AdapterError(
+                "this model's linear weights are quantized, and an adapter merged into them would be rounded away; "
+                "apply it per request (adapter=...) or with push_adapter, which keep it in float"
+            )
+        return cast(dict[str, jax.Array], self.params)
 
 
 def attached(model: Model, name: str, make: Callable[[], T]) -> T:
@@ -156,6 +170,7 @@ def load_model(
     cache_dir: Path | None = None,
     progress: Callable[[int, int], None] | None = None,
     tensor_parallel: int = 1,
+    weights: str | WeightQuantization | None = None,
 ) -> Model:
     """Load a model by built-in name (``"smollm2"``), HF directory or GGUF file.
 
@@ -165,10 +180,21 @@ def load_model(
     GGUF weights are dequantized once and cached as float32 safetensors under ``cache_dir``
     (default ``$ZGEN_CACHE_DIR`` or ``~/.cache/zgen``) so later loads skip the dequantization.
     ``progress(done, total)`` hears the bytes of GGUF tensors dequantized so far, when that happens.
+
+    ``weights`` picks how the linear layers' weights (q/k/v/o, gate/up/down) are held: None in
+    ``dtype``; ``"int8"`` / ``"int4"`` (or a :class:`~zgen.quantized_weights.WeightQuantization`)
+    quantized at load; ``"gguf"`` a GGUF file's own Q8_0/Q4_0/Q4_1/Q4_K blocks, computed on directly.
+    Embeddings, norms and the LM head stay in ``dtype``.
     """
     if dtype not in DTYPES:
         raise ConfigError(f"dtype {dtype!r} is not supported; choose one of {sorted(DTYPES)}")
+    scheme = weight_scheme(weights)
     path = resolve_model(name_or_path)
+    if scheme == GGUF_WEIGHTS and path.is_dir():
+        raise ConfigError(
+            f"weights='gguf' computes on a GGUF file's own quantized tensors, and {path} is an HF directory; "
+            "quantize it at load with weights='int8' or 'int4'"
+        )
     start = time.perf_counter()
     # The config is checked against the weights' tensor names before a tensor is read, and the graph
     # is built from it only once the weights are in hand, so a corrupt header drives no allocation.
@@ -183,21 +209,31 @@ def load_model(
         config = config_from_gguf(reader, path)
         tokenizer = Tokenizer.from_gguf(reader)
         cache = cache_dir or default_cache_dir()
-        host, source = _gguf_params_cached(reader, config, path, cache, progress)
+        if scheme == GGUF_WEIGHTS:
+            # Repacking blocks is cheap and reads no floats: nothing to cache.
+            reading = reader if progress is None else _reporting_reader(reader, progress)
+            host, source = params_from_gguf(reading, config, path, keep_quantized=True), "gguf"
+        else:
+            host, source = _gguf_params_cached(reader, config, path, cache, progress)
         if source == "converted-cache":
             described = f"{path} (read from its converted copy under {cache / 'converted'}; delete that to convert again)"
     _check_special_ids(config, tokenizer, described)
     if tensor_parallel != 1:
         check_tensor_parallel(config, tensor_parallel)
+        if scheme is not None:
+            raise ConfigError("quantized weights and tensor_parallel together are not available yet; load float weights to split them")
     jdtype = DTYPES[dtype]
     graph = build_decoder(config, shards=tensor_parallel)
     check_params(graph, host, described, jdtype)
     read_s = time.perf_counter() - start
     start = time.perf_counter()
-    if tensor_parallel != 1:  # each device receives only its shards
-        params = shard_params({name: np.asarray(value, dtype=jdtype) for name, value in host.items()}, config, tensor_parallel)
+    params: dict[str, jax.Array | QuantizedWeight]
+    if isinstance(scheme, WeightQuantization):
+        params = quantize_linear_weights(graph, host, scheme, jdtype)
+    elif tensor_parallel != 1:  # each device receives only its shards
+        params = {**shard_params({name: np.asarray(value, dtype=jdtype) for name, value in host.items()}, config, tensor_parallel)}
     else:
-        params = {name: jnp.asarray(value, dtype=jdtype) for name, value in host.items()}
+        params = {name: _to_device(value, jdtype) for name, value in host.items()}
     jax.block_until_ready(params)
     timings = LoadTimings(source, read_s, time.perf_counter() - start)
     return Model(config, tokenizer, graph, params, jdtype, path, timings)
@@ -206,8 +242,39 @@ def load_model(
 def split_model(model: Model, tensor_parallel: int, devices: Sequence[Any] | None = None) -> Model:
     """``model`` with its weights split over ``tensor_parallel`` local devices (``devices``, default the
     first ones; :mod:`zgen.sharding`), as ``load_model(..., tensor_parallel=N)`` loads it."""
+    if any(isinstance(value, QuantizedWeight) for value in model.params.values()):
+        raise ConfigError("quantized weights and tensor_parallel together are not available yet; split a float model")
     params = shard_params(model.params, model.config, tensor_parallel, devices)
     return replace(model, graph=build_decoder(model.config, shards=tensor_parallel), params=params, attachments={})
+
+
+def weight_scheme(weights: str | WeightQuantization | None) -> WeightQuantization | str | None:
+    """``load_model``'s ``weights=`` checked: a quantization, ``"gguf"`` or None (ConfigError otherwise)."""
+    if weights is None or isinstance(weights, WeightQuantization) or weights == GGUF_WEIGHTS:
+        return weights
+    if isinstance(weights, str) and weights in WEIGHT_FORMATS:
+        return WEIGHT_FORMATS[weights]
+    raise ConfigError(f"weights={weights!r} is not supported; choose one of {', '.join(WEIGHTS_CHOICES)} (or None)")
+
+
+def quantize_model(model: Model, weights: str | WeightQuantization) -> Model:
+    """A copy of ``model`` whose linear weights are quantized (``"int8"``, ``"int4"`` or a
+    :class:`~zgen.quantized_weights.WeightQuantization`) from its current ones; for random weights
+    (benchmarks) and models already in memory."""
+    scheme = weight_scheme(weights)
+    if not isinstance(scheme, WeightQuantization):
+        raise ConfigError(f"quantize_model takes 'int8', 'int4' or a WeightQuantization, not {weights!r}")
+    if any(isinstance(value, QuantizedWeight) for value in model.params.values()):
+        raise ConfigError("the model's weights are already quantized; quantize a float model")
+    params = quantize_linear_weights(model.graph, model.params, scheme, model.dtype)
+    # Its own compiled steps and adapter stacks; pushed adapters carry over, merged ones stay in the weights.
+    return replace(model, params=params, attachments={}, adapters=list(model.adapters), merged_adapters=[])
+
+
+def _to_device(value: np.ndarray | QuantizedWeight, dtype: jnp.dtype) -> jax.Array | QuantizedWeight:
+    if isinstance(value, QuantizedWeight):
+        return jax.tree.map(jnp.asarray, value)  # codes and scales keep their stored dtypes
+    return jnp.asarray(value, dtype=dtype)
 
 
 def random_model(config: ModelConfig, *, dtype: str = "bfloat16", seed: int = 0) -> Model:
@@ -224,7 +291,7 @@ def random_model(config: ModelConfig, *, dtype: str = "bfloat16", seed: int = 0)
         raise ConfigError(f"dtype {dtype!r} is not supported; choose one of {sorted(DTYPES)}")
     graph = build_decoder(config)
     key = jax.random.key(seed)
-    params: dict[str, jax.Array] = {}
+    params: dict[str, jax.Array | QuantizedWeight] = {}
     for i, (name, dims) in enumerate(sorted(graph.param_shapes().items())):
         scale = 1.0 if len(dims) == 1 else dims[-1] ** -0.5
         params[name] = (scale * jax.random.normal(jax.random.fold_in(key, i), dims, jnp.float32)).astype(DTYPES[dtype])
@@ -233,7 +300,7 @@ def random_model(config: ModelConfig, *, dtype: str = "bfloat16", seed: int = 0)
     return Model(config, tokenizer, graph, params, DTYPES[dtype], source=None, load_timings=LoadTimings("random", 0.0, 0.0))
 
 
-def check_params(graph: Graph, params: HostParams, source: str, dtype: jnp.dtype = DTYPES["float32"]) -> None:
+def check_params(graph: Graph, params: Mapping[str, np.ndarray | QuantizedWeight], source: str, dtype: jnp.dtype = DTYPES["float32"]) -> None:
     """Every parameter the graph reads exists with the shape its node declares and holds only numbers
     ``dtype`` can represent (finite, within its range).
 
@@ -244,6 +311,13 @@ def check_params(graph: Graph, params: HostParams, source: str, dtype: jnp.dtype
         value = params.get(name)
         if value is None:
             raise CheckpointError(f"{source} lacks parameter {name!r}")
+        if isinstance(value, QuantizedWeight):
+            if value.shape != shape:
+                raise CheckpointError(
+                    f"{source}: quantized parameter {name!r} stands for shape {value.shape} but the graph node "
+                    f"reading it expects {shape}; the config and the weights disagree"
+                )
+            continue  # its scales were checked as they were read
         if tuple(value.shape) != shape:
             raise CheckpointError(
                 f"{source}: parameter {name!r} has shape {tuple(value.shape)} but the graph node reading it "

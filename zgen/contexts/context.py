@@ -26,7 +26,7 @@ import numpy as np
 
 from zgen.cache.paged import PagedKVCache
 from zgen.contexts import snapshot
-from zgen.contexts.drafter import Drafter
+from zgen.contexts.drafter import Drafter, HostDrafter
 from zgen.contexts.snapshot import ImportedKVState
 from zgen.errors import AdapterError, CacheError, ConfigError, InputError, PromptTooLongError
 from zgen.lora.adapter import LoraAdapter, adapter_pairs, check_adapter
@@ -35,7 +35,8 @@ from zgen.runtime.engine import GREEDY, Engine, ForwardRequest, ForwardResult, J
 from zgen.runtime.results import GenerationResult, Timings, TokenUsage
 from zgen.runtime.sampling import SamplingConfig
 from zgen.runtime.sequence import Sequence as TokenSequence
-from zgen.runtime.stop import StopCondition, TextStream
+from zgen.runtime.speculation import Speculator
+from zgen.runtime.stop import StopCondition
 
 
 Role = Literal["system", "user", "assistant"]
@@ -278,10 +279,17 @@ class Context:
             self.engine.wait(job)
 
     def _generation(
-        self, sampler: SamplingConfig | None, stop: StopCondition | None, *, stream: bool = False, per_token: bool = False
+        self,
+        sampler: SamplingConfig | None,
+        stop: StopCondition | None,
+        *,
+        stream: bool = False,
+        per_token: bool = False,
+        speculative: Speculator | None = None,
     ) -> tuple[Job, Callable[[ForwardResult], GenerationResult]]:
         """Decode until ``stop`` (default: what ``sampler`` says — 256 tokens and the model's EOS ids)
-        with ``sampler`` (default greedy). Generated tokens stay in the context; the last is pending."""
+        with ``sampler`` (default greedy), speculatively with ``speculative`` (:mod:`zgen.speculative`).
+        Generated tokens stay in the context; the last is pending."""
         sampler = sampler or GREEDY
         stop = stop or StopCondition.from_sampling(sampler, self.engine.model.eos_token_ids)
         self._add_generation_prompt()
@@ -289,7 +297,10 @@ class Context:
         prompt = list(self.seq.tokens)
         end = len(prompt)
         job = self._submit(
-            ForwardRequest(end=end, sample_at=(end - 1,), sampling=sampler, generate=stop, stream=stream, per_token=per_token)
+            ForwardRequest(
+                end=end, sample_at=(end - 1,), sampling=sampler, generate=stop, stream=stream, per_token=per_token,
+                speculative=speculative,
+            )
         )
 
         def finish(result: ForwardResult) -> GenerationResult:
@@ -306,29 +317,44 @@ class Context:
                 finish_reason=result.finish_reason,
                 usage=TokenUsage(len(prompt), len(result.tokens), result.cached_tokens),
                 timings=Timings(result.prefill_s, result.decode_s, result.steps),
+                speculative=result.speculative,
             )
 
         return job, finish
 
-    async def generate_result_async(self, sampler: SamplingConfig | None = None, stop: StopCondition | None = None) -> GenerationResult:
-        return await self._run_async(*self._generation(sampler, stop))
+    async def generate_result_async(
+        self, sampler: SamplingConfig | None = None, stop: StopCondition | None = None, *, speculative: Speculator | None = None
+    ) -> GenerationResult:
+        return await self._run_async(*self._generation(sampler, stop, speculative=speculative))
 
-    def generate_result(self, sampler: SamplingConfig | None = None, stop: StopCondition | None = None) -> GenerationResult:
-        return self._run(*self._generation(sampler, stop))
+    def generate_result(
+        self, sampler: SamplingConfig | None = None, stop: StopCondition | None = None, *, speculative: Speculator | None = None
+    ) -> GenerationResult:
+        return self._run(*self._generation(sampler, stop, speculative=speculative))
 
-    async def generate_async(self, sampler: SamplingConfig | None = None, stop: StopCondition | None = None) -> str:
-        return (await self.generate_result_async(sampler, stop)).text
+    async def generate_async(
+        self, sampler: SamplingConfig | None = None, stop: StopCondition | None = None, *, speculative: Speculator | None = None
+    ) -> str:
+        return (await self.generate_result_async(sampler, stop, speculative=speculative)).text
 
-    def generate(self, sampler: SamplingConfig | None = None, stop: StopCondition | None = None) -> str:
-        return self.generate_result(sampler, stop).text
+    def generate(
+        self, sampler: SamplingConfig | None = None, stop: StopCondition | None = None, *, speculative: Speculator | None = None
+    ) -> str:
+        return self.generate_result(sampler, stop, speculative=speculative).text
 
     def generate_stream(
-        self, sampler: SamplingConfig | None = None, stop: StopCondition | None = None, *, per_token: bool = False
+        self,
+        sampler: SamplingConfig | None = None,
+        stop: StopCondition | None = None,
+        *,
+        per_token: bool = False,
+        speculative: Speculator | None = None,
     ) -> Iterator[str]:
         """:meth:`generate`, its text yielded in pieces as it is decoded (``per_token``: as each token
-        is drawn); the pieces join to what :meth:`generate` returns and the context keeps the reply the
-        same way. Closing the iterator early drops the unfinished reply (the context is as before)."""
-        job, finish = self._generation(sampler, stop, stream=True, per_token=per_token)
+        is drawn, or each verification pass with a speculator); the pieces join to what :meth:`generate`
+        returns and the context keeps the reply the same way. Closing the iterator early drops the
+        unfinished reply (the context is as before)."""
+        job, finish = self._generation(sampler, stop, stream=True, per_token=per_token, speculative=speculative)
 
         def pieces() -> Iterator[str]:
             yield from self.engine.stream(job)
@@ -364,61 +390,20 @@ class Context:
         return ForwardPass(self)
 
     async def generate_with_drafter_async(
-        self, drafter: Drafter, sampler: SamplingConfig | None = None, stop: StopCondition | None = None
+        self, drafter: Drafter | Speculator, sampler: SamplingConfig | None = None, stop: StopCondition | None = None
     ) -> GenerationResult:
-        """Speculative decoding: each step verifies the drafter's proposal in one forward pass.
+        """Speculative decoding with ``drafter``: a speculator (``PromptLookup``, ``NgramDrafter``,
+        ``DraftModel``), or a host :class:`~zgen.contexts.drafter.Drafter` (asked on the host each pass).
 
-        Produces exactly what :meth:`generate_result_async` produces with the same sampler and seed.
+        Same as :meth:`generate_result_async` with ``speculative=drafter``: greedy output (and sampled
+        output with deterministic drafts) is exactly what plain ``generate`` gives with the same seed.
         """
-        sampler = sampler or GREEDY
-        if sampler.grammar is not None:
-            raise ConfigError("speculative decoding does not take a grammar yet; use generate with the grammar")
-        stop = stop or StopCondition.from_sampling(sampler, self.engine.model.eos_token_ids)
-        self._add_generation_prompt()
-        self._ensure_pending()
-        prompt = list(self.seq.tokens)
-        budget = stop.max_tokens or self.engine.max_len
-        tokens: list[int] = []
-        logprobs: list[float] = []
-        text = TextStream(self.engine.model.tokenizer, stop, incremental=False)
-        while not text.done and self.seq.num_tokens < self.engine.max_len:
-            drafter.update(self.seq.tokens)
-            draft, positions = drafter.draft()
-            n = self.seq.num_tokens
-            if positions != list(range(n, n + len(draft))):
-                raise InputError(f"drafts must be a chain at positions {n}..., got {positions}")
-            draft = draft[: max(min(budget - len(tokens), self.engine.max_len - n) - 1, 0)]
-            pending = n - self.kv_len
-            out = await self.forward().input_tokens(draft).sample(range(pending - 1, pending + len(draft)), sampler).execute_async()
-            accepted = 0
-            while accepted < len(draft) and draft[accepted] == out.tokens[accepted]:
-                accepted += 1
-            self.engine.collector.speculation(len(draft), accepted)
-            self.keep_fed(n + accepted)
-            new = draft[:accepted] + [out.tokens[accepted]]
-            self.seq.append(new[-1:])
-            for token, logprob in zip(new, out.logprobs[: accepted + 1], strict=True):
-                if text.done:
-                    break
-                text.push(token)
-                tokens.append(token)
-                logprobs.append(logprob)
-        text.finish("length")
-        self.seq.keep_pending(len(prompt) + len(tokens))  # tokens verified past a stop are rolled back
-        return GenerationResult(
-            text=text.text,
-            token_ids=tokens,
-            prompt_token_ids=prompt,
-            logprobs=logprobs,
-            finish_reason=text.finish_reason,  # type: ignore[arg-type]
-            usage=TokenUsage(len(prompt), len(tokens)),
-            timings=Timings(0.0, 0.0, 0),
-        )
+        return await self.generate_result_async(sampler, stop, speculative=_speculator(drafter))
 
     def generate_with_drafter(
-        self, drafter: Drafter, sampler: SamplingConfig | None = None, stop: StopCondition | None = None
+        self, drafter: Drafter | Speculator, sampler: SamplingConfig | None = None, stop: StopCondition | None = None
     ) -> GenerationResult:
-        return asyncio.run(self.generate_with_drafter_async(drafter, sampler, stop))
+        return self.generate_result(sampler, stop, speculative=_speculator(drafter))
 
     def keep_fed(self, n: int) -> None:
         """Keep ``n`` tokens, all fed (a verified prefix); later K/V are rolled back."""
@@ -578,6 +563,11 @@ class ForwardPass:
 
     def execute(self) -> ForwardOutput:
         return self.ctx._run(*self._submit())
+
+
+def _speculator(drafter: Drafter | Speculator) -> Speculator:
+    """A speculator as it is; a host drafter (``update``/``draft``) asked from the device loop."""
+    return drafter if isinstance(drafter, Speculator) else HostDrafter(drafter)
 
 
 def _require_pages(engine: Engine) -> None:

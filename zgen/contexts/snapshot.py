@@ -97,11 +97,12 @@ def model_fingerprint(model: Model) -> str:
         digest.update(json.dumps(asdict(model.config), sort_keys=True, default=str).encode())
         digest.update(str(jnp.dtype(model.dtype)).encode())
         for name in sorted(model.params):
-            value = model.params[name]
-            flat = value.reshape(-1)
-            sample = flat[:: max(flat.size // FINGERPRINT_SAMPLES, 1)]
-            digest.update(f"{name}{tuple(value.shape)}".encode())
-            digest.update(np.asarray(jax.device_get(sample)).tobytes())
+            # A quantized weight contributes each of its arrays (codes, scales, offsets).
+            for value in jax.tree.leaves(model.params[name]):
+                flat = value.reshape(-1)
+                sample = flat[:: max(flat.size // FINGERPRINT_SAMPLES, 1)]
+                digest.update(f"{name}{tuple(value.shape)}".encode())
+                digest.update(np.asarray(jax.device_get(sample)).tobytes())
         _FINGERPRINTS[model] = digest.hexdigest()
     return _FINGERPRINTS[model]
 

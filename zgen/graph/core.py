@@ -75,6 +75,11 @@ class Node(ABC):
         """Parameters this node reads, by name relative to the node's param prefix."""
         return {}
 
+    def linear_weights(self) -> tuple[str, ...]:
+        """Parameters (among :meth:`param_shapes`) this node reads only as ``[out, in]`` matmul weights
+        through :func:`~zgen.graph.nodes.linear`: the ones a weight quantization may replace."""
+        return ()
+
     @abstractmethod
     def apply(self, params: Mapping[str, jax.Array], args: Sequence[jax.Array], ctx: ForwardContext) -> jax.Array: ...
 
@@ -125,6 +130,9 @@ class Graph:
             for key, shape in node.param_shapes().items():
                 shapes[key] = shape
         return shapes
+
+    def linear_weights(self) -> tuple[str, ...]:
+        return tuple(name for node in self.nodes for name in node.linear_weights())
 
     def run(self, params: Mapping[str, jax.Array], feeds: Mapping[str, jax.Array], ctx: ForwardContext) -> tuple[jax.Array, ...]:
         """Evaluate the graph (under a JAX trace this builds the XLA program once)."""

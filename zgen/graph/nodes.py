@@ -12,6 +12,7 @@ from jaxtyping import Array, Float, Int
 
 from zgen.graph.core import ForwardContext, Node, TensorType, act, i32, param
 from zgen.numerics import matmul_precision
+from zgen.quantized_weights import QuantizedWeight, quantized_linear
 from zgen.rope import apply_rope
 
 
@@ -22,8 +23,10 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return (normed.astype(x.dtype) * weight).astype(x.dtype)
 
 
-def linear(x: jax.Array, weight: jax.Array) -> jax.Array:
-    """x @ weight.T with weight in the checkpoint's [out, in] layout."""
+def linear(x: jax.Array, weight: jax.Array | QuantizedWeight) -> jax.Array:
+    """x @ weight.T with weight in the checkpoint's [out, in] layout (or quantized in that shape)."""
+    if isinstance(weight, QuantizedWeight):
+        return quantized_linear(x, weight)
     return jnp.einsum("...i,oi->...o", x, weight, precision=matmul_precision(x.dtype, weight.dtype))
 
 
@@ -139,6 +142,9 @@ class Attention(Node):
             shapes[f"{self.prefix}.k_norm"] = (self.head_dim,)
         return shapes
 
+    def linear_weights(self) -> tuple[str, ...]:
+        return (f"{self.prefix}.qkv", f"{self.prefix}.o")
+
     def apply(self, params: Mapping[str, jax.Array], args: Sequence[jax.Array], ctx: ForwardContext) -> jax.Array:
         x, positions = args
         return self.attend(params, x, positions, ctx, plain_projection(params, self.prefix))
@@ -189,6 +195,9 @@ class GatedMLP(Node):
             f"{self.prefix}.gate_up": (2 * self.intermediate, self.hidden),
             f"{self.prefix}.down": (self.hidden, self.intermediate),
         }
+
+    def linear_weights(self) -> tuple[str, ...]:
+        return (f"{self.prefix}.gate_up", f"{self.prefix}.down")
 
     def apply(self, params: Mapping[str, jax.Array], args: Sequence[jax.Array], ctx: ForwardContext) -> jax.Array:
         return self.feed_forward(args[0], plain_projection(params, self.prefix))

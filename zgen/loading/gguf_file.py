@@ -11,7 +11,8 @@ import numpy as np
 
 from zgen.config import ModelConfig
 from zgen.errors import CheckpointError, ConfigError, UnsupportedModelError
-from zgen.loading.params import HostParams, assemble, check_layer_count, check_values, layer_tensor_name
+from zgen.loading.gguf_quantized import DIRECT_TYPES, Codes, fuse, read_codes
+from zgen.loading.params import HostParams, assemble, check_layer_count, check_values, layer_tensor_name, stack_rows
 
 # GGUF architecture name → zgen architecture. llama.cpp files Mistral under "llama".
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -32,6 +33,8 @@ _LAYER_TENSORS = {
     "ffn_up.weight": "up",
     "ffn_down.weight": "down",
 }
+# zgen's unfused names of the matmul weights a quantized load keeps in their GGUF blocks.
+_PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
 _GLOBAL_TENSORS = {"token_embd.weight": "embed", "output_norm.weight": "final_norm", "output.weight": "lm_head"}
 
 
@@ -118,13 +121,33 @@ def _unpermute_rows(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def params_from_gguf(reader: gguf.GGUFReader, config: ModelConfig, path: Path) -> HostParams:
-    """Dequantize every tensor to float32 and assemble zgen's parameter layout."""
-    tensors: dict[str, np.ndarray] = {}
+def params_from_gguf(reader: gguf.GGUFReader, config: ModelConfig, path: Path, *, keep_quantized: bool = False) -> HostParams:
+    """Dequantize every tensor to float32 and assemble zgen's parameter layout. With ``keep_quantized``
+    the projections' Q8_0/Q4_0/Q4_1/Q4_K blocks are repacked into
+    :class:`~zgen.quantized_weights.QuantizedWeight` values instead (embeddings and norms still
+    dequantized): an :class:`UnsupportedModelError` names a projection stored in another type."""
+    tensors: dict[str, np.ndarray | Codes] = {}
     for tensor in reader.tensors:
         name = _zgen_name(tensor.name)
         if name is None:
             continue  # e.g. rope_freqs: recomputed from the config
+        shape = tuple(reversed([int(n) for n in tensor.shape]))
+        if keep_quantized and name.rsplit(".", 1)[-1] in _PROJECTIONS:
+            type_name = tensor.tensor_type.name
+            if type_name not in DIRECT_TYPES or len(shape) != 2:
+                raise UnsupportedModelError(
+                    f"{path}: tensor {tensor.name} is stored as {type_name}; weights='gguf' computes directly on "
+                    f"{', '.join(DIRECT_TYPES)} only: load it with weights=None (dequantized) or 'int8'/'int4' (re-quantized)"
+                )
+            try:
+                codes = read_codes(np.asarray(tensor.data), type_name, (shape[0], shape[1]))
+            except ValueError as err:
+                raise CheckpointError(f"{path}: tensor {tensor.name} is unreadable ({err}); the file may be truncated") from err
+            for part in (codes.scales, codes.offsets):
+                if part is not None:
+                    check_values(part.astype(np.float32), f"{path}: tensor {tensor.name}")
+            tensors[name] = codes
+            continue
         try:
             values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         except NotImplementedError as err:
@@ -134,18 +157,20 @@ def params_from_gguf(reader: gguf.GGUFReader, config: ModelConfig, path: Path) -
             ) from err
         except Exception as err:
             raise CheckpointError(f"{path}: tensor {tensor.name} is unreadable ({err}); the file may be truncated") from err
-        shape = tuple(reversed([int(n) for n in tensor.shape]))
         if values.size != math.prod(shape):
             raise CheckpointError(
                 f"{path}: tensor {tensor.name} holds {values.size} values but its header says shape {shape}; the file is corrupt"
             )
-        tensors[name] = np.asarray(values, dtype=np.float32).reshape(shape)
-        check_values(tensors[name], f"{path}: tensor {tensor.name}")  # before the conversion is cached
+        array = np.asarray(values, dtype=np.float32).reshape(shape)
+        check_values(array, f"{path}: tensor {tensor.name}")  # before the conversion is cached
+        tensors[name] = array
     # llama.cpp permutes Q/K rows only for its "llama" family converter; qwen files keep HF's layout.
     if str(_field(reader, "general.architecture")) == "llama":
-        for name in list(tensors):
-            if name.endswith((".q", ".q_bias")):
-                tensors[name] = _unpermute_rows(tensors[name], config.num_heads)
-            elif name.endswith((".k", ".k_bias")):
-                tensors[name] = _unpermute_rows(tensors[name], config.num_kv_heads)
-    return assemble(config, tensors.get, str(path))
+        for name, value in list(tensors.items()):
+            heads = config.num_heads if name.endswith((".q", ".q_bias")) else config.num_kv_heads
+            if name.endswith((".q", ".q_bias", ".k", ".k_bias")):
+                if isinstance(value, Codes):
+                    tensors[name] = value.map_rows(lambda rows, heads=heads: _unpermute_rows(rows, heads))
+                else:
+                    tensors[name] = _unpermute_rows(value, heads)
+    return assemble(config, tensors.get, str(path), fuse if keep_quantized else stack_rows)

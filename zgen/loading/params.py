@@ -19,31 +19,41 @@ from zgen.errors import CheckpointError, ConfigError
 HostParams = dict[str, np.ndarray]  # flat "layers.3.qkv" → array, the on-disk form
 
 
-def assemble(config: ModelConfig, get: Callable[[str], np.ndarray | None], source: str) -> HostParams:
+def stack_rows(parts: list[np.ndarray]) -> np.ndarray:
+    return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+
+
+def assemble(
+    config: ModelConfig,
+    get: Callable[[str], Any],
+    source: str,
+    linear: Callable[[list[Any]], Any] = stack_rows,
+) -> dict[str, Any]:
     """Build zgen's flat parameters from per-projection tensors named in zgen's unfused scheme.
 
     ``get(name)`` returns a float array or None when the checkpoint lacks it; names are ``embed``,
     ``final_norm``, ``lm_head`` and ``layers.{i}.{input_norm,q,k,v,q_bias,k_bias,v_bias,q_norm,k_norm,
-    o,post_norm,gate,up,down}``.
+    o,post_norm,gate,up,down}``. ``linear(parts)`` makes one matmul weight of projections stacked
+    along their output rows (a checkpoint's quantized projections need their own stacking).
     """
 
-    def need(name: str) -> np.ndarray:
+    def need(name: str) -> Any:
         value = get(name)
         if value is None:
             raise CheckpointError(f"{source} has no tensor for {name!r}; is the checkpoint complete?")
         return value
 
-    params: HostParams = {"embed": need("embed"), "final_norm": need("final_norm")}
+    params: dict[str, Any] = {"embed": need("embed"), "final_norm": need("final_norm")}
     if not config.tie_word_embeddings:
         params["lm_head"] = need("lm_head")
     for i in range(config.num_layers):
         p = f"layers.{i}."
         params[p + "input_norm"] = need(p + "input_norm")
-        params[p + "qkv"] = np.concatenate([need(p + "q"), need(p + "k"), need(p + "v")], axis=0)
-        params[p + "o"] = need(p + "o")
+        params[p + "qkv"] = linear([need(p + "q"), need(p + "k"), need(p + "v")])
+        params[p + "o"] = linear([need(p + "o")])
         params[p + "post_norm"] = need(p + "post_norm")
-        params[p + "gate_up"] = np.concatenate([need(p + "gate"), need(p + "up")], axis=0)
-        params[p + "down"] = need(p + "down")
+        params[p + "gate_up"] = linear([need(p + "gate"), need(p + "up")])
+        params[p + "down"] = linear([need(p + "down")])
         if config.attention_bias:
             params[p + "qkv_bias"] = np.concatenate(
                 [need(p + "q_bias"), need(p + "k_bias"), need(p + "v_bias")], axis=0

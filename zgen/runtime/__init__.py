@@ -6,6 +6,8 @@
 * :mod:`~zgen.runtime.engine` — the scheduler: continuous batching of every request and context,
   chunked prefill, KV room reserved before each step;
 * :mod:`~zgen.runtime.sampling` and :mod:`~zgen.runtime.stop` — the one sampling and stop vocabulary;
+* :mod:`~zgen.runtime.speculation` — the speculator protocol and the speculative loop (draft, verify in
+  one forward pass, accept, roll back) that runs every speculator of :mod:`zgen.speculative`;
 * :mod:`~zgen.runtime.grammar` — structured output: grammars whose token masks constrain the draw;
 * :mod:`~zgen.runtime.metrics` — what an engine has done, as plain numbers and Prometheus text;
 * :mod:`~zgen.runtime.calibration` — the key statistics the coded KV formats need (it runs the model).

@@ -62,6 +62,7 @@ from zgen.runtime.results import FinishReason
 from zgen.runtime.runner import runner_for
 from zgen.runtime.sampling import PenaltyState, SamplingConfig, SamplingFlags, SamplingParams, make_row_keys, penalty_state
 from zgen.runtime.sequence import Sequence
+from zgen.runtime.speculation import DraftControl, SpeculativeLoop, SpeculativeStats, Speculator
 from zgen.runtime.step import DecodeLoop, MixedBatch
 from zgen.runtime.stop import StopCondition, TextStream
 from zgen.shapes import next_pow2
@@ -120,7 +121,9 @@ class ForwardRequest:
     text's pieces for :meth:`Engine.stream` as they come. ``per_token``: the host takes every token as
     it is drawn (the batch it runs in then decodes one token per host round trip).
     ``adapters``: LoRA adapters with their scales this request runs with, on top of the model's pushed
-    ones (``Model.push_adapter``).
+    ones (``Model.push_adapter``). ``speculative``: decode the generation with this speculator
+    (:mod:`zgen.runtime.speculation`); the tokens are what plain decoding gives (greedy, and sampling
+    with deterministic drafts) or follow the same distribution (sampled drafts).
     """
 
     end: int
@@ -132,6 +135,7 @@ class ForwardRequest:
     stream: bool = False
     adapters: tuple[tuple[LoraAdapter, float], ...] = ()
     per_token: bool = False
+    speculative: Speculator | None = None
 
 
 @dataclass
@@ -148,6 +152,7 @@ class ForwardResult:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     steps: int = 0
+    speculative: SpeculativeStats | None = None  # with a speculator: what it drafted and the target kept
 
 
 class Job:
@@ -168,6 +173,7 @@ class Job:
         self.admitted = False
         # The LoRA adapters it runs with: the model's stack when it was submitted, then its own.
         self.adapters = request.adapters
+        self.control: dict[str, np.ndarray] | None = None  # a speculative job's draft-length control, one row
         self.grammar: GrammarMatcher | None = None  # a constrained generation's parser (SamplingConfig.grammar)
         self._started: float | None = None
         self._first_token: float | None = None
@@ -256,6 +262,7 @@ class Engine:
         self._seeds = itertools.count(0x5EED)
         self._sequences: weakref.WeakSet[Sequence] = weakref.WeakSet()  # every live sequence (preemption victims)
         self._banks = AdapterBanks(model.config, model.dtype)  # LoRA banks of the steps' adapter mixes
+        self._speculators: weakref.WeakSet[Speculator] = weakref.WeakSet()  # checked against this model
 
     @property
     def max_len(self) -> int:
@@ -444,7 +451,9 @@ class Engine:
         decode = all(job.loopable() for job in candidates)
         if not decode and self.config.prefill_apart and self.kv.pages:
             candidates = [job for job in candidates if not job.loopable()]
-        steps = self._loop_steps(candidates, waiting=len(jobs) > len(candidates)) if decode else 1
+        speculator = self._speculator(candidates) if decode else None
+        extra = 0 if speculator is None else speculator.num_tokens
+        steps = self._loop_steps(candidates, waiting=len(jobs) > len(candidates), per_step=extra + 1) if decode else 1
         rows: list[_Row] = []
         blocked: list[tuple[Job, PoolExhaustedError]] = []
         preempted: set[int] = set()
@@ -455,7 +464,7 @@ class Engine:
                 continue  # its KV was just freed for an earlier job: it feeds its tokens again next step
             while True:
                 try:
-                    rows.append(self._reserve(job, steps if decode else None))
+                    rows.append(self._reserve(job, steps if decode else None, extra))
                     break
                 except PoolExhaustedError as err:
                     if self._preempt(jobs[n + 1 :], preempted, running=self.config.on_pool_exhausted == "wait"):
@@ -479,7 +488,13 @@ class Engine:
         try:
             if decode:
                 waiting = bool(blocked) or bool(preempted) or len(jobs) > len(candidates)
-                self._run_decode(rows, steps, exit_on_finish=waiting, finishes=finishes)
+                if speculator is not None:
+                    host = waiting or any(row.job.needs_host() for row in rows)
+                    passes = min(steps, self.config.steps_per_sync) if host else steps
+                    passes = 1 if any(row.job.request.per_token for row in rows) else passes
+                    self._run_speculative(rows, steps, passes, speculator, exit_on_finish=waiting)
+                else:
+                    self._run_decode(rows, steps, exit_on_finish=waiting, finishes=finishes)
             else:
                 self._run_mixed(rows)
         except BaseException as err:
@@ -500,13 +515,29 @@ class Engine:
             return candidates, 1
         return [job for job in candidates if job.admitted], wanted - free
 
-    def _loop_steps(self, jobs: list[Job], *, waiting: bool) -> int:
-        """Iterations of this decode loop: every job's whole budget, unless one needs the host sooner."""
+    @staticmethod
+    def _speculator(jobs: list[Job]) -> Speculator | None:
+        """The speculator a decode step runs with: the one every job asked for (same cache key), with
+        no penalties (they depend on each drawn token) and no LoRA adapters (the speculative loop runs
+        the base model); otherwise the step decodes plainly, which gives the same tokens."""
+        first = jobs[0].request.speculative
+        if first is None:
+            return None
+        key = first.cache_key()
+        for job in jobs:
+            spec = job.request.speculative
+            if spec is None or spec.cache_key() != key or job.sampling.uses_penalties or job.adapters:
+                return None
+        return first
+
+    def _loop_steps(self, jobs: list[Job], *, waiting: bool, per_step: int = 1) -> int:
+        """Draws of this decode loop: every job's whole budget, unless one needs the host sooner (after
+        ``steps_per_sync`` passes, each of which draws up to ``per_step`` tokens)."""
         draws = max(job.draws_left(self.max_len) for job in jobs)
         if any(job.request.per_token for job in jobs):
-            return 1
+            return next_pow2(per_step)  # one pass
         if waiting or any(job.needs_host() for job in jobs):
-            draws = min(draws, self.config.steps_per_sync)
+            draws = min(draws, self.config.steps_per_sync * per_step)
         return next_pow2(max(draws, 1))
 
     def _preempt(self, later: list[Job], preempted: set[int], *, running: bool) -> bool:
@@ -528,18 +559,21 @@ class Engine:
             return True
         return False
 
-    def _reserve(self, job: Job, decode_steps: int | None) -> _Row:
+    def _reserve(self, job: Job, decode_steps: int | None, extra: int = 0) -> _Row:
+        """Room for the job's next step; a decode loop's row gets ``decode_steps`` draws (and ``extra``
+        positions past them, where a speculative loop writes drafts it may reject)."""
         seq = job.seq
         if not job.admitted or seq.kv_len == 0:
             self._admit(job)
         start = seq.kv_len
         if decode_steps is not None:
             want = min(decode_steps, job.draws_left(self.max_len))
+            room = lambda n: min(n + extra, self.max_len - start)  # noqa: E731 - drafts past the context are never written
             try:
-                seq.kv.reserve(want)
+                seq.kv.reserve(room(want))
             except PoolExhaustedError:
                 want = min(want, self.config.steps_per_sync)
-                seq.kv.reserve(want)  # a smaller step fits more often; raises if even that does not
+                seq.kv.reserve(room(want))  # a smaller step fits more often; raises if even that does not
             return _Row(job, start, want, [start])
         end = min(job.feed_end(), start + self.config.prefill_chunk)
         seq.kv.reserve(end - start)
@@ -716,18 +750,68 @@ class Engine:
         self.stats.forward_passes += int(iterations)
         self.stats.rows += len(rows)
         for row, i, ids in zip(rows, index, stops, strict=True):
+            self._take_loop_draws(row, _row_draws(out[i, : min(row.count, int(iterations))].tolist(), ids), logprobs[i])
+
+    def _take_loop_draws(self, row: _Row, drawn: list[int], logprobs: np.ndarray) -> None:
+        """A loop row's draws: keep their K/V (the input and all but the last draw), roll back the rest."""
+        job = row.job
+        self.stats.decode_tokens += len(drawn)
+        job.seq.kv.truncate(row.start + len(drawn))
+        for n, t in enumerate(drawn):
+            self._take(job, row.start + n, t, float(logprobs[n]))
+        self._deliver(job)
+        job.result.steps += 1
+        if job.text is None:
+            self._finish(job)  # a single draw, nothing continues
+        else:
+            self._after_generation_step(job)
+
+    def _run_speculative(self, rows: list[_Row], steps: int, passes: int, speculator: Speculator, *, exit_on_finish: bool) -> None:
+        """Decode ``rows`` with ``speculator`` in one on-device loop of at most ``passes`` passes, each
+        row up to its reserved draws (at most ``steps``) (:mod:`zgen.runtime.speculation`)."""
+        k = speculator.num_tokens
+        width, index, state = self._step_rows(rows, k + 1)
+        length = next_pow2(max(row.start + row.count + k + 2 for row in rows), 16)
+        history = np.zeros((width, length), np.int32)
+        lengths = np.ones(width, np.int32)
+        limit = np.zeros(width, np.int32)
+        budget = np.zeros(width, np.int32)
+        done = np.ones(width, bool)
+        control = DraftControl.initial(width, k)
+        stops = [job.text.stop.device_token_ids if (job := row.job).text is not None else () for row in rows]
+        stop_ids = np.full((width, next_pow2(max(max(len(s) for s in stops), 1))), -1, np.int32)
+        for row, i, ids in zip(rows, index, stops, strict=True):
+            seq = row.job.seq
+            history[i, : row.start + 1] = seq.tokens[: row.start + 1]
+            lengths[i], limit[i], budget[i], done[i] = row.start + 1, seq.kv_len, row.count, row.count <= 0
+            stop_ids[i, : len(ids)] = ids
+            for name, value in (row.job.control or DraftControl.initial(1, k)).items():
+                control[name][i] = value[0]
+        params, flags, keys, _ = self._sampling(rows, index, width)
+        loop = SpeculativeLoop(
+            history=jnp.asarray(history), length=jnp.asarray(lengths), limit=jnp.asarray(limit), budget=jnp.asarray(budget),
+            emitted=jnp.zeros(width, jnp.int32), done=jnp.asarray(done), stop_ids=jnp.asarray(stop_ids), keys=keys,
+            out_tokens=jnp.full((width, steps + k + 1), -1, jnp.int32), out_logprobs=jnp.zeros((width, steps + k + 1), jnp.float32),
+            drafted=jnp.zeros(width, jnp.int32), accepted=jnp.zeros(width, jnp.int32), verified=jnp.zeros(width, jnp.int32),
+            control=DraftControl(**{name: jnp.asarray(value) for name, value in control.items()}),
+            step=jnp.asarray(0, jnp.int32), max_steps=jnp.asarray(passes, jnp.int32),
+            exit_on_finish=jnp.asarray(exit_on_finish), done_at_start=jnp.asarray(int(done.sum()), jnp.int32),
+        )
+        loop, state = self.runner.speculate(state, loop, params, speculator, flags=flags)
+        self.kv.absorb(state)
+        out, logprobs, emitted, drafted, accepted, verified, iterations, ctl = jax.device_get(
+            (loop.out_tokens, loop.out_logprobs, loop.emitted, loop.drafted, loop.accepted, loop.verified, loop.step, loop.control)
+        )
+        self.stats.steps += 1
+        self.stats.forward_passes += int(iterations)
+        self.stats.rows += len(rows)
+        for row, i, ids in zip(rows, index, stops, strict=True):
             job = row.job
-            drawn = _row_draws(out[i, : min(row.count, int(iterations))].tolist(), ids)
-            self.stats.decode_tokens += len(drawn)
-            job.seq.kv.truncate(row.start + len(drawn))  # fed: the input and all but the last draw
-            for n, t in enumerate(drawn):
-                self._take(job, row.start + n, t, float(logprobs[i, n]))
-            self._deliver(job)
-            job.result.steps += 1
-            if job.text is None:
-                self._finish(job)  # a single draw, nothing continues
-            else:
-                self._after_generation_step(job)
+            job.control = {name: np.asarray(getattr(ctl, name))[i : i + 1] for name in control}
+            stats = SpeculativeStats(int(drafted[i]), int(accepted[i]), int(verified[i]))
+            self.collector.speculation(stats.draft_tokens, stats.accepted_tokens)
+            job.result.speculative = stats if job.result.speculative is None else job.result.speculative + stats
+            self._take_loop_draws(row, _row_draws(out[i, : min(row.count, int(emitted[i]))].tolist(), ids), logprobs[i])
 
     def _take(self, job: Job, position: int, token: int, logprob: float) -> None:
         """Record a token sampled at ``position``; a generation keeps it (``job.drawn``, appended to the
@@ -828,6 +912,20 @@ class Engine:
             if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], LoraAdapter)):
                 raise AdapterError(f"a request's adapters are (LoraAdapter, scale) pairs, got {pair!r}")
             check_adapter(pair[0], self.model.config)
+        if request.speculative is not None:
+            self.check_speculator(request.speculative)
+
+    def check_speculator(self, speculator: Speculator) -> None:
+        """Refuse a speculator this engine cannot run (another vocabulary, or the compressed cache,
+        whose chunk pooling cannot take back rejected drafts) with a typed error."""
+        if self.kv.kind == "compressed":
+            raise ConfigError(
+                "speculative decoding writes drafts it may reject, and the compressed cache pools chunks as "
+                "tokens arrive, so it cannot roll them back exactly; use the tensor, flat, paged or tiered cache"
+            )
+        if speculator not in self._speculators:
+            speculator.check_target(self.model)
+            self._speculators.add(speculator)
 
 
 def _row_draws(out: list[int], stop_ids: tuple[int, ...]) -> list[int]:

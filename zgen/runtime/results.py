@@ -27,6 +27,36 @@ class Timings:
 
 
 @dataclass(frozen=True)
+class SpeculativeStats:
+    """How speculation went for one request."""
+
+    draft_tokens: int  # tokens the speculator proposed and the target checked
+    accepted_tokens: int  # of those, the ones kept
+    steps: int  # verification passes that checked a draft
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_accepted_per_step(self) -> float:
+        return self.accepted_tokens / self.steps if self.steps else 0.0
+
+    def __add__(self, other: SpeculativeStats) -> SpeculativeStats:
+        return SpeculativeStats(
+            self.draft_tokens + other.draft_tokens, self.accepted_tokens + other.accepted_tokens, self.steps + other.steps
+        )
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_accepted_per_step": self.mean_accepted_per_step,
+        }
+
+
+@dataclass(frozen=True)
 class GenerationResult:
     """``token_ids`` include a matched stop sequence or stop token; ``text`` leaves the stop out."""
 
@@ -37,3 +67,4 @@ class GenerationResult:
     finish_reason: FinishReason  # "stop" (a stop id, sequence or string) or "length"
     usage: TokenUsage
     timings: Timings
+    speculative: SpeculativeStats | None = None  # with a speculator: what it drafted and the target kept

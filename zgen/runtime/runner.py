@@ -23,6 +23,7 @@ from zgen.lora.bank import LoraBank
 from zgen.lora.graph import inject_lora
 from zgen.model import Model, attached
 from zgen.runtime.sampling import SamplingFlags, SamplingParams
+from zgen.runtime.speculation import SpeculativeLoop, Speculator, speculative_loop
 from zgen.runtime.step import (
     DecodeLoop, MixedBatch, MixedOutput, ModelSpec, Pooling, decode_loop, draw_reads, forward, hidden_states, mixed_step,
     pool_hidden,
@@ -44,8 +45,8 @@ def enable_persistent_compilation_cache() -> None:
 
 
 class Runner:
-    """Compiled :func:`~zgen.runtime.step.forward`, :func:`~zgen.runtime.step.mixed_step` and
-    :func:`~zgen.runtime.step.decode_loop` of one model, cached by shape."""
+    """Compiled :func:`~zgen.runtime.step.forward`, :func:`~zgen.runtime.step.mixed_step`,
+    :func:`~zgen.runtime.step.decode_loop` and the speculative loop of one model, cached by shape."""
 
     def __init__(self, model: Model) -> None:
         enable_persistent_compilation_cache()
@@ -112,6 +113,21 @@ class Runner:
             return jax.jit(self._decode, donate_argnums=(1, 2), static_argnames=("flags",)).lower(*args, flags=flags)
 
         return self._compiled(key, lower)(*args)
+
+    def speculate(
+        self, kv: S, loop: SpeculativeLoop, sampling: SamplingParams, speculator: Speculator, *, flags: SamplingFlags
+    ) -> tuple[SpeculativeLoop, S]:
+        """The speculative loop (:func:`~zgen.runtime.speculation.speculative_loop`), compiled once per
+        shape, sampling flags and speculator key."""
+        draft_params = speculator.device_params()
+        key = ("speculate", _shape_key(kv), _shape_key(loop), _shape_key(draft_params), flags, speculator.cache_key())
+        args = (self.params, kv, loop, sampling, draft_params)
+
+        def run(params: Any, kv: S, loop: SpeculativeLoop, sampling: SamplingParams, draft: Any) -> tuple[SpeculativeLoop, S]:
+            out, state = speculative_loop(self.spec, params, kv, loop, sampling, speculator, draft, flags=flags)
+            return out, state  # type: ignore[return-value]
+
+        return self._compiled(key, lambda: jax.jit(run, donate_argnums=(1, 2)).lower(*args))(*args)
 
     def embed(
         self, kv: KVState, tokens: Int[Array, "B T"], positions: Int[Array, "B T"], lengths: Int[Array, " B"], *,

@@ -1,0 +1,261 @@
+"""Speculative decoding: lossless through every front end and cache kind, typed refusals, and the
+rejection-sampling rule's output distribution."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hf_reference import hf_teacher_forced, save_random_checkpoint, small_configs
+from zgen import Generator, SamplingConfig, load_model
+from zgen.cache.factory import CacheOption, compressed_kv, flat_kv, kv_dtype, paged_kv, tiered_kv
+from zgen.config import ModelConfig
+from zgen.contexts import Context, NgramDrafter
+from zgen.errors import ConfigError
+from zgen.model import Model, random_model
+from zgen.runtime.engine import Engine
+from zgen.runtime.sampling import SamplingFlags, SamplingParams, filter_logits
+from zgen.runtime.speculation import PROBE_AFTER, WINDOW, DraftInput, Proposal, verify
+from zgen.runtime.stop import StopCondition
+from zgen.speculative import DraftModel, PromptLookup
+
+GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+# Repetitive prompts (prompt lookup finds matches) of different lengths (rows of a batch differ).
+PROMPTS = ["w5 w9 w12 w5 w9 w12 w5 w9 w3", "w7 w8 w7 w8 w7", "w20 w21 w22 w23 w24 w25 w20 w21 w22 w30 w31"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    directory: Path = tmp_path_factory.mktemp("tiny-spec")
+    hf = save_random_checkpoint(small_configs()["llama_tied"], directory)
+    return directory, hf
+
+
+@pytest.fixture(scope="module")
+def tiny(checkpoint: tuple[Path, Any]) -> Model:
+    return load_model(checkpoint[0], dtype="float32")
+
+
+def _other_weights(model: Model, seed: int) -> Model:
+    """The same shape and tokenizer with other random weights: a draft that guesses badly."""
+    key = jax.random.key(seed)
+    params = {name: jax.random.normal(jax.random.fold_in(key, i), x.shape, x.dtype) * 0.3 for i, (name, x) in enumerate(model.params.items())}
+    return dataclasses.replace(model, params=params, attachments={})
+
+
+def _ids(results: Sequence[Any]) -> list[list[int]]:
+    return [r.token_ids for r in results]
+
+
+def test_greedy_equals_plain_and_hf_with_every_speculator(tiny: Model, checkpoint: tuple[Path, Any]) -> None:
+    plain = Generator(tiny).batch_generate([_request(p) for p in PROMPTS])
+    hf = checkpoint[1]
+    for result in plain:
+        chosen, _ = hf_teacher_forced(hf, result.prompt_token_ids, result.token_ids)
+        assert chosen == result.token_ids  # plain greedy is HF's greedy in float32
+    for speculator in (PromptLookup(3, 4), DraftModel.early_exit(tiny, layers=1, num_tokens=3)):
+        spec = Generator(tiny, speculative=speculator).batch_generate([_request(p) for p in PROMPTS])
+        assert _ids(spec) == _ids(plain), speculator
+        for result, reference in zip(spec, plain, strict=True):
+            assert result.speculative is not None and result.speculative.steps > 0
+            assert result.logprobs == pytest.approx(reference.logprobs, abs=1e-4)
+
+
+def _request(prompt: str, sampling: SamplingConfig = GREEDY) -> Any:
+    from zgen.generator import Request
+
+    return Request(prompt, sampling)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [(flat_kv(),), (paged_kv(4),), (paged_kv(4), kv_dtype("fp8")), (paged_kv(4), kv_dtype("q4")), (paged_kv(4), kv_dtype("q3")), (tiered_kv(),)],
+    ids=["flat", "paged", "paged-fp8", "paged-q4", "paged-q3", "tiered"],
+)
+def test_greedy_equals_plain_on_every_cache_kind(tiny: Model, options: tuple[CacheOption, ...]) -> None:
+    """A draft of other weights (kept drafting: not adaptive) has most drafts rejected and rolled back."""
+    plain = Generator(tiny, *options).batch_generate([_request(p) for p in PROMPTS])
+    speculator = DraftModel(_other_weights(tiny, 3), 4, adaptive=False)
+    spec = Generator(tiny, *options, speculative=speculator).batch_generate([_request(p) for p in PROMPTS])
+    assert _ids(spec) == _ids(plain)
+    stats = [r.speculative for r in spec if r.speculative is not None]
+    assert sum(s.draft_tokens for s in stats) > sum(s.accepted_tokens for s in stats)
+
+
+def test_a_draft_equal_to_the_target_is_always_accepted(tiny: Model) -> None:
+    """The draft's K/V stay in step with the target's, also after fully accepted drafts (whose last
+    token the draft never fed): every draft of the target itself is accepted."""
+    result = Generator(tiny, speculative=DraftModel(tiny, 4, adaptive=False)).generate(PROMPTS[0], GREEDY)
+    stats = result.speculative
+    assert stats is not None and stats.acceptance_rate == 1.0
+    assert stats.mean_accepted_per_step >= 3.0  # every pass accepts all 4 but the last, cut by the budget
+
+
+def test_sampling_is_exact_with_prompt_lookup_and_with_a_perfect_draft(tiny: Model) -> None:
+    sampled = SamplingConfig(temperature=0.9, top_k=30, seed=5, max_new_tokens=24, ignore_eos=True)
+    plain = Generator(tiny).generate(PROMPTS[0], sampled).token_ids
+    assert Generator(tiny, speculative=PromptLookup(2, 4)).generate(PROMPTS[0], sampled).token_ids == plain
+    # The draft draws with the row's own noise: a draft equal to the target reproduces plain sampling.
+    assert Generator(tiny, speculative=DraftModel(tiny, 4, adaptive=False)).generate(PROMPTS[0], sampled).token_ids == plain
+
+
+def test_streams_sessions_and_stop_ids_with_a_speculator(tiny: Model) -> None:
+    plain = Generator(tiny, paged_kv(4))
+    spec = Generator(tiny, paged_kv(4), speculative=PromptLookup(3, 4), sync_interval=4)
+    assert "".join(spec.generate_stream(PROMPTS[1], GREEDY)) == plain.generate(PROMPTS[1], GREEDY).text
+    free = plain.generate(PROMPTS[2], GREEDY).token_ids
+    stopping = dataclasses.replace(GREEDY, stop_token_ids=(free[9],))
+    out = spec.generate(PROMPTS[2], stopping)
+    assert out.token_ids == free[: free.index(free[9]) + 1] and out.finish_reason == "stop"
+    session = spec.new_session()
+    first = session.generate(PROMPTS[0], GREEDY)
+    assert first.token_ids == plain.generate(PROMPTS[0], GREEDY).token_ids
+
+
+def test_a_bad_draft_falls_back_to_plain_decoding(tiny: Model) -> None:
+    long = dataclasses.replace(GREEDY, max_new_tokens=64)
+    plain = Generator(tiny).generate(PROMPTS[2], long)
+    result = Generator(tiny, speculative=DraftModel(_other_weights(tiny, 7), 4)).generate(PROMPTS[2], long)
+    assert result.token_ids == plain.token_ids
+    stats = result.speculative
+    assert stats is not None and stats.acceptance_rate < 0.4
+    # A window of poor passes (shrinking drafts), then plain steps with a one-token probe every PROBE_AFTER.
+    assert stats.steps <= WINDOW + 64 // PROBE_AFTER and stats.draft_tokens <= 4 * WINDOW
+
+
+def test_contexts_take_the_same_speculators(tiny: Model) -> None:
+    engine = Engine(tiny, paged_kv(4))
+    limit = StopCondition.from_sampling(GREEDY, ())
+
+    def context() -> Context:
+        ctx = Context(engine, seed=1)
+        ctx.fill(PROMPTS[0])
+        return ctx
+
+    plain = context().generate_result(None, limit)
+
+    class Repeat:  # a host drafter: proposes the last two tokens again
+        def update(self, context_ids: Sequence[int]) -> None:
+            self.ids = list(context_ids)
+
+        def draft(self) -> tuple[list[int], list[int]]:
+            return self.ids[-2:], [len(self.ids), len(self.ids) + 1]
+
+    for drafter in (NgramDrafter(max_draft=4), DraftModel(tiny, 4, adaptive=False), Repeat()):
+        ctx = context()
+        out = ctx.generate_with_drafter(drafter, None, limit)  # type: ignore[arg-type]
+        assert out.token_ids == plain.token_ids and out.speculative is not None
+        assert ctx.kv_len == ctx.num_tokens - 1
+    ctx = context()
+    assert ctx.generate_result(None, limit, speculative=PromptLookup()).token_ids == plain.token_ids
+
+
+def test_typed_refusals(tiny: Model) -> None:
+    other_vocab = random_model(
+        ModelConfig(architecture="llama", vocab_size=97, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64),
+        dtype="float32",
+    )
+    with pytest.raises(ConfigError, match="vocabulary"):
+        Generator(tiny, speculative=DraftModel(other_vocab))
+    for k in (0, 33, 2.5, True):
+        with pytest.raises(ConfigError, match="num_tokens"):
+            PromptLookup(num_tokens=k)  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match="num_tokens"):
+            DraftModel(tiny, num_tokens=k)  # type: ignore[arg-type]
+    for layers in (0, tiny.config.num_layers + 1):
+        with pytest.raises(ConfigError, match="layers"):
+            DraftModel.early_exit(tiny, layers=layers)
+    with pytest.raises(ConfigError, match="compressed cache"):
+        Generator(tiny, compressed_kv(), speculative=PromptLookup())
+    with pytest.raises(ConfigError, match="min_ngram"):
+        PromptLookup(ngram=2, min_ngram=3)
+
+
+@pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 4)])
+def test_rejection_sampling_keeps_the_target_distribution(temperature: float, top_k: int) -> None:
+    """verify() on a vocabulary of 6 with fixed target logits and a fixed, different draft
+    distribution, one row per seed: the first produced token follows the target's distribution at
+    position 0 and, where the first draft was accepted, the second follows it at position 1
+    (chi-square at a fixed seed, far below the 0.1 % critical value)."""
+    rows, vocab, k = 40_000, 6, 2
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(1, k + 1, vocab)) * 1.5, jnp.float32)
+    q = rng.dirichlet(np.ones(vocab), size=k).astype(np.float32)
+    drafts = np.stack([rng.choice(vocab, size=rows, p=q[i] / q[i].sum()) for i in range(k)], axis=1)
+    config = SamplingConfig(temperature=temperature, top_k=top_k)
+    sampling = SamplingParams.from_configs([config] * rows, vocab)
+    flags = SamplingFlags.from_configs([config], vocab)
+    keys = jnp.asarray(rng.integers(0, 2**32, size=(rows, 2), dtype=np.uint32))
+    proposal = Proposal(jnp.asarray(drafts, jnp.int32), jnp.full(rows, k, jnp.int32), jnp.broadcast_to(jnp.asarray(q), (rows, k, vocab)))
+    tokens, _, accepted = jax.jit(verify, static_argnames="flags")(
+        jnp.broadcast_to(logits, (rows, k + 1, vocab)), proposal, proposal.count, jnp.zeros(rows, jnp.int32), sampling, keys, flags=flags
+    )
+    tokens, accepted = np.asarray(tokens), np.asarray(accepted)
+    one = SamplingParams.from_configs([config], vocab)
+    target = np.asarray(jax.nn.softmax(filter_logits(logits[0], jax.tree_util.tree_map(lambda x: jnp.repeat(x, k + 1), one), None, flags)))
+    assert 0.05 < accepted.mean() < 1.95  # both rejections and acceptances happen
+    _assert_follows(tokens[:, 0], target[0])
+    _assert_follows(tokens[accepted >= 1, 1], target[1])
+
+
+def _assert_follows(samples: np.ndarray, probs: np.ndarray) -> None:
+    counts = np.bincount(samples, minlength=probs.size)
+    assert counts[probs == 0].sum() == 0  # filtered tokens never appear
+    kept = probs > 0
+    expected = probs[kept] * samples.size
+    chi2 = float((((counts[kept] - expected) ** 2) / expected).sum())
+    critical = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52}[int(kept.sum()) - 1]  # chi-square 99.9 %
+    assert chi2 < critical, (counts, expected)
+
+
+def test_the_draft_model_state_after_rejections_and_plain_steps_is_a_fresh_prefill(tiny: Model) -> None:
+    """Carried through passes with rejections (kept < drafted), full acceptance (the last draft never
+    fed) and plain steps (the draft lagging behind, caught up), the draft proposes exactly what a
+    draft prefilled from scratch on the same tokens proposes, tokens and distributions: no off-by-one
+    in its K/V."""
+    draft = DraftModel(tiny, 4, adaptive=False)
+    params = draft.device_params()
+    sampled = SamplingConfig(temperature=1.0)
+    sampling, flags = SamplingParams.from_configs([sampled], 96), SamplingFlags.from_configs([sampled], 96)
+    keys = jnp.zeros((1, 2), jnp.uint32)
+    rng = np.random.default_rng(1)
+    history = rng.integers(3, 96, size=(1, 80)).astype(np.int32)
+    start = jax.jit(draft.start)
+
+    @jax.jit
+    def propose(state: Any, history: jax.Array, length: jax.Array) -> tuple[Proposal, Any]:
+        given = DraftInput(history, length, jnp.asarray([4]), jnp.asarray([True]), keys, sampling, flags)
+        return draft.propose(params, state, given)
+
+    def drafts(state: Any, length: int) -> tuple[list[int], Any]:
+        out, state = propose(state, jnp.asarray(history), jnp.asarray([length]))
+        return np.asarray(out.tokens)[0].tolist(), state
+
+    def distributions(state: Any, length: int) -> np.ndarray:
+        out, _ = propose(state, jnp.asarray(history), jnp.asarray([length]))
+        assert out.probs is not None
+        return np.asarray(out.probs)[0]
+
+    length = 10
+    state = start(params, jnp.asarray(history), jnp.asarray([length]))
+    # Per pass: drafts accepted (4 = all: the last one was never fed to the draft), then plain steps.
+    for accepted, plain_steps in ((0, 0), (4, 0), (2, 0), (4, 0), (1, 7), (0, 20), (3, 0)):
+        proposed, state = drafts(state, length)
+        p = length - 1
+        history[0, p + 1 : p + 1 + accepted] = proposed[:accepted]  # accepted drafts, then the target's token
+        history[0, p + 1 + accepted] = (proposed[accepted] + 1) % 96 if accepted < 4 else history[0, p + 5]
+        length += accepted + 1
+        state = draft.advance(state, jnp.asarray([length - 1]))
+        for _ in range(plain_steps):  # plain decode steps: the draft is not run
+            length += 1
+            state = draft.advance(state, jnp.asarray([length - 1]))
+        fresh = start(params, jnp.asarray(history), jnp.asarray([length]))
+        assert drafts(state, length)[0] == drafts(fresh, length)[0], (accepted, plain_steps)
+        np.testing.assert_allclose(distributions(state, length), distributions(fresh, length), atol=1e-5, err_msg=f"{accepted, plain_steps}")

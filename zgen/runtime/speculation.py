@@ -1,0 +1,396 @@
+"""Speculative decoding on the device: draft, verify in one forward pass, accept, roll back.
+
+A :class:`Speculator` (prompt lookup, a draft model, ... : :mod:`zgen.speculative`) proposes up to
+``k`` tokens after each row's pending token. :func:`speculative_loop` runs, as one
+``lax.while_loop`` with fixed shapes (``k`` is the static maximum draft length):
+
+1. **draft** — the speculator's traced ``propose`` (a draft model's forward passes run inside it);
+2. **verify** — ONE forward pass of the target over ``[pending, d_1 .. d_k]`` at positions
+   ``p .. p+k``, logits read at all ``k + 1`` of them (:func:`verify`);
+3. **accept** — the longest prefix of the draft the target agrees with, plus one token of the target's
+   own (the correction, or the bonus token after a fully accepted draft): 1 to ``k + 1`` tokens per
+   pass;
+4. **roll back** — nothing to do on the device: every cache kind zgen speculates on is positional (a
+   key at position ``j`` is visible only to queries at ``p >= j``, and K/V are quantized per token),
+   so the K/V of rejected drafts are invisible and are overwritten by the next pass. After the loop
+   the engine cuts every sequence to what it kept with the cache's exact ``truncate``. The lossy
+   ``compressed`` cache pools chunks as tokens arrive, so writing rejected drafts would change what it
+   keeps: it refuses speculation (:class:`~zgen.errors.ConfigError`).
+
+Acceptance rules, per row:
+
+* a *deterministic* draft (``Proposal.probs is None``; prompt lookup) or a greedy row: a drafted token
+  is accepted iff it equals the target's own draw at that position — the runtime's sampler with the
+  row's key and draw index, so the output is token for token what plain decoding gives (greedy or
+  sampled). For a point-mass draft this is speculative rejection sampling: the draw equals ``d`` with
+  probability ``p(d)``, and otherwise is a draw from ``p`` without ``d``, the residual distribution;
+* a *sampled* draft with its distribution ``q`` (a draft model at temperature > 0): speculative
+  rejection sampling (Leviathan et al. 2023; Chen et al. 2023) — accept ``d_i`` with probability
+  ``min(1, p(d_i) / q(d_i))``; at the first rejection draw from ``norm(max(p - q, 0))``; after a fully
+  accepted draft draw the bonus token from ``p``. The output distribution is the target's.
+
+Randomness is counter-based like the sampler's, keyed by (row key, draw index): a request gives the
+same tokens alone or batched. The draft draws with the row's own noise (a draft that equals the
+target reproduces plain sampling token for token); the acceptance coins and the residual draws use
+the row key folded with salts of their own. No noise decides two things: a pass decides at draw
+indices up to its first rejection, and the next pass starts after them.
+
+Adaptive length (:class:`DraftControl`): grow the draft after a fully accepted one, shrink it after a
+rejection, and fall back to plain decoding (no draft) while the acceptance rate over the last
+``WINDOW`` drafting passes is below ``FALLBACK_RATE``, probing again after ``PROBE_AFTER`` plain steps.
+When no row drafts, nothing is drafted, and when no row has a draft to check (every row in fallback,
+or prompt lookup found nothing) the pass is a plain one-token decode step (``lax.cond``): a batch in
+fallback costs what plain decoding costs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, replace
+from typing import Any, Protocol, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int, UInt32
+
+from zgen.cache.base import KVState
+from zgen.model import Model
+from zgen.runtime.results import SpeculativeStats
+from zgen.runtime.sampling import SamplingFlags, SamplingParams, filter_logits, sample
+from zgen.runtime.step import ModelSpec, Params, forward
+
+__all__ = ["DraftControl", "DraftInput", "Proposal", "SpeculativeLoop", "SpeculativeStats", "Speculator", "speculative_loop", "verify"]
+
+#: Most tokens one pass may draft (a draft longer than this only costs verification work).
+MAX_DRAFT_TOKENS = 32
+#: Drafting passes the acceptance rate is measured over.
+WINDOW = 8
+#: Below this acceptance rate (over a full window) a row decodes plainly for a while.
+FALLBACK_RATE = 0.4
+#: Plain decode steps before a row in fallback drafts again (one token: a probe).
+PROBE_AFTER = 16
+
+# Salts that give the acceptance coins and the residual draws noise of their own.
+SALT_ACCEPT, SALT_RESIDUAL = 0xACCE97, 0x4E51D
+
+
+@dataclass(frozen=True)
+class DraftInput:
+    """What a speculator sees inside the loop (trace-time container)."""
+
+    history: Int[Array, "B L"]  # every token of each row so far; the pending one at length - 1
+    length: Int[Array, " B"]
+    num_tokens: Int[Array, " B"]  # tokens to draft per row (0: none), <= the speculator's num_tokens
+    active: Bool[Array, " B"]
+    keys: UInt32[Array, "B 2"]  # the rows' sampling keys
+    sampling: SamplingParams
+    flags: SamplingFlags
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class Proposal:
+    """Drafted tokens ``[B, k]`` (``count`` valid per row) and, for sampled drafts, the distribution
+    each was drawn from (``None``: deterministic drafts, accepted by exact match)."""
+
+    tokens: Int[Array, "B K"]
+    count: Int[Array, " B"]
+    probs: Float[Array, "B K V"] | None
+
+
+@runtime_checkable
+class Speculator(Protocol):
+    """One protocol for every speculator; the engine runs it inside :func:`speculative_loop`.
+
+    ``start``, ``propose`` and ``advance`` are traced (pure, fixed shapes); the state they thread is
+    any pytree (a draft model's KV cache, say). ``cache_key`` names everything the traced functions
+    depend on besides their arguments' shapes (one compiled loop serves every speculator with the
+    same key); ``device_params`` are their traced arguments (a draft model's weights).
+    """
+
+    @property
+    def num_tokens(self) -> int:
+        """The most tokens one pass drafts (the loop's static draft width)."""
+        ...
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether the draft length adapts to the acceptance rate (see the module docstring)."""
+        ...
+
+    def cache_key(self) -> Hashable: ...
+
+    def check_target(self, model: Model) -> None:
+        """Raise a typed error if this speculator cannot draft for ``model`` (another vocabulary)."""
+        ...
+
+    def device_params(self) -> Any: ...
+
+    def start(self, params: Any, history: Int[Array, "B L"], length: Int[Array, " B"]) -> Any:
+        """The state before the first pass (rows hold ``history[:length]``, the last token pending)."""
+        ...
+
+    def propose(self, params: Any, state: Any, draft: DraftInput) -> tuple[Proposal, Any]: ...
+
+    def advance(self, state: Any, kept: Int[Array, " B"]) -> Any:
+        """After a pass: each row's first ``kept`` positions are final (the next pending token is at ``kept``)."""
+        ...
+
+
+# ---------------------------------------------------------------------------------------------------
+# The adaptive draft length
+# ---------------------------------------------------------------------------------------------------
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class DraftControl:
+    """Per-row draft length and acceptance window (kept per request between loop calls)."""
+
+    length: Int[Array, " B"]  # tokens to draft next pass; 0 = plain decoding (fallback)
+    drafted: Int[Array, "B W"]  # the last WINDOW drafting passes: tokens drafted ...
+    accepted: Int[Array, "B W"]  # ... and accepted
+    slot: Int[Array, " B"]  # where the next pass is recorded
+    wait: Int[Array, " B"]  # plain steps left before probing again
+
+    @staticmethod
+    def initial(rows: int, num_tokens: int) -> dict[str, np.ndarray]:
+        """Host arrays of a fresh control for ``rows`` rows (numpy, one entry per field)."""
+        return {
+            "length": np.full(rows, num_tokens, np.int32),
+            "drafted": np.zeros((rows, WINDOW), np.int32),
+            "accepted": np.zeros((rows, WINDOW), np.int32),
+            "slot": np.zeros(rows, np.int32),
+            "wait": np.zeros(rows, np.int32),
+        }
+
+
+def update_control(
+    control: DraftControl, drafted: Int[Array, " B"], accepted: Int[Array, " B"], active: Bool[Array, " B"], max_tokens: int
+) -> DraftControl:
+    """Grow after a fully accepted draft, shrink after a rejection; fall back to plain decoding when a
+    full window's acceptance rate is below :data:`FALLBACK_RATE`; after :data:`PROBE_AFTER` plain steps
+    draft one token (a probe, ``wait == -1``): accepted, drafting resumes on a fresh window, else the
+    row falls back again at once."""
+    drafting = active & (drafted > 0)
+    probing = drafting & (control.wait < 0)
+    full = accepted >= drafted
+    length = jnp.where(drafting, jnp.clip(jnp.where(full, control.length + 1, control.length - 1), 1, max_tokens), control.length)
+    rows = jnp.arange(drafted.shape[0])
+    write = jnp.where(drafting & ~probing, control.slot, WINDOW)  # WINDOW: dropped
+    window_d = control.drafted.at[rows, write].set(drafted, mode="drop")
+    window_a = control.accepted.at[rows, write].set(accepted, mode="drop")
+    slot = jnp.where(drafting & ~probing, (control.slot + 1) % WINDOW, control.slot)
+    passes = jnp.sum(window_d > 0, axis=1)
+    rate = jnp.sum(window_a, axis=1) / jnp.maximum(jnp.sum(window_d, axis=1), 1)
+    fall = (drafting & ~probing & (passes >= WINDOW) & (rate < FALLBACK_RATE)) | (probing & ~full)
+    resume = probing & full
+    plain = active & ~drafting & (control.length == 0)
+    wait = jnp.where(fall, PROBE_AFTER, jnp.where(plain, control.wait - 1, jnp.where(resume, 0, control.wait)))
+    probe = plain & (wait <= 0)
+    clear = (fall | resume)[:, None]
+    return DraftControl(
+        length=jnp.where(fall, 0, jnp.where(probe, 1, length)),
+        drafted=jnp.where(clear, 0, window_d),
+        accepted=jnp.where(clear, 0, window_a),
+        slot=jnp.where(fall | resume, 0, slot),
+        wait=jnp.where(probe, -1, wait),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Verification
+# ---------------------------------------------------------------------------------------------------
+
+
+def salted_keys(keys: UInt32[Array, "B 2"], salt: int) -> UInt32[Array, "B 2"]:
+    """Raw threefry key data of ``fold_in(key, salt)`` per row: a stream of noise of its own."""
+    typed = jax.random.wrap_key_data(keys, impl="threefry2x32")
+    return jax.random.key_data(jax.vmap(jax.random.fold_in, (0, None))(typed, salt))
+
+
+def _noise(keys: UInt32[Array, "B 2"], index: Int[Array, "B N"], draw: Any) -> Array:
+    """``draw(fold_in(key_b, index[b, n]))`` for every row and index."""
+    typed = jax.random.wrap_key_data(keys, impl="threefry2x32")
+    per_index = jax.vmap(lambda key, i: draw(jax.random.fold_in(key, i)), (None, 0))
+    return jax.vmap(per_index)(typed, index.astype(jnp.uint32))
+
+
+def verify(
+    logits: Float[Array, "B T V"],
+    proposal: Proposal,
+    count: Int[Array, " B"],
+    position: Int[Array, " B"],
+    sampling: SamplingParams,
+    keys: UInt32[Array, "B 2"],
+    flags: SamplingFlags,
+) -> tuple[Int[Array, "B T"], Float[Array, "B T"], Int[Array, " B"]]:
+    """Accept a prefix of each row's draft against the target's logits at ``position .. position+k``.
+
+    ``count``: drafted tokens per row to check (<= k). Returns the tokens the pass produces (the
+    accepted drafts, then the target's correction or bonus token; ``accepted + 1`` valid per row),
+    their log-probabilities under the raw target logits, and how many drafts each row accepted.
+    """
+    b, t, v = logits.shape
+    k = t - 1
+    drafts = proposal.tokens
+    flat = logits.reshape(b * t, v)
+    repeat = lambda x: jnp.repeat(x, t, axis=0)  # noqa: E731 - one row per read
+    rep_sampling = jax.tree_util.tree_map(repeat, sampling)
+    draw_index = position[:, None] + jnp.arange(t)[None, :]
+    own = sample(flat, rep_sampling, None, repeat(keys), draw_index.reshape(-1), flags).reshape(b, t)
+    ok = drafts == own[:, :k]
+    sampled_draft = proposal.probs is not None and not flags.all_greedy
+    target_probs = None
+    if sampled_draft:
+        assert proposal.probs is not None
+        target_probs = jax.nn.softmax(filter_logits(flat, rep_sampling, None, flags), axis=-1).reshape(b, t, v)
+        p_draft = jnp.take_along_axis(target_probs[:, :k], drafts[..., None], axis=-1)[..., 0]
+        q_draft = jnp.take_along_axis(proposal.probs, drafts[..., None], axis=-1)[..., 0]
+        coins = _noise(salted_keys(keys, SALT_ACCEPT), draw_index[:, :k], jax.random.uniform)
+        greedy_row = (sampling.temperature <= 0)[:, None]
+        ok = jnp.where(greedy_row, ok, coins * q_draft < p_draft)
+    ok &= jnp.arange(k)[None, :] < count[:, None]
+    accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+    last = jnp.take_along_axis(own, accepted[:, None], axis=1)[:, 0]
+    if sampled_draft:
+        assert proposal.probs is not None and target_probs is not None
+        at = jnp.clip(accepted, 0, k - 1)[:, None, None]
+        residual = jnp.maximum(
+            jnp.take_along_axis(target_probs, at, axis=1)[:, 0] - jnp.take_along_axis(proposal.probs, at, axis=1)[:, 0], 0.0
+        )
+        mass = jnp.sum(residual, axis=-1, keepdims=True)
+        residual = jnp.where(mass > 0, residual, jnp.take_along_axis(target_probs, at, axis=1)[:, 0])
+        gumbel = _noise(salted_keys(keys, SALT_RESIDUAL), (position + accepted)[:, None], lambda key: jax.random.gumbel(key, (v,)))
+        corrected = jnp.argmax(jnp.log(residual) + gumbel[:, 0], axis=-1).astype(jnp.int32)
+        rejected = (accepted < count) & (sampling.temperature > 0)
+        last = jnp.where(rejected, corrected, last)
+    j = jnp.arange(t)[None, :]
+    padded = jnp.concatenate([drafts, jnp.zeros((b, 1), drafts.dtype)], axis=1)
+    tokens = jnp.where(j < accepted[:, None], padded, jnp.where(j == accepted[:, None], last[:, None], 0)).astype(jnp.int32)
+    logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), tokens[..., None], axis=-1)[..., 0]
+    return tokens, logprobs, accepted
+
+
+# ---------------------------------------------------------------------------------------------------
+# The loop
+# ---------------------------------------------------------------------------------------------------
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class SpeculativeLoop:
+    """The carry of :func:`speculative_loop` besides the KV and the speculator's state."""
+
+    history: Int[Array, "B L"]  # each row's tokens (the pending one at length - 1)
+    length: Int[Array, " B"]
+    limit: Int[Array, " B"]  # positions below it may be written (the room the row reserved)
+    budget: Int[Array, " B"]  # tokens the row may still produce in this loop
+    emitted: Int[Array, " B"]
+    done: Bool[Array, " B"]  # rows outside the loop start done
+    stop_ids: Int[Array, "B K"]  # a produced id among these ends the row (-1 = unused)
+    keys: UInt32[Array, "B 2"]
+    out_tokens: Int[Array, "B N"]  # the tokens produced, in order (emitted valid per row)
+    out_logprobs: Float[Array, "B N"]
+    drafted: Int[Array, " B"]
+    accepted: Int[Array, " B"]
+    verified: Int[Array, " B"]  # passes that checked a draft
+    control: DraftControl
+    step: Int[Array, ""]
+    max_steps: Int[Array, ""]
+    exit_on_finish: Bool[Array, ""]
+    done_at_start: Int[Array, ""]
+
+
+def speculative_loop(
+    model: ModelSpec,
+    params: Params,
+    kv: KVState,
+    loop: SpeculativeLoop,
+    sampling: SamplingParams,
+    speculator: Speculator,
+    draft_params: Any,
+    *,
+    flags: SamplingFlags,
+) -> tuple[SpeculativeLoop, KVState]:
+    """Draft, verify, accept ... on the device until every row is done (see the module docstring)."""
+    k = speculator.num_tokens
+
+    def cond(carry: tuple[SpeculativeLoop, KVState, Any]) -> Array:
+        s = carry[0]
+        done = jnp.sum(s.done, dtype=jnp.int32)
+        return (s.step < s.max_steps) & (done < s.done.shape[0]) & ~(s.exit_on_finish & (done > s.done_at_start))
+
+    def body(carry: tuple[SpeculativeLoop, KVState, Any]) -> tuple[SpeculativeLoop, KVState, Any]:
+        s, kv, state = carry
+        active = ~s.done
+        p = s.length - 1
+        pending = jnp.take_along_axis(s.history, p[:, None], axis=1)[:, 0]
+        room = jnp.minimum(s.limit - 1 - p, s.budget - s.emitted - 1)
+        want = jnp.where(active, jnp.clip(jnp.minimum(s.control.length, room), 0, k), 0)
+
+        draft = DraftInput(s.history, s.length, want, active, s.keys, sampling, flags)
+
+        def propose(state: Any) -> tuple[Proposal, Any]:
+            return speculator.propose(draft_params, state, draft)
+
+        def nothing(state: Any) -> tuple[Proposal, Any]:
+            shapes = jax.eval_shape(propose, state)[0]
+            return jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), shapes), state
+
+        # Only rows that draft pay for drafting, and a pass with nothing to check is a plain decode step.
+        proposal, state = jax.lax.cond(jnp.any(want > 0), propose, nothing, state)
+        count = jnp.minimum(proposal.count, want)
+
+        def check(kv: KVState) -> tuple[KVState, Array, Array, Array]:
+            tokens = jnp.concatenate([pending[:, None], proposal.tokens], axis=1)
+            offsets = jnp.arange(k + 1)[None, :]
+            positions = jnp.where(active[:, None] & (offsets <= count[:, None]), p[:, None] + offsets, -1)
+            logits, kv = forward(model, params, kv, tokens, positions, jnp.broadcast_to(offsets, tokens.shape))
+            produced, logprobs, accepted = verify(logits, proposal, count, p, sampling, s.keys, flags)
+            return kv, produced, logprobs, accepted
+
+        def plain(kv: KVState) -> tuple[KVState, Array, Array, Array]:
+            positions = jnp.where(active, p, -1)[:, None]
+            logits, kv = forward(model, params, kv, pending[:, None], positions, jnp.zeros_like(positions))
+            token = sample(logits[:, 0], sampling, None, s.keys, p, flags)
+            logprob = jnp.take_along_axis(jax.nn.log_softmax(logits[:, 0], axis=-1), token[:, None], axis=1)
+            produced = jnp.zeros((token.shape[0], k + 1), jnp.int32).at[:, 0].set(token)
+            logprobs = jnp.zeros((token.shape[0], k + 1), jnp.float32).at[:, 0].set(logprob[:, 0])
+            return kv, produced, logprobs, jnp.zeros_like(p)
+
+        kv, produced, logprobs, accepted = jax.lax.cond(jnp.any(count > 0), check, plain, kv)
+        # Keep up to the first stop id and within the budget; inactive rows keep nothing.
+        j = jnp.arange(k + 1)[None, :]
+        made = jnp.where(j <= accepted[:, None], 1, 0)
+        is_stop = jnp.any(produced[..., None] == s.stop_ids[:, None, :], axis=-1) & (made > 0)
+        first_stop = jnp.min(jnp.where(is_stop, j, k + 1), axis=1)
+        keep = jnp.minimum(jnp.minimum(accepted + 1, first_stop + 1), s.budget - s.emitted)
+        keep = jnp.where(active, keep, 0)
+        rows = jnp.arange(p.shape[0])[:, None]
+        slots = jnp.where(j < keep[:, None], s.emitted[:, None] + j, s.out_tokens.shape[1])
+        places = jnp.where(j < keep[:, None], s.length[:, None] + j, s.history.shape[1])
+        length = s.length + keep
+        emitted = s.emitted + keep
+        ends = active & ((first_stop < keep) | (emitted >= s.budget))
+        state = speculator.advance(state, length - 1)
+        s = replace(
+            s,
+            history=s.history.at[rows, places].set(produced, mode="drop"),
+            length=length,
+            emitted=emitted,
+            done=s.done | ends,
+            out_tokens=s.out_tokens.at[rows, slots].set(produced, mode="drop"),
+            out_logprobs=s.out_logprobs.at[rows, slots].set(logprobs, mode="drop"),
+            drafted=s.drafted + jnp.where(active, count, 0),
+            accepted=s.accepted + jnp.where(active, jnp.minimum(accepted, keep), 0),
+            verified=s.verified + (active & (count > 0)).astype(jnp.int32),
+            control=update_control(s.control, count, accepted, active, k) if speculator.adaptive else s.control,
+            step=s.step + 1,
+        )
+        return s, kv, state
+
+    state = speculator.start(draft_params, loop.history, loop.length)
+    loop, kv, _ = jax.lax.while_loop(cond, body, (loop, kv, state))
+    return loop, kv

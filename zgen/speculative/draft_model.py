@@ -1,0 +1,180 @@
+"""A draft model: a smaller model with the target's vocabulary drafts, the target verifies.
+
+The draft keeps its own dense K/V for the rows of a loop (made and prefilled from the rows' tokens
+when the loop starts, inside the same compiled call), and tracks how far each row's K/V is valid:
+after a pass whose drafts were all accepted, the last draft was never fed to the draft model, so the
+next pass feeds it together with the new pending token (the classic off-by-one after acceptance);
+after a rejection the K/V past the kept tokens are stale and overwritten. A row that decoded plainly
+for a while (adaptive fallback) catches up in chunks before it drafts again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Int
+
+from zgen.cache.tensor import DenseKVState
+from zgen.errors import ConfigError
+from zgen.graph.decoder import build_decoder
+from zgen.model import LoadTimings, Model
+from zgen.runtime.sampling import filter_logits, sample
+from zgen.runtime.speculation import PROBE_AFTER, DraftInput, Proposal
+from zgen.runtime.step import ModelSpec, forward
+from zgen.shapes import next_pow2
+from zgen.speculative.prompt_lookup import check_num_tokens
+
+#: Tokens a lagging row feeds per catch-up forward pass (a row falls behind only while it decodes plainly).
+CATCH_UP = next_pow2(PROBE_AFTER + 2)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class DraftState:
+    kv: DenseKVState
+    fed: Int[Array, " B"]  # positions below it hold the draft's valid K/V
+
+
+class DraftModel:
+    """Draft with ``model`` (same vocabulary as the target), up to ``num_tokens`` tokens a pass.
+
+    ``adaptive``: grow the draft after full acceptance, shrink it after rejections, and decode plainly
+    while fewer than 40 % of the drafts are accepted (probing again later); see
+    :mod:`zgen.runtime.speculation`.
+    """
+
+    def __init__(self, model: Model, num_tokens: int = 4, *, adaptive: bool = True) -> None:
+        if not isinstance(model, Model):
+            raise ConfigError(f"DraftModel takes a loaded zgen Model, got {type(model).__name__}")
+        if not isinstance(adaptive, bool):
+            raise ConfigError(f"DraftModel adaptive must be a bool, got {adaptive!r}")
+        self.model = model
+        self._num_tokens = check_num_tokens("DraftModel", num_tokens)
+        self._adaptive = adaptive
+        self.spec = ModelSpec(model.graph, model.config.sliding_window)
+
+    @classmethod
+    def early_exit(cls, model: Model, layers: int, num_tokens: int = 4, *, adaptive: bool = True) -> DraftModel:
+        """A self-speculative draft: ``model``'s first ``layers`` decoder layers, then its own final norm
+        and LM head (the weights are shared, not copied).
+
+        A model not trained for early exit predicts poorly from its middle layers: on SmolLM2-135M the
+        greedy token after N of 30 layers agrees with the full model's on 0 % (N=8), 6 % (15), 18 % (22),
+        44 % (27) and 56 % (29) of a passage's positions, so the adaptive fallback mostly decodes plainly.
+        """
+        total = model.config.num_layers
+        if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= total:
+            raise ConfigError(f"early_exit layers must be an integer in [1, {total}] (the model's layers), got {layers!r}")
+        config = replace(model.config, num_layers=layers)
+        graph = build_decoder(config)
+        params = {name: model.params[name] for name in graph.param_shapes()}
+        timings = LoadTimings("early-exit", 0.0, 0.0)
+        draft = Model(config, model.tokenizer, graph, params, model.dtype, model.source, timings)
+        return cls(draft, num_tokens, adaptive=adaptive)
+
+    def __repr__(self) -> str:
+        return f"DraftModel({self.model.config.num_layers} layers, num_tokens={self._num_tokens}, adaptive={self._adaptive})"
+
+    @property
+    def num_tokens(self) -> int:
+        return self._num_tokens
+
+    @property
+    def adaptive(self) -> bool:
+        return self._adaptive
+
+    def cache_key(self) -> Hashable:
+        # Drafts over one graph object (weights are arguments) share a compiled loop; the compiled loop
+        # keeps this draft, and so its graph, alive, so the id is never reused for another graph.
+        return ("draft-model", id(self.model.graph), str(self.model.dtype), self._num_tokens, self._adaptive)
+
+    def check_target(self, model: Model) -> None:
+        mine, theirs = self.model.tokenizer, model.tokenizer
+        if self.model.config.vocab_size != model.config.vocab_size or mine.backend.get_vocab() != theirs.backend.get_vocab():
+            raise ConfigError(
+                f"the draft model's vocabulary ({self.model.config.vocab_size} ids) is not the target's "
+                f"({model.config.vocab_size} ids, same tokens required): draft with a model of the same "
+                "tokenizer, or with DraftModel.early_exit(target, layers=N)"
+            )
+
+    def device_params(self) -> Any:
+        return self.model.params
+
+    def start(self, params: Any, history: Int[Array, "B L"], length: Int[Array, " B"]) -> DraftState:
+        c = self.model.config
+        b, width = history.shape
+        kv = DenseKVState.zeros(c.num_layers, b, width, c.num_kv_heads, c.head_dim, self.model.dtype)
+        slots = jnp.arange(width)[None, :]
+        positions = jnp.where(slots < (length - 1)[:, None], slots, -1)  # all but the pending token
+        _, kv = forward(self.spec, params, kv, history, positions, jnp.zeros((b, 1), jnp.int32))
+        return DraftState(kv, length - 1)
+
+    def advance(self, state: DraftState, kept: Int[Array, " B"]) -> DraftState:
+        return replace(state, fed=jnp.minimum(state.fed, kept))
+
+    def propose(self, params: Any, state: DraftState, draft: DraftInput) -> tuple[Proposal, DraftState]:
+        k = self._num_tokens
+        history, active, flags, sampling = draft.history, draft.active, draft.flags, draft.sampling
+        b = history.shape[0]
+        p = draft.length - 1
+        sampled = not flags.all_greedy
+        vocab = self.model.config.vocab_size
+
+        def feed(kv: DenseKVState, tokens: Array, positions: Array) -> tuple[Array, DenseKVState]:
+            read = jnp.full((b, 1), tokens.shape[1] - 1, jnp.int32)
+            logits, kv = forward(self.spec, params, kv, tokens, positions, read)
+            return logits[:, 0], kv
+
+        def lagging(carry: tuple[DenseKVState, Array]) -> Array:
+            return jnp.any(active & (carry[1] < p - 1))
+
+        def catch_up(carry: tuple[DenseKVState, Array]) -> tuple[DenseKVState, Array]:
+            kv, fed = carry
+            at = fed[:, None] + jnp.arange(CATCH_UP)[None, :]
+            positions = jnp.where(active[:, None] & (at < p[:, None]), at, -1)
+            _, kv = feed(kv, jnp.take_along_axis(history, jnp.clip(at, 0, history.shape[1] - 1), axis=1), positions)
+            return kv, jnp.where(active, jnp.minimum(fed + CATCH_UP, p), fed)
+
+        kv, fed = jax.lax.while_loop(lagging, catch_up, (state.kv, state.fed))
+        # First pass: the token before the pending one if it was never fed (all drafts accepted), then the pending one.
+        before = jnp.take_along_axis(history, jnp.maximum(p - 1, 0)[:, None], axis=1)
+        pending = jnp.take_along_axis(history, p[:, None], axis=1)
+        positions = jnp.stack([jnp.where(active & (fed == p - 1), p - 1, -1), jnp.where(active, p, -1)], axis=1)
+        logits, kv = feed(kv, jnp.concatenate([before, pending], axis=1), positions)
+
+        def draw(logits: Array, position: Array) -> tuple[Array, Array | None]:
+            token = sample(logits, sampling, None, draft.keys, position, flags)
+            probs = jax.nn.softmax(filter_logits(logits, sampling, None, flags), axis=-1) if sampled else None
+            return token, probs
+
+        tokens = jnp.zeros((b, k), jnp.int32)
+        probs = jnp.zeros((b, k, vocab), jnp.float32) if sampled else None
+        token, q = draw(logits, p)
+        tokens = tokens.at[:, 0].set(token)
+        if probs is not None and q is not None:
+            probs = probs.at[:, 0].set(q)
+        steps = jnp.max(jnp.where(active, draft.num_tokens, 0))
+
+        def more(carry: tuple[Any, ...]) -> Array:
+            return carry[0] < steps
+
+        def step(carry: tuple[Any, ...]) -> tuple[Any, ...]:
+            i, kv, tokens, probs = carry
+            position = p + i
+            fed_token = jax.lax.dynamic_slice_in_dim(tokens, i - 1, 1, axis=1)
+            logits, kv = feed(kv, fed_token, jnp.where(active & (i < draft.num_tokens), position, -1)[:, None])
+            token, q = draw(logits, position)
+            tokens = tokens.at[:, i].set(token)
+            if probs is not None and q is not None:
+                probs = probs.at[:, i].set(q)
+            return i + 1, kv, tokens, probs
+
+        _, kv, tokens, probs = jax.lax.while_loop(more, step, (jnp.asarray(1, jnp.int32), kv, tokens, probs))
+        # Fed: the pending token at p and drafts 1 .. n-1 at p+1 .. p+n-1.
+        fed = jnp.where(active, p + jnp.maximum(jnp.minimum(draft.num_tokens, steps), 1), fed)
+        count = jnp.where(active, draft.num_tokens, 0)
+        return Proposal(tokens, count, probs), DraftState(kv, fed)
