@@ -30,7 +30,8 @@ from rich.markup import escape
 from rich.table import Table
 from typer.core import TyperCommand, TyperGroup
 
-from zgen.cache.factory import CACHE_KINDS, PAGED_KINDS, CacheOption, cache_kind, kv_dtype, prefix_cache, resolve
+from zgen.batch import BatchSummary, run as run_batch
+from zgen.cache.factory import CACHE_KINDS, PAGED_KINDS, CacheOption, cache_kind, kv_dtype, paged_kv, prefix_cache, resolve
 from zgen.cache.formats import KV_DTYPES, kv_format
 from zgen.cli_progress import CompileClock, Phase, Phases, stderr_console
 from zgen.contexts.snapshot import store_dir
@@ -376,7 +377,8 @@ def _check_weights(weights: str | None, path: Path) -> None:
         )
 
 
-def _load(phases: Phases, model: str, path: Path, dtype: str, sampling: _Sampling | None, weights: str | None = None) -> Model:
+def _load(phases: Phases, model: str, path: Path, dtype: str, sampling: _Sampling | None, weights: str | None = None, *, tensor_parallel: int = 1
+) -> Model:
     phases.note(f"Model {path}" if model == str(path) else f"Model {model}: {path}")
     if sampling is not None:
         phases.note(f"Sampling: {_describe_sampling(sampling.config)}; knobs left out come from {sampling.source}")
@@ -390,7 +392,7 @@ def _load(phases: Phases, model: str, path: Path, dtype: str, sampling: _Samplin
                 phase.describe("Converting GGUF weights to float32 (first load only)" if done < total else "Saving the converted weights")
             phase.measure(done, total)
 
-        loaded = load_model(path, dtype=dtype, progress=converting, weights=weights)
+        loaded = load_model(path, dtype=dtype, progress=converting, weights=weights, tensor_parallel=tensor_parallel)
         outcome = {"gguf": "Converted the GGUF weights and cached them", "converted-cache": "Loaded the converted weights from the cache"}
         phase.describe(f"{outcome.get(loaded.load_timings.source, 'Loaded the weights')} ({held})")
     return loaded
@@ -675,6 +677,79 @@ def _chat_reply(console: Console, pieces: Iterator[str], quiet: bool, waiting: s
         return None
     _write("\n")
     return "".join(text)
+
+
+@app.command("batch", cls=_Command)
+def batch_job(
+    input: Annotated[Path, typer.Option("--input", "-i", exists=True, dir_okay=False, readable=True, help="Requests, one OpenAI Batch API line each (/v1/chat/completions or /v1/completions).")],
+    output: Annotated[Path, typer.Option("--output", "-o", dir_okay=False, help="Results JSONL; appended to, so running the same command again resumes the job.")],
+    model: ModelOption = DEFAULT_MODEL,
+    max_batch_size: Annotated[int, typer.Option("--max-batch-size", min=1, help="Rows decoding together (more requests queue and take rows as others finish).")] = 64,
+    prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", min=1, help="Prompt tokens one request feeds per step.")] = 512,
+    refill_rows: Annotated[int | None, typer.Option("--refill-rows", min=1, help="Queued requests take freed rows this many at a time, prefilling together. Default: half of --max-batch-size.")] = None,
+    data_parallel: Annotated[int, typer.Option("--data-parallel", min=1, help="Model replicas sharing the job, one per local device (or per group of --tensor-parallel devices).")] = 1,
+    tensor_parallel: Annotated[int, typer.Option("--tensor-parallel", min=1, help="Split the model's heads and MLP columns over this many local devices.")] = 1,
+    dtype: DtypeOption = "float32",
+    kv_cache: KVCacheOption = None,
+    kv_dtype_name: KVDtypeOption = None,
+    use_prefix_cache: PrefixCacheOption = False,
+    kv_memory_mb: Annotated[float | None, typer.Option("--kv-memory-mb", callback=_positive(), help="The page pool's budget in MiB (makes the cache paged; default 512). Size it for --max-batch-size rows of your longest request.")] = None,
+    summary: Annotated[Path | None, typer.Option("--summary", dir_okay=False, help="Also write the final summary to this file as JSON.")] = None,
+    on_ray: Annotated[bool, typer.Option("--ray", help="Generate on Ray actors (the cluster ray.init() finds, else a local one); needs zgen[ray].")] = False,
+    ray_actors: Annotated[int, typer.Option("--ray-actors", min=1, help="With --ray: actors, each loading the model once.")] = 1,
+    ray_gpus: Annotated[float, typer.Option("--ray-gpus", min=0.0, help="With --ray: GPUs per actor.")] = 0.0,
+    quiet: QuietOption = False,
+) -> None:
+    """Run a batch file of OpenAI-format requests; each result is appended to --output as it finishes.
+
+    A bad line (not JSON, an unknown url, an invalid parameter, a prompt too long, a duplicate
+    custom_id) becomes an error record for its custom_id and the job goes on. Killed at any point, the
+    same command continues where it stopped (custom_ids already in --output are skipped). Exit code 0
+    when every request succeeded, 3 when some failed (the summary says how many).
+    """
+    path = _model_path(model)
+    if output.resolve() == input.resolve():
+        raise typer.BadParameter("the output would overwrite the input; choose another file", param_hint="'--output'")
+    options = _cache_options(kv_cache, kv_dtype_name, use_prefix_cache)
+    if kv_memory_mb is not None:
+        if kv_cache is not None and kv_cache not in PAGED_KINDS:
+            raise typer.BadParameter(f"the {kv_cache} cache has no page pool; use --kv-cache paged or tiered", param_hint="'--kv-memory-mb'")
+        options.append(paged_kv(max_memory_mb=kv_memory_mb))
+    if on_ray and (data_parallel > 1 or tensor_parallel > 1):
+        raise typer.BadParameter("Ray places one model per actor; use --ray-actors instead", param_hint="'--data-parallel' / '--tensor-parallel'")
+    try:
+        if on_ray:
+            result = _batch_on_ray(
+                model if model in BUILTIN_MODELS else str(path), input, output, options, actors=ray_actors, gpus=ray_gpus, max_batch_size=max_batch_size,
+                prefill_chunk=prefill_chunk, dtype=dtype, model_name=model, quiet=quiet, summary=summary,
+            )
+        else:
+            with Phases.on_stderr(enabled=not quiet) as phases:
+                split_here = data_parallel == 1  # one split model is loaded split; replicas are split per group
+                loaded = _load(phases, model, path, dtype, None, tensor_parallel=tensor_parallel if split_here else 1)
+            result = run_batch(
+                loaded, input, output, *options, max_batch_size=max_batch_size, prefill_chunk=prefill_chunk, refill_rows=refill_rows,
+                data_parallel=data_parallel, tensor_parallel=1 if split_here else tensor_parallel, model_name=model,
+                progress=not quiet, summary=summary,
+            )
+    except ZgenError as err:
+        raise _fail(err) from None
+    if not quiet:
+        stderr_console().print(escape(result.describe()), highlight=False, soft_wrap=True)
+    if result.failed:
+        raise typer.Exit(code=3)
+
+
+def _batch_on_ray(
+    model: str, input: Path, output: Path, options: list[CacheOption], *, actors: int, gpus: float, max_batch_size: int,
+    prefill_chunk: int, dtype: str, model_name: str, quiet: bool, summary: Path | None,
+) -> BatchSummary:
+    from zgen.integrations.ray import run_on_ray  # Ray loads only for --ray
+
+    return run_on_ray(
+        model, input, output, *options, actors=actors, gpus_per_actor=gpus, max_batch_size=max_batch_size,
+        prefill_chunk=prefill_chunk, dtype=dtype, model_name=model_name, progress=not quiet, summary=summary,
+    )
 
 
 @eval_app.command("ppl", cls=_Command)

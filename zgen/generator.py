@@ -54,6 +54,9 @@ class Generator:
     probabilities) — a host round trip per token. ``speculative`` decodes every request with a
     speculator (:mod:`zgen.speculative`: ``PromptLookup``, ``DraftModel``): greedy output is token for
     token the plain output, and results carry the speculator's figures (``result.speculative``).
+    ``refill_rows``: queued requests wait until that many rows are free, then prefill together;
+    ``prefill_apart``: on a paged cache, prefill steps leave the decoding rows out
+    (:class:`~zgen.runtime.engine.EngineConfig`).
 
     A generator is a context manager: :meth:`close` frees what its cache holds outside the device (a
     tiered cache's host RAM and disk files; garbage collection frees them too). It is safe to use from
@@ -69,12 +72,15 @@ class Generator:
         prefill_chunk: int = 512,
         host_sampler: HostSampler | None = None,
         speculative: Speculator | None = None,
+        refill_rows: int = 1,
+        prefill_apart: bool = False,
     ) -> None:
         self.model = model
         self.host_sampler = host_sampler
         self.speculative = speculative
         config = EngineConfig(
-            max_batch=max_batch_size, steps_per_sync=sync_interval, prefill_chunk=prefill_chunk, on_pool_exhausted="wait"
+            max_batch=max_batch_size, steps_per_sync=sync_interval, prefill_chunk=prefill_chunk, on_pool_exhausted="wait",
+            refill_rows=refill_rows, prefill_apart=prefill_apart,
         )
         self.engine = Engine(model, *options, config=config, default_kind="tensor")
         self._paged_engine: Engine | None = None  # for beam search when the chosen cache cannot fork
@@ -157,6 +163,22 @@ class Generator:
         finally:
             for job in jobs:
                 self.engine.cancel(job)
+
+    def prepare(self, request: Request | Prompt) -> list[int]:
+        """The prompt's token ids, checked to fit the model's context with the request's
+        ``max_new_tokens`` (a typed error says what does not): what :meth:`submit` checks."""
+        request = request if isinstance(request, Request) else Request(request)
+        ids = self.encode_prompt(request.prompt)
+        self._check_fits(len(ids), request.sampling.max_new_tokens)
+        return ids
+
+    def submit(self, request: Request | Prompt, prompt_ids: Sequence[int] | None = None) -> Submitted:
+        """Queue one request and return at once (``prompt_ids``: what :meth:`prepare` returned, to skip
+        encoding again). ``engine.wait(submitted.job)`` or ``engine.wait_any(jobs)`` step the engine;
+        every queued request rides along in those steps (continuous batching)."""
+        request = request if isinstance(request, Request) else Request(request)
+        ids = self.prepare(request) if prompt_ids is None else list(prompt_ids)
+        return Submitted(self._submit(request, ids)[1], ids)
 
     def logits(self, token_ids: Sequence[int], *, adapter: AdapterChoice | None = None) -> np.ndarray:
         """Next-token logits ``[len(token_ids), vocab]`` after every prefix, in float32."""
@@ -289,6 +311,24 @@ class Generator:
         )
 
 
+@dataclass(frozen=True, eq=False)
+class Submitted:
+    """A request queued with :meth:`Generator.submit`."""
+
+    job: Job
+    prompt_token_ids: list[int]
+
+    @property
+    def done(self) -> bool:
+        return self.job.done
+
+    def result(self) -> GenerationResult:
+        """The result of a done request (raises its error)."""
+        if not self.job.done:
+            raise InputError("this request is still running; wait for it first (generator.engine.wait(submitted.job))")
+        return Generator._result(self.job.future.result(), self.prompt_token_ids)
+
+
 class Session:
     """A conversation that keeps its KV between turns, on every cache kind.
 
@@ -353,4 +393,4 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-__all__ = ["Beam", "GenerationResult", "Generator", "Request", "Session", "Timings", "TokenUsage"]
+__all__ = ["Beam", "GenerationResult", "Generator", "Request", "Session", "Submitted", "Timings", "TokenUsage"]

@@ -11,10 +11,10 @@ import glob
 import hashlib
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import gguf
 import jax
@@ -34,6 +34,7 @@ from zgen.loading.safetensors_dir import config_from_dir, params_from_dir
 from zgen.lora.adapter import LoraAdapter, check_adapter
 from zgen.lora.merge import merged_weights
 from zgen.quantized_weights import WEIGHT_FORMATS, QuantizedWeight, WeightQuantization
+from zgen.sharding import check_tensor_parallel, shard_params
 from zgen.tokenizer import Tokenizer
 
 T = TypeVar("T")
@@ -85,8 +86,15 @@ class Model:
     # steps, engines and caches kept in `attachments` belong to this object, and a view would compile
     # everything again and be unseen by engines already serving the model. Requests already submitted
     # keep the stack they were submitted with.
+    @property
+    def split(self) -> bool:
+        """Whether the weights are split over several devices (``tensor_parallel``)."""
+        return any(isinstance(p, jax.Array) and len(p.sharding.device_set) > 1 for p in self.params.values())
+
     def push_adapter(self, adapter: LoraAdapter, scale: float = 1.0) -> None:
         """Apply ``adapter`` (times ``scale``) to every later request, on top of those pushed before."""
+        if self.split:  # its rows would need the shard-major layout of the split weights
+            raise ConfigError("LoRA adapters on a model split with tensor_parallel are not available yet; load it on one device")
         check_adapter(adapter, self.config)
         self.adapters.append((adapter, float(scale)))
 
@@ -99,6 +107,8 @@ class Model:
     def merge_adapter(self, adapter: LoraAdapter, scale: float = 1.0) -> None:
         """Add ``adapter``'s correction into the weights (no per-token cost after). K/V an engine of
         this model cached before (its prefix cache, contexts) were computed without it."""
+        if self.split:
+            raise ConfigError("LoRA adapters on a model split with tensor_parallel are not available yet; merge before splitting")
         self.params.update(merged_weights(self._float_params(), self.config, adapter, scale))
         self.merged_adapters.append((adapter, float(scale)))
 
@@ -159,9 +169,13 @@ def load_model(
     dtype: str = "float32",
     cache_dir: Path | None = None,
     progress: Callable[[int, int], None] | None = None,
+    tensor_parallel: int = 1,
     weights: str | WeightQuantization | None = None,
 ) -> Model:
     """Load a model by built-in name (``"smollm2"``), HF directory or GGUF file.
+
+    ``tensor_parallel=N`` splits the weights over N local devices (attention heads and MLP columns,
+    :mod:`zgen.sharding`); every front end then runs the model across them.
 
     GGUF weights are dequantized once and cached as float32 safetensors under ``cache_dir``
     (default ``$ZGEN_CACHE_DIR`` or ``~/.cache/zgen``) so later loads skip the dequantization.
@@ -204,18 +218,34 @@ def load_model(
         if source == "converted-cache":
             described = f"{path} (read from its converted copy under {cache / 'converted'}; delete that to convert again)"
     _check_special_ids(config, tokenizer, described)
+    if tensor_parallel != 1:
+        check_tensor_parallel(config, tensor_parallel)
+        if scheme is not None:
+            raise ConfigError("quantized weights and tensor_parallel together are not available yet; load float weights to split them")
     jdtype = DTYPES[dtype]
-    graph = build_decoder(config)
+    graph = build_decoder(config, shards=tensor_parallel)
     check_params(graph, host, described, jdtype)
     read_s = time.perf_counter() - start
     start = time.perf_counter()
+    params: dict[str, jax.Array | QuantizedWeight]
     if isinstance(scheme, WeightQuantization):
         params = quantize_linear_weights(graph, host, scheme, jdtype)
+    elif tensor_parallel != 1:  # each device receives only its shards
+        params = {**shard_params({name: np.asarray(value, dtype=jdtype) for name, value in host.items()}, config, tensor_parallel)}
     else:
         params = {name: _to_device(value, jdtype) for name, value in host.items()}
     jax.block_until_ready(params)
     timings = LoadTimings(source, read_s, time.perf_counter() - start)
     return Model(config, tokenizer, graph, params, jdtype, path, timings)
+
+
+def split_model(model: Model, tensor_parallel: int, devices: Sequence[Any] | None = None) -> Model:
+    """``model`` with its weights split over ``tensor_parallel`` local devices (``devices``, default the
+    first ones; :mod:`zgen.sharding`), as ``load_model(..., tensor_parallel=N)`` loads it."""
+    if any(isinstance(value, QuantizedWeight) for value in model.params.values()):
+        raise ConfigError("quantized weights and tensor_parallel together are not available yet; split a float model")
+    params = shard_params(model.params, model.config, tensor_parallel, devices)
+    return replace(model, graph=build_decoder(model.config, shards=tensor_parallel), params=params, attachments={})
 
 
 def weight_scheme(weights: str | WeightQuantization | None) -> WeightQuantization | str | None:

@@ -16,7 +16,9 @@ LOGITS = "logits"
 HIDDEN = "final_norm"  # the last hidden states, after the final norm
 
 
-def build_decoder(config: ModelConfig) -> Graph:
+def build_decoder(config: ModelConfig, shards: int = 1) -> Graph:
+    """The model's graph; ``shards`` > 1 reads fused weights laid out for tensor parallelism
+    (:func:`zgen.sharding.shard_major`)."""
     c = config
     graph = Graph()
     tokens = graph.add_input(TOKENS, i32("batch", "seq"))
@@ -40,11 +42,12 @@ def build_decoder(config: ModelConfig) -> Graph:
                 prefix=p,
                 bias=c.attention_bias,
                 qk_norm_eps=c.rms_norm_eps if c.qk_norm else None,
+                shards=shards,
             )
         )
         h = graph.add(Add(f"{p}.attn_residual", (h, attn), c.hidden_size))
         normed = graph.add(RMSNorm(f"{p}.mlp_norm", (h,), c.hidden_size, c.rms_norm_eps, f"{p}.post_norm"))
-        mlp = graph.add(GatedMLP(f"{p}.mlp", (normed,), c.hidden_size, c.intermediate_size, p))
+        mlp = graph.add(GatedMLP(f"{p}.mlp", (normed,), c.hidden_size, c.intermediate_size, p, shards))
         h = graph.add(Add(f"{p}.mlp_residual", (h, mlp), c.hidden_size))
     h = graph.add(RMSNorm("final_norm", (h,), c.hidden_size, c.rms_norm_eps, "final_norm"))
     selected = graph.add(SelectRows("select_rows", (h, rows), c.hidden_size))

@@ -121,6 +121,7 @@ class Attention(Node):
     prefix: str
     bias: bool = False
     qk_norm_eps: float | None = None  # set for Qwen3's per-head q/k RMSNorm
+    shards: int = 1  # qkv rows laid out shard-major for tensor parallelism: per shard its q, k, v heads
 
     def input_types(self) -> tuple[TensorType, ...]:
         return (act("batch", "seq", self.hidden), i32("batch", "seq"))
@@ -156,10 +157,11 @@ class Attention(Node):
         if self.bias:
             qkv = qkv + param(params, self.prefix, "qkv_bias")
         q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
-        q = qkv[..., :q_size].reshape(batch, seq, self.num_heads, self.head_dim)
-        k = qkv[..., q_size : q_size + kv_size].reshape(batch, seq, self.num_kv_heads, self.head_dim)
-        v = qkv[..., q_size + kv_size :].reshape(batch, seq, self.num_kv_heads, self.head_dim)
+        qs, ks = q_size // self.shards, self.num_kv_heads * self.head_dim // self.shards  # per shard
+        qkv = qkv.reshape(batch, seq, self.shards, -1)  # one shard's heads are contiguous: no data moves between devices
+        q = qkv[..., :qs].reshape(batch, seq, self.num_heads, self.head_dim)
+        k = qkv[..., qs : qs + ks].reshape(batch, seq, self.num_kv_heads, self.head_dim)
+        v = qkv[..., qs + ks :].reshape(batch, seq, self.num_kv_heads, self.head_dim)
         if self.qk_norm_eps is not None:
             q = rms_norm(q, param(params, self.prefix, "q_norm"), self.qk_norm_eps)
             k = rms_norm(k, param(params, self.prefix, "k_norm"), self.qk_norm_eps)
@@ -180,6 +182,7 @@ class GatedMLP(Node):
     hidden: int
     intermediate: int
     prefix: str
+    shards: int = 1  # gate_up rows laid out shard-major for tensor parallelism: per shard its gate, up columns
 
     def input_types(self) -> tuple[TensorType, ...]:
         return (act("batch", "seq", self.hidden),)
@@ -200,7 +203,8 @@ class GatedMLP(Node):
         return self.feed_forward(args[0], plain_projection(params, self.prefix))
 
     def feed_forward(self, x: jax.Array, project: Project) -> jax.Array:
-        gate, up = jnp.split(project("gate_up", x), 2, axis=-1)
+        gate_up = project("gate_up", x).reshape(*x.shape[:-1], self.shards, -1)
+        gate, up = (part.reshape(*x.shape[:-1], self.intermediate) for part in jnp.split(gate_up, 2, axis=-1))
         return project("down", jax.nn.silu(gate) * up)
 
 

@@ -78,12 +78,20 @@ class EngineConfig:
     prefill_chunk: int = 256  # pending tokens one sequence feeds per step
     steps_per_sync: int = 16  # decode steps per host round trip when something needs the host
     on_pool_exhausted: Literal["error", "wait"] = "error"
+    # New jobs wait until this many rows are free (while others decode), so their prompts prefill
+    # together: a mixed step is padded to [rows, chunk], and one admission per step wastes most of it.
+    refill_rows: int = 1
+    # On a paged cache, a step that prefills leaves the decoding rows out (they would each be padded to
+    # the chunk's width for one token); they go on in the next decode loop.
+    prefill_apart: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("max_batch", "prefill_chunk", "steps_per_sync"):
+        for name in ("max_batch", "prefill_chunk", "steps_per_sync", "refill_rows"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"EngineConfig.{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.prefill_apart, bool):
+            raise ConfigError(f"EngineConfig.prefill_apart must be a bool, got {self.prefill_apart!r}")
         if self.on_pool_exhausted not in ("error", "wait"):
             raise ConfigError(f"EngineConfig.on_pool_exhausted must be 'error' or 'wait', got {self.on_pool_exhausted!r}")
 
@@ -343,6 +351,14 @@ class Engine:
                     self.step()
         return job.future.result()
 
+    def wait_any(self, jobs: Seq[Job]) -> None:
+        """Step the engine until at least one of ``jobs`` is done (a front end that keeps many jobs in
+        flight, such as a batch job, refills freed rows as soon as one finishes)."""
+        while not any(job.done for job in jobs):
+            with self._step_lock:
+                if not any(job.done for job in jobs):
+                    self.step()
+
     async def wait_async(self, job: Job) -> ForwardResult:
         """Await ``job`` while the engine steps on this event loop (see the module docstring)."""
         loop = asyncio.get_running_loop()
@@ -431,15 +447,19 @@ class Engine:
             jobs = list(self._queue)
         if not jobs:
             return
-        candidates = jobs[: self.config.max_batch]
+        candidates, finishes = self._admissible(jobs[: self.config.max_batch], sum(not job.admitted for job in jobs))
         decode = all(job.loopable() for job in candidates)
+        if not decode and self.config.prefill_apart and self.kv.pages:
+            candidates = [job for job in candidates if not job.loopable()]
         speculator = self._speculator(candidates) if decode else None
         extra = 0 if speculator is None else speculator.num_tokens
         steps = self._loop_steps(candidates, waiting=len(jobs) > len(candidates), per_step=extra + 1) if decode else 1
         rows: list[_Row] = []
         blocked: list[tuple[Job, PoolExhaustedError]] = []
         preempted: set[int] = set()
-        for n, job in enumerate(candidates):
+        position = {id(job): n for n, job in enumerate(jobs)}  # candidates may skip jobs: preempt only later ones
+        for job in candidates:
+            n = position[id(job)]
             if id(job) in preempted:
                 continue  # its KV was just freed for an earlier job: it feeds its tokens again next step
             while True:
@@ -474,7 +494,7 @@ class Engine:
                     passes = 1 if any(row.job.request.per_token for row in rows) else passes
                     self._run_speculative(rows, steps, passes, speculator, exit_on_finish=waiting)
                 else:
-                    self._run_decode(rows, steps, exit_on_finish=waiting)
+                    self._run_decode(rows, steps, exit_on_finish=waiting, finishes=finishes)
             else:
                 self._run_mixed(rows)
         except BaseException as err:
@@ -482,6 +502,18 @@ class Engine:
                 self._fail(row.job, err if isinstance(err, Exception) else ZgenError(repr(err)))
             if not isinstance(err, Exception):
                 raise
+
+    def _admissible(self, candidates: list[Job], new_jobs: int) -> tuple[list[Job], int]:
+        """The candidates to serve now, and how many rows must finish before the decode loop returns
+        for the new jobs left waiting (``refill_rows``: they are admitted together once that many
+        rows are free, or as soon as nothing else runs)."""
+        new = sum(not job.admitted for job in candidates)
+        running = len(candidates) - new
+        wanted = min(self.config.refill_rows, new_jobs)
+        free = self.config.max_batch - running
+        if not new or not running or free >= wanted:
+            return candidates, 1
+        return [job for job in candidates if job.admitted], wanted - free
 
     @staticmethod
     def _speculator(jobs: list[Job]) -> Speculator | None:
@@ -558,7 +590,8 @@ class Engine:
         seq = job.seq
         plain = job.request.attention_mask is None and not job.adapters
         if seq.kv_len == 0 and not seq.custom_attention and not seq.any_masked and plain:
-            cached = self.kv.match_prefix(seq.kv, seq.tokens[: job.feed_end()])
+            reads = (*job.request.sample_at, *job.request.logits_at)  # positions read out must be fed
+            cached = self.kv.match_prefix(seq.kv, seq.tokens[: min(job.feed_end(), min(reads, default=job.feed_end()) + 1)])
             if not job.admitted:
                 job.result.cached_tokens = cached
                 job.start = seq.kv_len
@@ -688,7 +721,7 @@ class Engine:
         row = raw.astype(np.float64)
         return int(token), float(row[int(token)] - np.logaddexp.reduce(row))
 
-    def _run_decode(self, rows: list[_Row], steps: int, *, exit_on_finish: bool) -> None:
+    def _run_decode(self, rows: list[_Row], steps: int, *, exit_on_finish: bool, finishes: int = 1) -> None:
         width, index, state = self._step_rows(rows, 1)
         token = np.zeros(width, np.int32)
         position = np.full(width, -1, np.int32)
@@ -706,7 +739,8 @@ class Engine:
             last_step=jnp.asarray(last_step), stop_ids=jnp.asarray(stop_ids), keys=keys, penalties=penalties,
             out_tokens=jnp.full((width, steps), -1, jnp.int32), out_logprobs=jnp.zeros((width, steps), jnp.float32),
             step=jnp.asarray(0, jnp.int32), max_steps=jnp.asarray(steps, jnp.int32),
-            exit_on_finish=jnp.asarray(exit_on_finish), done_at_start=jnp.asarray(int(done.sum()), jnp.int32),
+            # the loop leaves once more than done_at_start rows are done: after `finishes` of them
+            exit_on_finish=jnp.asarray(exit_on_finish), done_at_start=jnp.asarray(int(done.sum()) + finishes - 1, jnp.int32),
             adapter_slots=slots,
         )
         loop, state = self.runner.decode(state, loop, params, flags=flags, adapters=bank)
@@ -872,6 +906,8 @@ class Engine:
             raise InputError(f"attention_mask must be bool [{end - start}, {end}] (fed tokens x all tokens), got {np.shape(mask)}")
         if (mask is not None or seq.any_masked) and not self.kv.pages:
             raise ConfigError(f"masks need a paged cache (paged or tiered); this engine uses {self.kv.kind}")
+        if request.adapters and self.model.split:
+            raise ConfigError("LoRA adapters on a model split with tensor_parallel are not available yet; load it on one device")
         for pair in request.adapters:
             if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], LoraAdapter)):
                 raise AdapterError(f"a request's adapters are (LoraAdapter, scale) pairs, got {pair!r}")

@@ -1,0 +1,152 @@
+"""A batch job's output tokens/s: ``zgen.batch.run`` vs ``Generator.batch_generate`` in fixed chunks.
+
+The job (the issue's shape): 1,000 requests, prompts of 256–1,024 tokens, 128–512 new tokens, a
+shared 200-token system prompt on half of them; random weights of the SmolLM2 or Llama-3-8B shape,
+greedy, token-id prompts (``/v1/completions`` takes them), the same requests on both sides in one run:
+
+* **batch job** — ``zgen.batch.run`` on the JSONL file, on a paged cache (``--kv-memory-mb``): requests
+  queued on the engine as room allows (freed rows refilled ``--refill-rows`` at a time), the prefix
+  cache serving the shared system prompt (``--no-prefix-cache`` turns it off), results appended and
+  synced as they finish.
+* **fixed chunks** — the baseline a user writes without a job runner: ``Generator.batch_generate``
+  over consecutive chunks of ``--max-batch-size`` requests, each chunk waiting for its longest request.
+
+Both sides first run a warm-up job of ``2 × max-batch-size`` requests of the same kind (compiling most
+shape buckets), then the measured one. ``--scale`` shrinks the job for a CPU (request count, prompt
+and output lengths); the roofline printed is the weights-only one (``max-batch-size`` rows per
+read of the weights at ``--bandwidth-gbs``), which the KV reads lower further.
+
+    python benchmarks/batch_job.py --shape llama3-8b --dtype bfloat16 --bandwidth-gbs 4800     # H200
+    python benchmarks/batch_job.py --shape smollm2 --scale 0.03 --dtype float32 --max-batch-size 8  # CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_decode import SHAPES  # noqa: E402  (benchmarks/ is on sys.path when this script runs)
+
+SYSTEM_TOKENS = 200
+
+
+def make_requests(n: int, scale: float, vocab: int, seed: int) -> list[dict[str, Any]]:
+    """``n`` requests: prompts of 256–1,024 tokens and 128–512 new tokens (times ``scale``), half
+    starting with the same 200-token system prompt (times ``scale``)."""
+    rng = random.Random(seed)
+    pick = lambda: rng.randrange(100, vocab - 100)  # noqa: E731 - clear of special ids
+    system = [pick() for _ in range(max(1, round(SYSTEM_TOKENS * scale)))]
+    requests = []
+    for i in range(n):
+        length = max(2, round(rng.randint(256, 1024) * scale))
+        prompt = [pick() for _ in range(length)]
+        if i % 2 == 0:
+            prompt = system + prompt[len(system) :] if length > len(system) else system + prompt
+        requests.append({"id": f"r{i}", "prompt": prompt, "max_tokens": max(1, round(rng.randint(128, 512) * scale))})
+    return requests
+
+
+def write_jsonl(requests: list[dict[str, Any]], path: Path) -> Path:
+    with open(path, "w", encoding="utf-8") as out:
+        for r in requests:
+            body = {"model": "random", "prompt": r["prompt"], "max_tokens": r["max_tokens"], "temperature": 0}
+            out.write(json.dumps({"custom_id": r["id"], "method": "POST", "url": "/v1/completions", "body": body}) + "\n")
+    return path
+
+
+def batch_job(model: Any, requests: list[dict[str, Any]], directory: Path, name: str, args: argparse.Namespace) -> tuple[float, int]:
+    from zgen.batch import run
+    from zgen.cache.factory import paged_kv, prefix_cache
+
+    options = [paged_kv(max_memory_mb=args.kv_memory_mb)]
+    options += [] if args.no_prefix_cache else [prefix_cache(capacity_blocks=args.prefix_blocks)]
+    start = time.perf_counter()
+    summary = run(
+        model, write_jsonl(requests, directory / f"{name}.jsonl"), directory / f"{name}.out.jsonl", *options,
+        max_batch_size=args.max_batch_size, prefill_chunk=args.prefill_chunk, refill_rows=args.refill_rows, progress=False,
+    )
+    assert summary.failed == 0, summary
+    return time.perf_counter() - start, summary.completion_tokens
+
+
+def fixed_chunks(model: Any, requests: list[dict[str, Any]], args: argparse.Namespace) -> tuple[float, int]:
+    from zgen import Generator, Request, SamplingConfig
+
+    generator = Generator(model, max_batch_size=args.max_batch_size, prefill_chunk=args.prefill_chunk)
+    start = time.perf_counter()
+    tokens = 0
+    for i in range(0, len(requests), args.max_batch_size):
+        chunk = requests[i : i + args.max_batch_size]
+        results = generator.batch_generate(
+            [Request(r["prompt"], SamplingConfig(temperature=0.0, max_new_tokens=r["max_tokens"])) for r in chunk]
+        )
+        tokens += sum(len(r.token_ids) for r in results)
+    return time.perf_counter() - start, tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=list(SHAPES), default="llama3-8b")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--scale", type=float, default=1.0, help="Shrinks the request count and every length (CPU runs).")
+    parser.add_argument("--max-batch-size", type=int, default=64)
+    parser.add_argument("--prefill-chunk", type=int, default=512)
+    parser.add_argument("--prefix-blocks", type=int, default=4096)
+    parser.add_argument("--refill-rows", type=int, default=None, help="The batch job's refill group (default: half the batch).")
+    parser.add_argument("--no-prefix-cache", action="store_true")
+    parser.add_argument("--kv-memory-mb", type=float, default=None, help="The batch job's page pool (default: 1.5x what max-batch-size rows of the longest request need).")
+    parser.add_argument("--bandwidth-gbs", type=float, default=0.0, help="Memory bandwidth for the weights-only roofline (H200 ~4800, H100 ~3350).")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    import jax
+
+    from zgen import ModelConfig
+    from zgen.model import random_model
+
+    config = ModelConfig.from_hf({**SHAPES[args.shape], "model_type": "llama", "rms_norm_eps": 1e-5})
+    model = random_model(config, dtype=args.dtype)
+    if args.kv_memory_mb is None:  # K and V of every layer, per token, for full rows of the longest request
+        per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * model.dtype.itemsize
+        args.kv_memory_mb = 1.5 * args.max_batch_size * round((1024 + 512) * args.scale + 16) * per_token / 2**20
+    n = max(2, round(args.requests * args.scale))
+    requests = make_requests(n, args.scale, config.vocab_size, args.seed)
+    warmup = make_requests(2 * args.max_batch_size, args.scale, config.vocab_size, args.seed + 1)
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp)
+        batch_job(model, warmup, directory, "warmup", args)
+        fixed_chunks(model, warmup, args)
+        job_s, job_tokens = batch_job(model, requests, directory, "job", args)
+        chunk_s, chunk_tokens = fixed_chunks(model, requests, args)
+    weight_bytes = sum(p.size * p.dtype.itemsize for p in model.params.values())
+    report: dict[str, Any] = {
+        "device": str(jax.devices()[0].device_kind),
+        "shape": args.shape,
+        "dtype": args.dtype,
+        "requests": n,
+        "prompt_tokens": sum(len(r["prompt"]) for r in requests),
+        "max_batch_size": args.max_batch_size,
+        "prefix_cache": not args.no_prefix_cache,
+        "kv_memory_mb": args.kv_memory_mb,
+        "refill_rows": args.refill_rows or max(1, args.max_batch_size // 2),
+        "batch_job": {"seconds": job_s, "output_tokens": job_tokens, "output_tokens_per_s": job_tokens / job_s},
+        "fixed_chunks": {"seconds": chunk_s, "output_tokens": chunk_tokens, "output_tokens_per_s": chunk_tokens / chunk_s},
+        "speedup": (job_tokens / job_s) / (chunk_tokens / chunk_s),
+    }
+    if args.bandwidth_gbs:
+        roofline = args.max_batch_size * args.bandwidth_gbs * 1e9 / weight_bytes
+        report["weights_roofline_tokens_per_s"] = roofline
+        report["batch_job_fraction_of_roofline"] = report["batch_job"]["output_tokens_per_s"] / roofline
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""zgen batch --data-parallel N: N replicas on N forced host devices give what one device gives."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import zgen
+from batch_helpers import by_id, completion_line, read_records, save_tiny_chat_model, words
+
+SCRIPT = """
+import json, sys
+import jax
+from zgen import load_model
+from zgen.batch import run
+assert len(jax.devices()) == 2, jax.devices()
+model = load_model(sys.argv[1])
+one = run(model, sys.argv[2], sys.argv[3], max_batch_size=2, progress=False)
+two = run(model, sys.argv[2], sys.argv[4], max_batch_size=2, progress=False, data_parallel=2)
+print(json.dumps([one.to_json(), two.to_json()]))
+"""
+
+
+@pytest.mark.slow
+def test_two_replicas_on_two_host_devices_match_one(tmp_path: Path) -> None:
+    model_dir = save_tiny_chat_model(tmp_path / "model")
+    lines = [
+        completion_line(f"r{i}", words(*[(5 + 3 * i + j) % 90 + 5 for j in range(5 + i % 4)]), max_tokens=12, temperature=0.8 * (i % 2), seed=i)
+        for i in range(16)
+    ]
+    source = tmp_path / "in.jsonl"
+    source.write_text("\n".join(lines) + "\n")
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "PYTHONPATH": os.pathsep.join([str(Path(zgen.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+    }
+    outputs = [tmp_path / "one.jsonl", tmp_path / "two.jsonl"]
+    done = subprocess.run([sys.executable, "-c", SCRIPT, str(model_dir), str(source), *map(str, outputs)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    one, two = json.loads(done.stdout.splitlines()[-1])
+    assert one["replica_requests"] == [16] and sum(two["replica_requests"]) == 16 and min(two["replica_requests"]) > 0
+    single, parallel = (by_id(read_records(path)) for path in outputs)
+    assert sorted(single) == sorted(parallel) == sorted(f"r{i}" for i in range(16))
+    for custom_id, record in single.items():  # greedy and seeded rows alike
+        assert parallel[custom_id]["response"]["body"]["choices"] == record["response"]["body"]["choices"]
