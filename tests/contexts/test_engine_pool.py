@@ -27,6 +27,26 @@ def test_pool_exhaustion_is_typed_and_leaves_everything_intact(tiny_engine: Engi
     assert tiny_engine.kv.pool.num_free == tiny_engine.kv.pool.num_blocks
 
 
+def test_waiting_request_takes_the_pages_of_an_idle_context(tiny_engine: Engine) -> None:
+    budget = tiny_engine.cache_options.max_memory_mb
+    assert budget is not None
+    waiting = Engine(tiny_engine.model, paged_kv(budget), config=EngineConfig(on_pool_exhausted="wait"))
+    prompt = [3 + i % 90 for i in range(100)]
+    holder = Context(waiting)
+    holder.fill_tokens(prompt)
+    holder.flush()  # 7 of 8 pages
+    other = Context(waiting)
+    other.fill_tokens([3 + i % 90 for i in range(40)])
+    other.flush()  # the idle holder is preempted: its K/V are freed and recomputed when it runs again
+    assert other.kv_len == 39 and waiting.stats.preemptions == 1
+    other.release()
+    fresh = Context(waiting)
+    fresh.fill_tokens(prompt)
+    expected = fresh.generate(Sampler.greedy(), stop.max_len(4))
+    fresh.release()
+    assert holder.generate(Sampler.greedy(), stop.max_len(4)) == expected
+
+
 def test_waiting_request_fails_when_nothing_can_free_pages(tiny_engine: Engine) -> None:
     budget = tiny_engine.cache_options.max_memory_mb
     assert budget is not None
@@ -34,6 +54,7 @@ def test_waiting_request_fails_when_nothing_can_free_pages(tiny_engine: Engine) 
     holder = Context(waiting)
     holder.fill_tokens([3 + i % 90 for i in range(100)])
     holder.flush()  # 7 of 8 pages
+    holder.mask_token_range(10, 20)  # K/V computed under masks cannot be recomputed: never preempted
     other = Context(waiting)
     other.fill_tokens([3 + i % 90 for i in range(40)])
     with pytest.raises(PoolExhaustedError, match="no running request"):
