@@ -154,4 +154,4 @@ def test_cli_tiered_cache_on_generate_and_eval_ppl(random_checkpoint: Path, tmp_
     assert out.exit_code == 0, out.output
     assert json.loads(out.stdout)["windows"] == 4
     bad = runner.invoke(app, ["generate", *model, "-p", "w5", "--kv-cache", "compressed", "--prefix-cache"])
-    assert bad.exit_code == 2 and "ConfigError" in bad.stderr
+    assert bad.exit_code == 2 and "a prefix cache shares pages and the" in bad.stderr

@@ -158,7 +158,8 @@ class Attention(Node):
             qkv = qkv + param(params, self.prefix, "qkv_bias")
         q_size = self.num_heads * self.head_dim
         qs, ks = q_size // self.shards, self.num_kv_heads * self.head_dim // self.shards  # per shard
-        qkv = qkv.reshape(batch, seq, self.shards, -1)  # one shard's heads are contiguous: no data moves between devices
+        per_shard = qs + 2 * ks  # (named, not -1: a feed of zero tokens is a valid shape)
+        qkv = qkv.reshape(batch, seq, self.shards, per_shard)  # one shard's heads are contiguous: no data moves between devices
         q = qkv[..., :qs].reshape(batch, seq, self.num_heads, self.head_dim)
         k = qkv[..., qs : qs + ks].reshape(batch, seq, self.num_kv_heads, self.head_dim)
         v = qkv[..., qs + ks :].reshape(batch, seq, self.num_kv_heads, self.head_dim)
@@ -203,7 +204,7 @@ class GatedMLP(Node):
         return self.feed_forward(args[0], plain_projection(params, self.prefix))
 
     def feed_forward(self, x: jax.Array, project: Project) -> jax.Array:
-        gate_up = project("gate_up", x).reshape(*x.shape[:-1], self.shards, -1)
+        gate_up = project("gate_up", x).reshape(*x.shape[:-1], self.shards, 2 * self.intermediate // self.shards)
         gate, up = (part.reshape(*x.shape[:-1], self.intermediate) for part in jnp.split(gate_up, 2, axis=-1))
         return project("down", jax.nn.silu(gate) * up)
 
