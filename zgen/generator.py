@@ -134,35 +134,32 @@ class Generator:
         decoded, interleaved; each request's pieces join to what :meth:`batch_generate` returns for it.
         Every request is validated before anything runs; ``per_token`` as in :meth:`generate_stream`.
         Closing the iterator early frees every row still generating."""
-        normalized = [r if isinstance(r, Request) else Request(r) for r in requests]
-        encoded = [self.encode_prompt(r.prompt) for r in normalized]
-        for ids, request in zip(encoded, normalized, strict=True):
-            self._check_fits(len(ids), request.sampling.max_new_tokens)
-        jobs: list[Job] = []
-        try:
-            for ids, request in zip(encoded, normalized, strict=True):
-                jobs.append(self._submit(request, ids, stream=True, per_token=per_token)[1])
-        except BaseException:
-            for job in jobs:
-                self.engine.cancel(job)
-            raise
+        jobs, _ = self._submit_all(requests, stream=True, per_token=per_token)
         yield from self.engine.stream_many(jobs)
 
     def batch_generate(self, requests: Sequence[Request | Prompt]) -> list[GenerationResult]:
         """Generate for several prompts; every request is validated before anything runs, then all are
         queued at once and the engine keeps ``max_batch_size`` of them decoding (continuous batching)."""
-        normalized = [r if isinstance(r, Request) else Request(r) for r in requests]
-        encoded = [self.encode_prompt(r.prompt) for r in normalized]
-        for ids, request in zip(encoded, normalized, strict=True):
-            self._check_fits(len(ids), request.sampling.max_new_tokens)
-        jobs: list[Job] = []
+        jobs, encoded = self._submit_all(requests)
         try:
-            for ids, request in zip(encoded, normalized, strict=True):
-                jobs.append(self._submit(request, ids)[1])
             return [self._result(self.engine.wait(job), ids) for job, ids in zip(jobs, encoded, strict=True)]
         finally:
             for job in jobs:
                 self.engine.cancel(job)
+
+    def _submit_all(self, requests: Sequence[Request | Prompt], *, stream: bool = False, per_token: bool = False) -> tuple[list[Job], list[list[int]]]:
+        """Validate every request, then queue them all (none if any is invalid); the jobs and prompt ids."""
+        normalized = [r if isinstance(r, Request) else Request(r) for r in requests]
+        encoded = [self.prepare(r) for r in normalized]
+        jobs: list[Job] = []
+        try:
+            for ids, request in zip(encoded, normalized, strict=True):
+                jobs.append(self._submit(request, ids, stream=stream, per_token=per_token)[1])
+        except BaseException:
+            for job in jobs:
+                self.engine.cancel(job)
+            raise
+        return jobs, encoded
 
     def prepare(self, request: Request | Prompt) -> list[int]:
         """The prompt's token ids, checked to fit the model's context with the request's
