@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-from hypothesis import event, given, strategies as st
+from hypothesis import event, example, given, strategies as st
 
 from tests import tiny_gguf
 from tests.hf_reference import save_random_checkpoint, small_configs
@@ -209,6 +209,7 @@ def test_sampling_configs_are_built_or_refused(fields: dict[str, Any]) -> None:
     chunk=st.integers(max_value=2**40) | ANY_VALUE,
     blocks=st.integers(min_value=-2, max_value=64) | ANY_VALUE,
 )
+@example(budget=2**31, page_size=1, chunk=None, blocks=0)  # 2 PiB of pages: refused, not allocated
 def test_cache_options_build_an_engine_or_are_refused(model: Model, budget: Any, page_size: Any, chunk: Any, blocks: Any) -> None:
     outcome(lambda: Engine(model, paged_kv(budget, page_size=page_size), prefix_cache(blocks)))
     outcome(lambda: Engine(model, compressed_kv(chunk)))

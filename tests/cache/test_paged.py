@@ -8,6 +8,8 @@ logits (prefill, prefill from an offset after a reused prefix, decode steps).
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -99,14 +101,20 @@ def test_pool_from_memory_budget_counts_real_bytes() -> None:
 
     per_block_bf16 = bytes_per_token_per_layer("bf16", 3, 64, 16) * 16 * 2
     assert block_bytes("bf16") == per_block_bf16
-    pool = BlockPool.from_memory_budget(1.0, block_bytes("bf16"), 16)
-    assert pool.num_blocks == 2**20 // per_block_bf16 and pool.page_size == 16
-    q4 = BlockPool.from_memory_budget(1.0, block_bytes("q4"), 16)
-    assert q4.num_blocks > 3 * pool.num_blocks
+    bf16 = BlockPool.blocks_in_budget(1.0, block_bytes("bf16"), 16)
+    assert bf16 == 2**20 // per_block_bf16
+    q4 = BlockPool.blocks_in_budget(1.0, block_bytes("q4"), 16)
+    assert q4 > 3 * bf16
     with pytest.raises(ConfigError, match="holds no block"):
-        BlockPool.from_memory_budget(0.001, block_bytes("fp32"), 16)
+        BlockPool.blocks_in_budget(0.001, block_bytes("fp32"), 16)
     store = PageStore.with_budget(PagedConfig(2, 3, 64, 16, "q4"), 1.0)
-    assert store.pool.num_blocks == q4.num_blocks
+    assert store.pool.num_blocks == q4 and store.pool.page_size == 16
+
+
+@pytest.mark.parametrize("budget", [2.0**31, 1e308, math.inf])
+def test_a_budget_beyond_the_device_is_refused_before_allocating(budget: float) -> None:
+    with pytest.raises(ConfigError, match="max_memory_mb"):
+        PageStore.with_budget(PagedConfig(2, 2, 16, 1, "fp32"), budget)
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)

@@ -54,23 +54,29 @@ class BlockPool:
         # Frees up to n blocks held only by a cache of this pool (a prefix cache); asked when short.
         self.reclaim: Callable[[int], int] | None = None
 
-    @classmethod
-    def from_memory_budget(cls, max_memory_mb: float, block_bytes: int, page_size: int) -> BlockPool:
-        """As many blocks of ``block_bytes`` (K and V pages of every layer) as fit ``max_memory_mb`` MiB.
+    # Host bytes per block: a refcount, a fill count and a slot in the free list (a boxed int).
+    HOST_BYTES_PER_BLOCK = 2 * 4 + 8 + 32
+
+    @staticmethod
+    def blocks_in_budget(max_memory_mb: float, block_bytes: int, page_size: int) -> int:
+        """How many blocks of ``block_bytes`` (K and V pages of every layer) fit ``max_memory_mb`` MiB.
 
         ``block_bytes`` comes from the real page arrays (:meth:`PagedConfig.bytes_per_token
         <zgen.cache.page_store.PagedConfig.bytes_per_token>` x ``page_size``), so quantized formats
         really get more blocks.
         """
-        if not (isinstance(max_memory_mb, (int, float)) and max_memory_mb > 0):
+        if not (isinstance(max_memory_mb, (int, float)) and not isinstance(max_memory_mb, bool) and max_memory_mb > 0):
             raise ConfigError(f"max_memory_mb must be a positive number, got {max_memory_mb!r}")
-        num_blocks = int(max_memory_mb * 2**20 // block_bytes)
+        budget_bytes = max_memory_mb * 2**20
+        if not math.isfinite(budget_bytes):
+            raise ConfigError(f"max_memory_mb must be a finite number of MiB, got {max_memory_mb!r}")
+        num_blocks = int(budget_bytes // block_bytes)
         if num_blocks < 1:
             raise ConfigError(
                 f"max_memory_mb={max_memory_mb} holds no block: one block of {page_size} tokens takes "
                 f"{block_bytes} bytes; raise the budget or lower page_size"
             )
-        return cls(num_blocks, page_size)
+        return num_blocks
 
     # -- queries ----------------------------------------------------------------------------------
 

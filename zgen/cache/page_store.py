@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import os
+import resource
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -23,6 +25,24 @@ from zgen.cache.paged_state import PagedKVState, device_calibration
 from zgen.errors import CacheError, ConfigError
 from zgen.pallas.paged_attention.layouts import KeyCalibration, KVPages
 from zgen.shapes import next_pow2
+
+
+def available_memory_bytes() -> int:
+    """Bytes a new allocation can take on the default device.
+
+    Accelerators report their free memory; on CPU the pages live in host memory, bounded by the free
+    physical pages and by the process's address-space limit (``RLIMIT_AS``) where one is set.
+    """
+    stats = jax.devices()[0].memory_stats()
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        with open("/proc/self/statm") as statm:
+            mapped = int(statm.read().split()[0]) * resource.getpagesize()
+        free = min(free, soft - mapped)
+    return free
 
 
 def _one_layer(calibration: KeyCalibration | None) -> tuple[KeyCalibration] | None:
@@ -110,9 +130,22 @@ class PageStore:
 
     @classmethod
     def with_budget(cls, config: PagedConfig, max_memory_mb: float) -> PageStore:
-        """A store on a fresh pool of as many blocks as ``max_memory_mb`` MiB of pages hold."""
-        pool = BlockPool.from_memory_budget(max_memory_mb, config.bytes_per_token * config.page_size, config.page_size)
-        return cls(config, pool)
+        """A store on a fresh pool of as many blocks as ``max_memory_mb`` MiB of pages hold.
+
+        A budget the device cannot hold (pages plus the pool's host bookkeeping) is refused before
+        anything is allocated, rather than failing deep inside the allocator.
+        """
+        block_bytes = config.bytes_per_token * config.page_size
+        num_blocks = BlockPool.blocks_in_budget(max_memory_mb, block_bytes, config.page_size)
+        needed = num_blocks * (block_bytes + BlockPool.HOST_BYTES_PER_BLOCK)
+        available = available_memory_bytes()
+        if needed > available:
+            raise ConfigError(
+                f"max_memory_mb={max_memory_mb} asks for {needed / 2**20:,.0f} MiB of KV pages and pool "
+                f"bookkeeping, but only {available / 2**20:,.0f} MiB are free on {jax.devices()[0].platform}; "
+                "lower max_memory_mb"
+            )
+        return cls(config, BlockPool(num_blocks, config.page_size))
 
     def reset_pages(self) -> None:
         """Fresh zeroed pages for every layer (the pool's bookkeeping is untouched)."""
