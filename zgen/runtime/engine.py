@@ -40,10 +40,9 @@ import weakref
 from collections.abc import Iterator, Sequence as Seq
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Any, Literal
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from zgen.cache.base import KVManager, KVState, StepRow
@@ -60,7 +59,7 @@ from zgen.runtime.grammar import GrammarMatcher, fill_masks, mask_words
 from zgen.runtime.metrics import EngineMetrics, MetricsCollector
 from zgen.runtime.results import FinishReason
 from zgen.runtime.runner import runner_for
-from zgen.runtime.sampling import PenaltyState, SamplingConfig, SamplingFlags, SamplingParams, make_row_keys, penalty_state
+from zgen.runtime.sampling import PenaltyState, SamplingConfig, SamplingFlags, SamplingParams, penalty_state, row_key_data
 from zgen.runtime.sequence import Sequence
 from zgen.runtime.speculation import DraftControl, SpeculativeLoop, SpeculativeStats, Speculator
 from zgen.runtime.step import DecodeLoop, MixedBatch
@@ -262,6 +261,7 @@ class Engine:
         self._seeds = itertools.count(0x5EED)
         self._sequences: weakref.WeakSet[Sequence] = weakref.WeakSet()  # every live sequence (preemption victims)
         self._banks = AdapterBanks(model.config, model.dtype)  # LoRA banks of the steps' adapter mixes
+        self._last_params: tuple[list[SamplingConfig], SamplingParams] | None = None  # reused while a batch decodes
         self._speculators: weakref.WeakSet[Speculator] = weakref.WeakSet()  # checked against this model
 
     @property
@@ -617,7 +617,9 @@ class Engine:
 
     def _sampling(
         self, rows: list[_Row], index: list[int], width: int
-    ) -> tuple[SamplingParams, SamplingFlags, jax.Array, PenaltyState | None]:
+    ) -> tuple[SamplingParams, SamplingFlags, np.ndarray, PenaltyState | None]:
+        """The rows' sampling parameters (on the device), flags, key data (on the host: it travels with
+        the step's other host inputs) and penalty state."""
         configs = [GREEDY] * width
         seeds: list[int | None] = [0] * width
         for row, i in zip(rows, index, strict=True):
@@ -625,9 +627,11 @@ class Engine:
             seeds[i] = row.job.sampling.seed if row.job.sampling.seed is not None else row.job.seq.seed
         vocab = self.model.config.vocab_size
         flags = SamplingFlags.from_configs(configs, vocab)
-        keys = jax.random.key_data(make_row_keys(seeds))
+        keys = row_key_data(seeds)
         penalties = self._penalties(rows, index, width) if flags.penalties else None
-        return SamplingParams.from_configs(configs, vocab), flags, keys, penalties
+        if self._last_params is None or self._last_params[0] != configs:
+            self._last_params = configs, SamplingParams.from_configs(configs, vocab)
+        return self._last_params[1], flags, keys, penalties
 
     def _penalties(self, rows: list[_Row], index: list[int], width: int) -> PenaltyState:
         """Penalty state from token ids: each row has seen its sequence, and generated its job's tokens."""
@@ -639,9 +643,8 @@ class Engine:
         for i, s, g in zip(index, seen, generated, strict=True):
             seen_ids[i, : len(s)], seen_len[i] = s, len(s)
             gen_ids[i, : len(g)], gen_len[i] = g, len(g)
-        return penalty_state(
-            jnp.asarray(seen_ids), jnp.asarray(seen_len), jnp.asarray(gen_ids), jnp.asarray(gen_len), self.model.config.vocab_size
-        )
+        seen_ids, seen_len, gen_ids, gen_len = jax.device_put((seen_ids, seen_len, gen_ids, gen_len))
+        return penalty_state(seen_ids, seen_len, gen_ids, gen_len, self.model.config.vocab_size)
 
     def _run_mixed(self, rows: list[_Row]) -> None:
         t = next_pow2(max(row.count for row in rows), 1 if all(row.count == 1 for row in rows) else 16)
@@ -660,10 +663,8 @@ class Engine:
         host_choice = any(row.job.sampling.choose is not None for row in rows)
         want_logits = host_choice or any(p in row.job.request.logits_at for row in rows for p in row.reads if not row.job.generating)
         slots, bank = self._banks.for_rows([row.job.adapters for row in rows], index, width)
-        batch = MixedBatch(
-            jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(read_rows), jnp.asarray(draw_index), keys, params,
-            penalties, slots,
-        )
+        host: dict[str, Any] = dict(tokens=tokens, positions=positions, read_rows=read_rows, draw_index=draw_index, keys=keys)
+        batch = MixedBatch(**host, sampling=params, penalties=penalties, adapter_slots=slots)  # numpy: sent by the compiled call
         constrained = [(row.job.grammar, i) for row, i in zip(rows, index, strict=True) if row.job.grammar is not None and row.reads]
         if constrained:
             # The forward is dispatched first; the grammar masks are computed on the host while it runs.
@@ -676,7 +677,7 @@ class Engine:
             for row, i in zip(rows, index, strict=True):
                 if i in failed:
                     self._fail(row.job, failed[i])
-            out = self.runner.draw(out_logits, batch, jnp.asarray(masks), flags=flags, logits=want_logits, filtered=host_choice)
+            out = self.runner.draw(out_logits, batch, jax.device_put(masks), flags=flags, logits=want_logits, filtered=host_choice)
         else:
             out, state = self.runner.mixed(state, batch, flags=flags, logits=want_logits, filtered=host_choice, adapters=bank)
             self.kv.absorb(state)
@@ -734,15 +735,14 @@ class Engine:
             stop_ids[i, : len(ids)] = ids
         params, flags, keys, penalties = self._sampling(rows, index, width)
         slots, bank = self._banks.for_rows([row.job.adapters for row in rows], index, width)
-        loop = DecodeLoop(
-            token=jnp.asarray(token), position=jnp.asarray(position), done=jnp.asarray(done),
-            last_step=jnp.asarray(last_step), stop_ids=jnp.asarray(stop_ids), keys=keys, penalties=penalties,
-            out_tokens=jnp.full((width, steps), -1, jnp.int32), out_logprobs=jnp.zeros((width, steps), jnp.float32),
-            step=jnp.asarray(0, jnp.int32), max_steps=jnp.asarray(steps, jnp.int32),
+        host: dict[str, Any] = dict(  # numpy: the compiled call sends them with its arguments, at no extra cost
+            token=token, position=position, done=done, last_step=last_step, stop_ids=stop_ids, keys=keys,
+            out_tokens=np.full((width, steps), -1, np.int32), out_logprobs=np.zeros((width, steps), np.float32),
+            step=np.int32(0), max_steps=np.int32(steps),
             # the loop leaves once more than done_at_start rows are done: after `finishes` of them
-            exit_on_finish=jnp.asarray(exit_on_finish), done_at_start=jnp.asarray(int(done.sum()) + finishes - 1, jnp.int32),
-            adapter_slots=slots,
+            exit_on_finish=np.bool_(exit_on_finish), done_at_start=np.int32(done.sum() + finishes - 1),
         )
+        loop = DecodeLoop(**host, penalties=penalties, adapter_slots=slots)
         loop, state = self.runner.decode(state, loop, params, flags=flags, adapters=bank)
         self.kv.absorb(state)
         out, logprobs, iterations = jax.device_get((loop.out_tokens, loop.out_logprobs, loop.step))
@@ -777,7 +777,7 @@ class Engine:
         limit = np.zeros(width, np.int32)
         budget = np.zeros(width, np.int32)
         done = np.ones(width, bool)
-        control = DraftControl.initial(width, k)
+        control: dict[str, Any] = DraftControl.initial(width, k)
         stops = [job.text.stop.device_token_ids if (job := row.job).text is not None else () for row in rows]
         stop_ids = np.full((width, next_pow2(max(max(len(s) for s in stops), 1))), -1, np.int32)
         for row, i, ids in zip(rows, index, stops, strict=True):
@@ -788,15 +788,15 @@ class Engine:
             for name, value in (row.job.control or DraftControl.initial(1, k)).items():
                 control[name][i] = value[0]
         params, flags, keys, _ = self._sampling(rows, index, width)
-        loop = SpeculativeLoop(
-            history=jnp.asarray(history), length=jnp.asarray(lengths), limit=jnp.asarray(limit), budget=jnp.asarray(budget),
-            emitted=jnp.zeros(width, jnp.int32), done=jnp.asarray(done), stop_ids=jnp.asarray(stop_ids), keys=keys,
-            out_tokens=jnp.full((width, steps + k + 1), -1, jnp.int32), out_logprobs=jnp.zeros((width, steps + k + 1), jnp.float32),
-            drafted=jnp.zeros(width, jnp.int32), accepted=jnp.zeros(width, jnp.int32), verified=jnp.zeros(width, jnp.int32),
-            control=DraftControl(**{name: jnp.asarray(value) for name, value in control.items()}),
-            step=jnp.asarray(0, jnp.int32), max_steps=jnp.asarray(passes, jnp.int32),
-            exit_on_finish=jnp.asarray(exit_on_finish), done_at_start=jnp.asarray(int(done.sum()), jnp.int32),
+        zeros = lambda: np.zeros(width, np.int32)  # noqa: E731
+        host: dict[str, Any] = dict(  # numpy, sent by the compiled call
+            history=history, length=lengths, limit=limit, budget=budget, emitted=zeros(), done=done, stop_ids=stop_ids,
+            keys=keys, out_tokens=np.full((width, steps + k + 1), -1, np.int32),
+            out_logprobs=np.zeros((width, steps + k + 1), np.float32), drafted=zeros(), accepted=zeros(), verified=zeros(),
+            control=DraftControl(**control), step=np.int32(0), max_steps=np.int32(passes), exit_on_finish=np.bool_(exit_on_finish),
+            done_at_start=np.int32(done.sum()),
         )
+        loop = SpeculativeLoop(**host)
         loop, state = self.runner.speculate(state, loop, params, speculator, flags=flags)
         self.kv.absorb(state)
         out, logprobs, emitted, drafted, accepted, verified, iterations, ctl = jax.device_get(

@@ -200,4 +200,4 @@ def runner_for(model: Model) -> Runner:
 
 def _shape_key(tree: Any) -> tuple[Any, ...]:
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    return (treedef, tuple((leaf.shape, str(leaf.dtype)) for leaf in leaves))
+    return (treedef, tuple((leaf.shape, leaf.dtype) for leaf in leaves))
