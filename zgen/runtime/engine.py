@@ -49,7 +49,7 @@ from zgen.cache.base import KVManager, KVState, StepRow
 from zgen.cache.factory import CacheOption, make_kv, resolve
 from zgen.cache.formats import kv_dtype_of, kv_format
 from zgen.cache.paged_manager import PagedKVManager
-from zgen.errors import AdapterError, CacheError, ConfigError, InputError, PoolExhaustedError, PromptTooLongError, TokenIdError, ZgenError
+from zgen.errors import AdapterError, CacheError, ConfigError, GrammarError, InputError, PoolExhaustedError, PromptTooLongError, TokenIdError, ZgenError
 from zgen.lora.adapter import LoraAdapter, check_adapter
 from zgen.model import Model
 from zgen.pallas.paged_attention.layouts import KeyCalibration
@@ -201,7 +201,7 @@ class Job:
     def loopable(self) -> bool:
         """One token left to feed, sampled on the device, nothing else asked of it: the decode loop serves it."""
         r = self.request
-        if self.sampling.choose is not None or self.grammar is not None or r.attention_mask is not None:
+        if self.sampling.choose is not None or r.attention_mask is not None:
             return False
         if self.generating:
             return self.seq.kv_len == self.seq.num_tokens - 1  # (a preempted job feeds its tokens again first)
@@ -262,6 +262,8 @@ class Engine:
         self._sequences: weakref.WeakSet[Sequence] = weakref.WeakSet()  # every live sequence (preemption victims)
         self._banks = AdapterBanks(model.config, model.dtype)  # LoRA banks of the steps' adapter mixes
         self._last_params: tuple[list[SamplingConfig], SamplingParams] | None = None  # reused while a batch decodes
+        self._loop_grammars: list[tuple[GrammarMatcher, int]] = []  # the running decode loop's constrained rows
+        self._loop_failures: dict[int, GrammarError] = {}  # ... and the rows whose grammar failed in it
         self._speculators: weakref.WeakSet[Speculator] = weakref.WeakSet()  # checked against this model
 
     @property
@@ -526,7 +528,7 @@ class Engine:
         key = first.cache_key()
         for job in jobs:
             spec = job.request.speculative
-            if spec is None or spec.cache_key() != key or job.sampling.uses_penalties or job.adapters:
+            if spec is None or spec.cache_key() != key or job.sampling.uses_penalties or job.adapters or job.grammar:
                 return None
         return first
 
@@ -735,30 +737,69 @@ class Engine:
             stop_ids[i, : len(ids)] = ids
         params, flags, keys, penalties = self._sampling(rows, index, width)
         slots, bank = self._banks.for_rows([row.job.adapters for row in rows], index, width)
+        constrained = [(row.job.grammar, i) for row, i in zip(rows, index, strict=True) if row.job.grammar is not None]
+        token_mask = None
+        if constrained:
+            token_mask = np.full((width, mask_words(self.model.config.vocab_size)), -1, np.int32)
+            self._loop_grammars, self._loop_failures = constrained, fill_masks(constrained, token_mask)
+            done[list(self._loop_failures)] = True
         host: dict[str, Any] = dict(  # numpy: the compiled call sends them with its arguments, at no extra cost
             token=token, position=position, done=done, last_step=last_step, stop_ids=stop_ids, keys=keys,
             out_tokens=np.full((width, steps), -1, np.int32), out_logprobs=np.zeros((width, steps), np.float32),
             step=np.int32(0), max_steps=np.int32(steps),
             # the loop leaves once more than done_at_start rows are done: after `finishes` of them
             exit_on_finish=np.bool_(exit_on_finish), done_at_start=np.int32(done.sum() + finishes - 1),
+            token_mask=token_mask,
         )
         loop = DecodeLoop(**host, penalties=penalties, adapter_slots=slots)
-        loop, state = self.runner.decode(state, loop, params, flags=flags, adapters=bank)
+        grammar = self._grammar_step if constrained else None
+        try:
+            loop, state = self.runner.decode(state, loop, params, flags=flags, adapters=bank, grammar=grammar)
+        finally:
+            self._loop_grammars, failures, self._loop_failures = [], self._loop_failures, {}
         self.kv.absorb(state)
         out, logprobs, iterations = jax.device_get((loop.out_tokens, loop.out_logprobs, loop.step))
         self.stats.steps += 1
         self.stats.forward_passes += int(iterations)
         self.stats.rows += len(rows)
         for row, i, ids in zip(rows, index, stops, strict=True):
-            self._take_loop_draws(row, _row_draws(out[i, : min(row.count, int(iterations))].tolist(), ids), logprobs[i])
+            if i in failures:
+                self._fail(row.job, failures[i])
+                continue
+            drawn = _row_draws(out[i, : min(row.count, int(iterations))].tolist(), ids)
+            self._take_loop_draws(row, drawn, logprobs[i], grammar_taken=row.job.grammar is not None)
 
-    def _take_loop_draws(self, row: _Row, drawn: list[int], logprobs: np.ndarray) -> None:
-        """A loop row's draws: keep their K/V (the input and all but the last draw), roll back the rest."""
+    def _grammar_step(self, drawn: np.ndarray, active: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The decode loop's host callback (:data:`~zgen.runtime.step.GrammarStep`): each constrained
+        row's grammar takes its draw, then gives the mask of what may follow (llguidance's threads)."""
+        masks = np.full((len(drawn), mask_words(self.model.config.vocab_size)), -1, np.int32)
+        complete = np.zeros(len(drawn), bool)
+        going = []
+        for matcher, i in self._loop_grammars:
+            if not active[i] or i in self._loop_failures:
+                continue
+            try:
+                matcher.consume(int(drawn[i]))
+            except GrammarError as err:
+                self._loop_failures[i] = err
+            if i in self._loop_failures or matcher.complete:
+                complete[i] = True  # the row ends here (a failed one fails after the loop)
+            else:
+                going.append((matcher, i))
+        for i, err in fill_masks(going, masks).items():
+            self._loop_failures[i], complete[i] = err, True
+        return masks, complete
+
+    def _take_loop_draws(self, row: _Row, drawn: list[int], logprobs: np.ndarray, *, grammar_taken: bool = False) -> None:
+        """A loop row's draws: keep their K/V (the input and all but the last draw), roll back the rest.
+        ``grammar_taken``: the loop's grammar callback already advanced the job's grammar past them."""
         job = row.job
         self.stats.decode_tokens += len(drawn)
         job.seq.kv.truncate(row.start + len(drawn))
         for n, t in enumerate(drawn):
-            self._take(job, row.start + n, t, float(logprobs[n]))
+            self._take(job, row.start + n, t, float(logprobs[n]), grammar_taken=grammar_taken)
+        if grammar_taken:
+            self._end_if_grammar_complete(job)
         self._deliver(job)
         job.result.steps += 1
         if job.text is None:
@@ -813,7 +854,7 @@ class Engine:
             job.result.speculative = stats if job.result.speculative is None else job.result.speculative + stats
             self._take_loop_draws(row, _row_draws(out[i, : min(row.count, int(emitted[i]))].tolist(), ids), logprobs[i])
 
-    def _take(self, job: Job, position: int, token: int, logprob: float) -> None:
+    def _take(self, job: Job, position: int, token: int, logprob: float, *, grammar_taken: bool = False) -> None:
         """Record a token sampled at ``position``; a generation keeps it (``job.drawn``, appended to the
         sequence after the step's tokens are all taken) and goes on."""
         r = job.request
@@ -827,16 +868,25 @@ class Engine:
         assert job.text is not None
         if job.text.done:
             return  # drawn past a stop on the device: rolled back when the job finishes
-        if job.grammar is not None:
+        if job.grammar is not None and not grammar_taken:
             job.grammar.consume(token)
         piece = job.text.push(token)
         job.drawn.append(token)
         job.result.tokens.append(token)
         job.result.logprobs.append(logprob)
-        if job.grammar is not None and job.grammar.complete and not job.text.done:
-            piece += job.text.finish("stop")  # the grammar is complete: nothing else may follow
         if piece and r.stream:
             job.pieces.append(piece)
+        if not grammar_taken:
+            self._end_if_grammar_complete(job)
+
+    @staticmethod
+    def _end_if_grammar_complete(job: Job) -> None:
+        """A generation whose grammar is complete ends: nothing else may follow."""
+        assert job.text is not None
+        if job.grammar is not None and job.grammar.complete and not job.text.done:
+            piece = job.text.finish("stop")
+            if piece and job.request.stream:
+                job.pieces.append(piece)
 
     def _deliver(self, job: Job) -> None:
         """Append the step's generated tokens to the sequence and count them (metrics)."""
@@ -929,8 +979,9 @@ class Engine:
 
 
 def _row_draws(out: list[int], stop_ids: tuple[int, ...]) -> list[int]:
-    """A decode-loop row's draws: up to and including its first stop id (the loop's rule for ending it)."""
-    end = next((n + 1 for n, token in enumerate(out) if token in stop_ids), len(out))
+    """A decode-loop row's draws: up to and including its first stop id, and before the first -1 (a
+    row the loop ended otherwise, as its grammar completing)."""
+    end = next((n + (token != -1) for n, token in enumerate(out) if token == -1 or token in stop_ids), len(out))
     return out[:end]
 
 
