@@ -176,7 +176,7 @@ class PageStore:
         self.ensure_available()
         c = self.config
         calibration = device_calibration(c.key_calibration, c.num_layers, c.kv_heads, c.head_dim)
-        return PagedKVState(self.k, self.v, jnp.asarray(block_tables, jnp.int32), c.kv_dtype, c.dtype, calibration)
+        return PagedKVState(self.k, self.v, jax.device_put(block_tables.astype(np.int32, copy=False)), c.kv_dtype, c.dtype, calibration)
 
     def _layer_calibration(self, layer: int) -> KeyCalibration | None:
         calibration = self.config.key_calibration

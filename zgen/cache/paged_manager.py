@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import jax.numpy as jnp
+import jax
 import numpy as np
 
 from zgen.cache.base import KVHandle, KVState, StepRow
@@ -135,8 +135,8 @@ def _masked(state: PagedKVState, rows: Sequence[StepRow], tables: np.ndarray, to
     token_pages = visible.reshape(width, pages, ps)
     readable = (tables >= 0) & token_pages.any(axis=2)
     cut_pages = used & token_pages.any(axis=2) & ~token_pages.all(axis=2)
-    page_mask = None if readable[used].all() else jnp.asarray(readable)
-    token_mask = jnp.asarray(visible) if cut_pages.any() else None
+    page_mask = None if readable[used].all() else jax.device_put(readable)
+    token_mask = jax.device_put(visible) if cut_pages.any() else None
     query_mask = None
     if any(row.attention is not None for row in rows):
         query = np.zeros((width, tokens, pages * ps), bool)
@@ -146,5 +146,5 @@ def _masked(state: PagedKVState, rows: Sequence[StepRow], tables: np.ndarray, to
             else:
                 positions = np.arange(row.start, row.start + row.count)
                 query[i, : row.count] = np.arange(pages * ps)[None, :] <= positions[:, None]
-        query_mask = jnp.asarray(query)
+        query_mask = jax.device_put(query)
     return MaskedPagedState(state, page_mask, token_mask, query_mask)

@@ -180,7 +180,7 @@ class SlotKVManager:
         lengths[slot] = length
         kept = lengths.copy()
         kept[slot] = keep
-        self.state = _truncate(self.state, jnp.asarray(kept), jnp.asarray(lengths))
+        self.state = _truncate(self.state, *jax.device_put((kept, lengths)))
 
     def _release(self, handle: SlotHandle) -> None:
         if handle.slot is not None:

@@ -40,4 +40,4 @@ class AdapterBanks:
         slots = np.zeros(width, np.int32)
         for key, i in zip(keys, index, strict=True):
             slots[i] = distinct.index(key) + 1 if key else 0
-        return jnp.asarray(slots), self._banks[bank_key][1]
+        return jax.device_put(slots), self._banks[bank_key][1]

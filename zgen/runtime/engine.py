@@ -40,17 +40,16 @@ import weakref
 from collections.abc import Iterator, Sequence as Seq
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Any, Literal
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from zgen.cache.base import KVManager, KVState, StepRow
 from zgen.cache.factory import CacheOption, make_kv, resolve
 from zgen.cache.formats import kv_dtype_of, kv_format
 from zgen.cache.paged_manager import PagedKVManager
-from zgen.errors import AdapterError, CacheError, ConfigError, InputError, PoolExhaustedError, PromptTooLongError, TokenIdError, ZgenError
+from zgen.errors import AdapterError, CacheError, ConfigError, GrammarError, InputError, PoolExhaustedError, PromptTooLongError, TokenIdError, ZgenError
 from zgen.lora.adapter import LoraAdapter, check_adapter
 from zgen.model import Model
 from zgen.pallas.paged_attention.layouts import KeyCalibration
@@ -60,7 +59,7 @@ from zgen.runtime.grammar import GrammarMatcher, fill_masks, mask_words
 from zgen.runtime.metrics import EngineMetrics, MetricsCollector
 from zgen.runtime.results import FinishReason
 from zgen.runtime.runner import runner_for
-from zgen.runtime.sampling import PenaltyState, SamplingConfig, SamplingFlags, SamplingParams, make_row_keys, penalty_state
+from zgen.runtime.sampling import PenaltyState, SamplingConfig, SamplingFlags, SamplingParams, penalty_state, row_key_data
 from zgen.runtime.sequence import Sequence
 from zgen.runtime.speculation import DraftControl, SpeculativeLoop, SpeculativeStats, Speculator
 from zgen.runtime.step import DecodeLoop, MixedBatch
@@ -202,7 +201,7 @@ class Job:
     def loopable(self) -> bool:
         """One token left to feed, sampled on the device, nothing else asked of it: the decode loop serves it."""
         r = self.request
-        if self.sampling.choose is not None or self.grammar is not None or r.attention_mask is not None:
+        if self.sampling.choose is not None or r.attention_mask is not None:
             return False
         if self.generating:
             return self.seq.kv_len == self.seq.num_tokens - 1  # (a preempted job feeds its tokens again first)
@@ -262,6 +261,9 @@ class Engine:
         self._seeds = itertools.count(0x5EED)
         self._sequences: weakref.WeakSet[Sequence] = weakref.WeakSet()  # every live sequence (preemption victims)
         self._banks = AdapterBanks(model.config, model.dtype)  # LoRA banks of the steps' adapter mixes
+        self._last_params: tuple[list[SamplingConfig], SamplingParams] | None = None  # reused while a batch decodes
+        self._loop_grammars: list[tuple[GrammarMatcher, int]] = []  # the running decode loop's constrained rows
+        self._loop_failures: dict[int, GrammarError] = {}  # ... and the rows whose grammar failed in it
         self._speculators: weakref.WeakSet[Speculator] = weakref.WeakSet()  # checked against this model
 
     @property
@@ -526,7 +528,7 @@ class Engine:
         key = first.cache_key()
         for job in jobs:
             spec = job.request.speculative
-            if spec is None or spec.cache_key() != key or job.sampling.uses_penalties or job.adapters:
+            if spec is None or spec.cache_key() != key or job.sampling.uses_penalties or job.adapters or job.grammar:
                 return None
         return first
 
@@ -617,7 +619,9 @@ class Engine:
 
     def _sampling(
         self, rows: list[_Row], index: list[int], width: int
-    ) -> tuple[SamplingParams, SamplingFlags, jax.Array, PenaltyState | None]:
+    ) -> tuple[SamplingParams, SamplingFlags, np.ndarray, PenaltyState | None]:
+        """The rows' sampling parameters (on the device), flags, key data (on the host: it travels with
+        the step's other host inputs) and penalty state."""
         configs = [GREEDY] * width
         seeds: list[int | None] = [0] * width
         for row, i in zip(rows, index, strict=True):
@@ -625,9 +629,11 @@ class Engine:
             seeds[i] = row.job.sampling.seed if row.job.sampling.seed is not None else row.job.seq.seed
         vocab = self.model.config.vocab_size
         flags = SamplingFlags.from_configs(configs, vocab)
-        keys = jax.random.key_data(make_row_keys(seeds))
+        keys = row_key_data(seeds)
         penalties = self._penalties(rows, index, width) if flags.penalties else None
-        return SamplingParams.from_configs(configs, vocab), flags, keys, penalties
+        if self._last_params is None or self._last_params[0] != configs:
+            self._last_params = configs, SamplingParams.from_configs(configs, vocab)
+        return self._last_params[1], flags, keys, penalties
 
     def _penalties(self, rows: list[_Row], index: list[int], width: int) -> PenaltyState:
         """Penalty state from token ids: each row has seen its sequence, and generated its job's tokens."""
@@ -639,9 +645,8 @@ class Engine:
         for i, s, g in zip(index, seen, generated, strict=True):
             seen_ids[i, : len(s)], seen_len[i] = s, len(s)
             gen_ids[i, : len(g)], gen_len[i] = g, len(g)
-        return penalty_state(
-            jnp.asarray(seen_ids), jnp.asarray(seen_len), jnp.asarray(gen_ids), jnp.asarray(gen_len), self.model.config.vocab_size
-        )
+        seen_ids, seen_len, gen_ids, gen_len = jax.device_put((seen_ids, seen_len, gen_ids, gen_len))
+        return penalty_state(seen_ids, seen_len, gen_ids, gen_len, self.model.config.vocab_size)
 
     def _run_mixed(self, rows: list[_Row]) -> None:
         t = next_pow2(max(row.count for row in rows), 1 if all(row.count == 1 for row in rows) else 16)
@@ -660,10 +665,8 @@ class Engine:
         host_choice = any(row.job.sampling.choose is not None for row in rows)
         want_logits = host_choice or any(p in row.job.request.logits_at for row in rows for p in row.reads if not row.job.generating)
         slots, bank = self._banks.for_rows([row.job.adapters for row in rows], index, width)
-        batch = MixedBatch(
-            jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(read_rows), jnp.asarray(draw_index), keys, params,
-            penalties, slots,
-        )
+        host: dict[str, Any] = dict(tokens=tokens, positions=positions, read_rows=read_rows, draw_index=draw_index, keys=keys)
+        batch = MixedBatch(**host, sampling=params, penalties=penalties, adapter_slots=slots)  # numpy: sent by the compiled call
         constrained = [(row.job.grammar, i) for row, i in zip(rows, index, strict=True) if row.job.grammar is not None and row.reads]
         if constrained:
             # The forward is dispatched first; the grammar masks are computed on the host while it runs.
@@ -676,7 +679,7 @@ class Engine:
             for row, i in zip(rows, index, strict=True):
                 if i in failed:
                     self._fail(row.job, failed[i])
-            out = self.runner.draw(out_logits, batch, jnp.asarray(masks), flags=flags, logits=want_logits, filtered=host_choice)
+            out = self.runner.draw(out_logits, batch, jax.device_put(masks), flags=flags, logits=want_logits, filtered=host_choice)
         else:
             out, state = self.runner.mixed(state, batch, flags=flags, logits=want_logits, filtered=host_choice, adapters=bank)
             self.kv.absorb(state)
@@ -734,31 +737,69 @@ class Engine:
             stop_ids[i, : len(ids)] = ids
         params, flags, keys, penalties = self._sampling(rows, index, width)
         slots, bank = self._banks.for_rows([row.job.adapters for row in rows], index, width)
-        loop = DecodeLoop(
-            token=jnp.asarray(token), position=jnp.asarray(position), done=jnp.asarray(done),
-            last_step=jnp.asarray(last_step), stop_ids=jnp.asarray(stop_ids), keys=keys, penalties=penalties,
-            out_tokens=jnp.full((width, steps), -1, jnp.int32), out_logprobs=jnp.zeros((width, steps), jnp.float32),
-            step=jnp.asarray(0, jnp.int32), max_steps=jnp.asarray(steps, jnp.int32),
+        constrained = [(row.job.grammar, i) for row, i in zip(rows, index, strict=True) if row.job.grammar is not None]
+        token_mask = None
+        if constrained:
+            token_mask = np.full((width, mask_words(self.model.config.vocab_size)), -1, np.int32)
+            self._loop_grammars, self._loop_failures = constrained, fill_masks(constrained, token_mask)
+            done[list(self._loop_failures)] = True
+        host: dict[str, Any] = dict(  # numpy: the compiled call sends them with its arguments, at no extra cost
+            token=token, position=position, done=done, last_step=last_step, stop_ids=stop_ids, keys=keys,
+            out_tokens=np.full((width, steps), -1, np.int32), out_logprobs=np.zeros((width, steps), np.float32),
+            step=np.int32(0), max_steps=np.int32(steps),
             # the loop leaves once more than done_at_start rows are done: after `finishes` of them
-            exit_on_finish=jnp.asarray(exit_on_finish), done_at_start=jnp.asarray(int(done.sum()) + finishes - 1, jnp.int32),
-            adapter_slots=slots,
+            exit_on_finish=np.bool_(exit_on_finish), done_at_start=np.int32(done.sum() + finishes - 1),
+            token_mask=token_mask,
         )
-        loop, state = self.runner.decode(state, loop, params, flags=flags, adapters=bank)
+        loop = DecodeLoop(**host, penalties=penalties, adapter_slots=slots)
+        grammar = self._grammar_step if constrained else None
+        try:
+            loop, state = self.runner.decode(state, loop, params, flags=flags, adapters=bank, grammar=grammar)
+        finally:
+            self._loop_grammars, failures, self._loop_failures = [], self._loop_failures, {}
         self.kv.absorb(state)
         out, logprobs, iterations = jax.device_get((loop.out_tokens, loop.out_logprobs, loop.step))
         self.stats.steps += 1
         self.stats.forward_passes += int(iterations)
         self.stats.rows += len(rows)
         for row, i, ids in zip(rows, index, stops, strict=True):
-            self._take_loop_draws(row, _row_draws(out[i, : min(row.count, int(iterations))].tolist(), ids), logprobs[i])
+            if i in failures:
+                self._fail(row.job, failures[i])
+                continue
+            drawn = _row_draws(out[i, : min(row.count, int(iterations))].tolist(), ids)
+            self._take_loop_draws(row, drawn, logprobs[i], grammar_taken=row.job.grammar is not None)
 
-    def _take_loop_draws(self, row: _Row, drawn: list[int], logprobs: np.ndarray) -> None:
-        """A loop row's draws: keep their K/V (the input and all but the last draw), roll back the rest."""
+    def _grammar_step(self, drawn: np.ndarray, active: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The decode loop's host callback (:data:`~zgen.runtime.step.GrammarStep`): each constrained
+        row's grammar takes its draw, then gives the mask of what may follow (llguidance's threads)."""
+        masks = np.full((len(drawn), mask_words(self.model.config.vocab_size)), -1, np.int32)
+        complete = np.zeros(len(drawn), bool)
+        going = []
+        for matcher, i in self._loop_grammars:
+            if not active[i] or i in self._loop_failures:
+                continue
+            try:
+                matcher.consume(int(drawn[i]))
+            except GrammarError as err:
+                self._loop_failures[i] = err
+            if i in self._loop_failures or matcher.complete:
+                complete[i] = True  # the row ends here (a failed one fails after the loop)
+            else:
+                going.append((matcher, i))
+        for i, err in fill_masks(going, masks).items():
+            self._loop_failures[i], complete[i] = err, True
+        return masks, complete
+
+    def _take_loop_draws(self, row: _Row, drawn: list[int], logprobs: np.ndarray, *, grammar_taken: bool = False) -> None:
+        """A loop row's draws: keep their K/V (the input and all but the last draw), roll back the rest.
+        ``grammar_taken``: the loop's grammar callback already advanced the job's grammar past them."""
         job = row.job
         self.stats.decode_tokens += len(drawn)
         job.seq.kv.truncate(row.start + len(drawn))
         for n, t in enumerate(drawn):
-            self._take(job, row.start + n, t, float(logprobs[n]))
+            self._take(job, row.start + n, t, float(logprobs[n]), grammar_taken=grammar_taken)
+        if grammar_taken:
+            self._end_if_grammar_complete(job)
         self._deliver(job)
         job.result.steps += 1
         if job.text is None:
@@ -777,7 +818,7 @@ class Engine:
         limit = np.zeros(width, np.int32)
         budget = np.zeros(width, np.int32)
         done = np.ones(width, bool)
-        control = DraftControl.initial(width, k)
+        control: dict[str, Any] = DraftControl.initial(width, k)
         stops = [job.text.stop.device_token_ids if (job := row.job).text is not None else () for row in rows]
         stop_ids = np.full((width, next_pow2(max(max(len(s) for s in stops), 1))), -1, np.int32)
         for row, i, ids in zip(rows, index, stops, strict=True):
@@ -788,15 +829,15 @@ class Engine:
             for name, value in (row.job.control or DraftControl.initial(1, k)).items():
                 control[name][i] = value[0]
         params, flags, keys, _ = self._sampling(rows, index, width)
-        loop = SpeculativeLoop(
-            history=jnp.asarray(history), length=jnp.asarray(lengths), limit=jnp.asarray(limit), budget=jnp.asarray(budget),
-            emitted=jnp.zeros(width, jnp.int32), done=jnp.asarray(done), stop_ids=jnp.asarray(stop_ids), keys=keys,
-            out_tokens=jnp.full((width, steps + k + 1), -1, jnp.int32), out_logprobs=jnp.zeros((width, steps + k + 1), jnp.float32),
-            drafted=jnp.zeros(width, jnp.int32), accepted=jnp.zeros(width, jnp.int32), verified=jnp.zeros(width, jnp.int32),
-            control=DraftControl(**{name: jnp.asarray(value) for name, value in control.items()}),
-            step=jnp.asarray(0, jnp.int32), max_steps=jnp.asarray(passes, jnp.int32),
-            exit_on_finish=jnp.asarray(exit_on_finish), done_at_start=jnp.asarray(int(done.sum()), jnp.int32),
+        zeros = lambda: np.zeros(width, np.int32)  # noqa: E731
+        host: dict[str, Any] = dict(  # numpy, sent by the compiled call
+            history=history, length=lengths, limit=limit, budget=budget, emitted=zeros(), done=done, stop_ids=stop_ids,
+            keys=keys, out_tokens=np.full((width, steps + k + 1), -1, np.int32),
+            out_logprobs=np.zeros((width, steps + k + 1), np.float32), drafted=zeros(), accepted=zeros(), verified=zeros(),
+            control=DraftControl(**control), step=np.int32(0), max_steps=np.int32(passes), exit_on_finish=np.bool_(exit_on_finish),
+            done_at_start=np.int32(done.sum()),
         )
+        loop = SpeculativeLoop(**host)
         loop, state = self.runner.speculate(state, loop, params, speculator, flags=flags)
         self.kv.absorb(state)
         out, logprobs, emitted, drafted, accepted, verified, iterations, ctl = jax.device_get(
@@ -813,7 +854,7 @@ class Engine:
             job.result.speculative = stats if job.result.speculative is None else job.result.speculative + stats
             self._take_loop_draws(row, _row_draws(out[i, : min(row.count, int(emitted[i]))].tolist(), ids), logprobs[i])
 
-    def _take(self, job: Job, position: int, token: int, logprob: float) -> None:
+    def _take(self, job: Job, position: int, token: int, logprob: float, *, grammar_taken: bool = False) -> None:
         """Record a token sampled at ``position``; a generation keeps it (``job.drawn``, appended to the
         sequence after the step's tokens are all taken) and goes on."""
         r = job.request
@@ -827,16 +868,25 @@ class Engine:
         assert job.text is not None
         if job.text.done:
             return  # drawn past a stop on the device: rolled back when the job finishes
-        if job.grammar is not None:
+        if job.grammar is not None and not grammar_taken:
             job.grammar.consume(token)
         piece = job.text.push(token)
         job.drawn.append(token)
         job.result.tokens.append(token)
         job.result.logprobs.append(logprob)
-        if job.grammar is not None and job.grammar.complete and not job.text.done:
-            piece += job.text.finish("stop")  # the grammar is complete: nothing else may follow
         if piece and r.stream:
             job.pieces.append(piece)
+        if not grammar_taken:
+            self._end_if_grammar_complete(job)
+
+    @staticmethod
+    def _end_if_grammar_complete(job: Job) -> None:
+        """A generation whose grammar is complete ends: nothing else may follow."""
+        assert job.text is not None
+        if job.grammar is not None and job.grammar.complete and not job.text.done:
+            piece = job.text.finish("stop")
+            if piece and job.request.stream:
+                job.pieces.append(piece)
 
     def _deliver(self, job: Job) -> None:
         """Append the step's generated tokens to the sequence and count them (metrics)."""
@@ -929,8 +979,9 @@ class Engine:
 
 
 def _row_draws(out: list[int], stop_ids: tuple[int, ...]) -> list[int]:
-    """A decode-loop row's draws: up to and including its first stop id (the loop's rule for ending it)."""
-    end = next((n + 1 for n, token in enumerate(out) if token in stop_ids), len(out))
+    """A decode-loop row's draws: up to and including its first stop id, and before the first -1 (a
+    row the loop ended otherwise, as its grammar completing)."""
+    end = next((n + (token != -1) for n, token in enumerate(out) if token == -1 or token in stop_ids), len(out))
     return out[:end]
 
 

@@ -179,6 +179,8 @@ def fill_masks(matchers: Sequence[tuple[GrammarMatcher, int]], masks: np.ndarray
     parallel on llguidance's threads. Returns the rows whose grammar failed, with why."""
     from llguidance.numpy import fill_next_token_bitmask_par
 
+    if not matchers:
+        return {}  # llguidance refuses an empty batch
     fill_next_token_bitmask_par(_executor(), [(m._matcher, i) for m, i in matchers], masks)
     failed: dict[int, GrammarError] = {}
     for matcher, i in matchers:

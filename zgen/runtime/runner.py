@@ -25,7 +25,7 @@ from zgen.model import Model, attached
 from zgen.runtime.sampling import SamplingFlags, SamplingParams
 from zgen.runtime.speculation import SpeculativeLoop, Speculator, speculative_loop
 from zgen.runtime.step import (
-    DecodeLoop, MixedBatch, MixedOutput, ModelSpec, Pooling, decode_loop, draw_reads, forward, hidden_states, mixed_step,
+    DecodeLoop, GrammarStep, MixedBatch, MixedOutput, ModelSpec, Pooling, decode_loop, draw_reads, forward, hidden_states, mixed_step,
     pool_hidden,
 )
 
@@ -104,13 +104,16 @@ class Runner:
 
     def decode(
         self, kv: S, loop: DecodeLoop, sampling: SamplingParams, *, flags: SamplingFlags,
-        adapters: LoraBank | None = None,
+        adapters: LoraBank | None = None, grammar: GrammarStep | None = None,
     ) -> tuple[DecodeLoop, S]:
-        key = ("decode", _shape_key(kv), _shape_key(loop), flags, None if adapters is None else adapters.shapes)
+        """The decode loop (:func:`~zgen.runtime.step.decode_loop`); ``grammar`` is compiled in (one
+        executable per engine that constrains its loops)."""
+        key = ("decode", _shape_key(kv), _shape_key(loop), flags, None if adapters is None else adapters.shapes, grammar)
         args = (self._params(adapters), kv, loop, sampling)
 
         def lower() -> Any:
-            return jax.jit(self._decode, donate_argnums=(1, 2), static_argnames=("flags",)).lower(*args, flags=flags)
+            fn = jax.jit(self._decode, donate_argnums=(1, 2), static_argnames=("flags", "grammar"))
+            return fn.lower(*args, flags=flags, grammar=grammar)
 
         return self._compiled(key, lower)(*args)
 
@@ -173,9 +176,10 @@ class Runner:
         return mixed_step(self.spec, params, kv, batch, flags=flags, logits=logits, filtered=filtered)
 
     def _decode(
-        self, params: Any, kv: S, loop: DecodeLoop, sampling: SamplingParams, *, flags: SamplingFlags
+        self, params: Any, kv: S, loop: DecodeLoop, sampling: SamplingParams, *, flags: SamplingFlags,
+        grammar: GrammarStep | None,
     ) -> tuple[DecodeLoop, S]:
-        return decode_loop(self.spec, params, kv, loop, sampling, flags=flags)
+        return decode_loop(self.spec, params, kv, loop, sampling, flags=flags, grammar=grammar)
 
     def _embed(
         self, params: Any, kv: KVState, tokens: Array, positions: Array, lengths: Array, adapter_slots: Array | None, *,
@@ -200,4 +204,4 @@ def runner_for(model: Model) -> Runner:
 
 def _shape_key(tree: Any) -> tuple[Any, ...]:
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    return (treedef, tuple((leaf.shape, str(leaf.dtype)) for leaf in leaves))
+    return (treedef, tuple((leaf.shape, leaf.dtype) for leaf in leaves))

@@ -10,7 +10,9 @@ Every token zgen produces goes through these pure functions (compiled by :mod:`z
   decode token, then a draw at every row's requested positions: prefill and decode in one batch.
 * :func:`decode_loop` — feed each row's token, draw the next, feed it back ... as one
   ``lax.while_loop`` on the device, until every row stopped, a row finished while another request
-  waits for its slot, or the loop has run its steps: N tokens for one host round trip.
+  waits for its slot, or the loop has run its steps: N tokens for one host round trip. Rows under a
+  grammar draw within a token mask that a host callback advances after every draw (the only host
+  work per token; the rest of the engine's per-step work is skipped).
 
 The draw index of a sample is the position of the token whose logits it reads, so a row samples the
 same tokens alone or batched, through either step, and whichever front end asked.
@@ -18,12 +20,14 @@ same tokens alone or batched, through either step, and whichever front end asked
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Generic, Literal, TypeVar, cast, get_args
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.experimental import io_callback
 from jaxtyping import Array, Bool, Float, Int, UInt32
 
 from zgen.cache.base import KVState
@@ -219,23 +223,32 @@ class DecodeLoop:
     stop_ids: Int[Array, "B K"]  # a drawn id among these ends the row (-1 = unused)
     keys: UInt32[Array, "B 2"]
     penalties: PenaltyState | None
-    out_tokens: Int[Array, "B N"]  # draws per row (past a row's end: unused; -1 past the last iteration)
+    out_tokens: Int[Array, "B N"]  # draws per row (-1 past the row's end or the last iteration)
     out_logprobs: Float[Array, "B N"]
     step: Int[Array, ""]
     max_steps: Int[Array, ""]  # leave after this many iterations (<= N)
     exit_on_finish: Bool[Array, ""]  # leave as soon as a row finishes (another request waits for a slot)
     done_at_start: Int[Array, ""]  # rows done when the loop began
     adapter_slots: Int[Array, " B"] | None = None  # each row's LoRA bank slot (0: none), when any row has one
+    token_mask: Int[Array, "B W"] | None = None  # each row's allowed next tokens (packed bits), under a grammar
+
+
+#: ``(drawn [B], active [B]) -> (next token masks [B, W], grammar complete [B])``, run on the host after
+#: every draw of a constrained loop: the grammars take the drawn tokens and say what may follow.
+GrammarStep = Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]
 
 
 def decode_loop(
-    model: ModelSpec, params: Params, kv: S, loop: DecodeLoop, sampling: SamplingParams, *, flags: SamplingFlags
+    model: ModelSpec, params: Params, kv: S, loop: DecodeLoop, sampling: SamplingParams, *, flags: SamplingFlags,
+    grammar: GrammarStep | None = None,
 ) -> tuple[DecodeLoop, S]:
     """Feed, draw, feed back ... on the device (see the module docstring).
 
     A row that finished keeps feeding its last token at its next position: that writes into its own
     reserved room past what it keeps (rolled back after the loop), so the body needs no masking of
-    the fed tokens; rows outside the loop sit at position -1, which writes nothing."""
+    the fed tokens; rows outside the loop sit at position -1, which writes nothing. With ``grammar``
+    (and ``loop.token_mask`` for the first draw), every draw is limited to the row's mask and a row
+    whose grammar is complete ends."""
 
     def cond(carry: tuple[DecodeLoop, S]) -> Array:
         s = carry[0]
@@ -248,17 +261,25 @@ def decode_loop(
         logits, kv = forward(
             model, params, kv, s.token[:, None], s.position[:, None], jnp.zeros_like(s.token)[:, None], s.adapter_slots
         )
-        new, logprob = draw(logits[:, 0], sampling, s.penalties, s.keys, s.position, flags)
+        vocab = logits.shape[-1]
+        allowed = None if s.token_mask is None else allowed_tokens(s.token_mask, vocab)
+        new, logprob = draw(logits[:, 0], sampling, s.penalties, s.keys, s.position, flags, allowed)
         ends = jnp.any(new[:, None] == s.stop_ids, axis=1) | (s.step >= s.last_step)
+        mask = s.token_mask
+        if grammar is not None and mask is not None:
+            shapes = (jax.ShapeDtypeStruct(mask.shape, mask.dtype), jax.ShapeDtypeStruct(active.shape, jnp.bool_))
+            mask, complete = io_callback(grammar, shapes, new, active, ordered=True)
+            ends = ends | complete
         s = replace(
             s,
             token=jnp.where(active, new, s.token),
             position=jnp.where(active, s.position + 1, s.position),
             done=s.done | ends,
             penalties=None if s.penalties is None else update_penalty_state(s.penalties, new, active),
-            out_tokens=s.out_tokens.at[:, s.step].set(new),  # the host keeps each row's draws up to its end
+            out_tokens=s.out_tokens.at[:, s.step].set(jnp.where(active, new, -1)),
             out_logprobs=s.out_logprobs.at[:, s.step].set(logprob),
             step=s.step + 1,
+            token_mask=mask,
         )
         return s, kv
 
