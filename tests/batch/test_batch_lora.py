@@ -106,6 +106,7 @@ def test_mixed_adapters_equal_each_request_alone(model: Model, dirs: dict[str, P
     assert summary.output_tokens_per_s > 0
     for percentiles in (summary.time_to_first_token_s, summary.inter_token_latency_s):
         assert percentiles is not None and 0 < percentiles.p50 <= percentiles.p90 <= percentiles.p99
+    assert "time to first token p50" in summary.describe() and "inter-token latency p50" in summary.describe()
     written = json.loads((tmp_path / "summary.json").read_text())
     assert written["completion_tokens"] == summary.completion_tokens
     assert set(written["time_to_first_token_s"]) == {"p50", "p90", "p99"}

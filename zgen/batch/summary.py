@@ -71,12 +71,12 @@ class BatchSummary:
         )
         for what, p in (("time to first token", self.time_to_first_token_s), ("inter-token latency", self.inter_token_latency_s)):
             if p is not None:
-                text += f"; {what} p50/p90/p99 {_ms(p.p50)}/{_ms(p.p90)}/{_ms(p.p99)} ms"
+                text += f"; {what} p50 {_duration(p.p50)}, p90 {_duration(p.p90)}, p99 {_duration(p.p99)}"
         return text
 
 
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1000:.3g}"
+def _duration(seconds: float) -> str:
+    return f"{seconds:.2f} s" if seconds >= 1 else f"{seconds * 1000:.1f} ms"
 
 
 def summarize(
