@@ -2,8 +2,9 @@
 
 The path of a job: read every input line → skip those whose custom_id the output already holds → check
 every remaining line (JSON, url, parameters, duplicate custom_ids, the LoRA module it names, prompt
-length: a bad line becomes an error record for its custom_id and the job goes on) → queue the valid ones on the Generator's engine as
-room allows (a window of ``2 × max_batch_size`` choices in flight, topped up the moment one finishes;
+length: a bad line becomes an error record for its custom_id and the job goes on) → queue the valid
+ones on the Generator's engine as room allows (a window of ``2 × max_batch_size`` choices in flight,
+topped up the moment one finishes;
 the engine refills freed rows ``refill_rows`` at a time so their prompts prefill together, and a shared
 prompt prefix is served from the prefix cache) →
 each request's record is appended and synced as soon as all its choices are done
@@ -11,8 +12,10 @@ each request's record is appended and synced as soon as all its choices are done
 
 The job owns no decode loop: it translates lines into Generator requests (and, for ``top_logprobs``, a
 scoring pass on the engine) and records what comes back; a request naming a LoRA module carries its
-adapter (:mod:`zgen.batch.adapters`), and the engine batches it with the base model's requests. With ``data_parallel=N``, N replicas of the
-model on N local devices pull requests from one queue and write into the one output file.
+adapter (:mod:`zgen.batch.adapters`), and the engine batches it with the base model's requests. With
+``data_parallel=N``, N replicas of the model on N local devices pull requests from one queue and write
+into the one output file. The summary reads this run's tokens and latencies from the engines' metrics
+(:mod:`zgen.batch.summary`).
 """
 
 from __future__ import annotations
