@@ -126,4 +126,4 @@ def test_histogram_quantiles_and_sums() -> None:
     both = h + h
     assert (both.counts, both.sum, both.quantile(0.5)) == ((4, 4, 0, 2), 18.0, 1.25)
     with pytest.raises(ConfigError):
-        h + Histogram((1.0,), (1, 0), 0.5)
+        _ = h + Histogram((1.0,), (1, 0), 0.5)
