@@ -11,6 +11,11 @@ greedy, token-id prompts (``/v1/completions`` takes them), the same requests on 
 * **fixed chunks** — the baseline a user writes without a job runner: ``Generator.batch_generate``
   over consecutive chunks of ``--max-batch-size`` requests, each chunk waiting for its longest request.
 
+With ``--lora-adapters K`` the batch job also runs a third time with K random rank-``--lora-rank``
+LoRA modules registered (``lora_modules=``), request *i* naming module ``i mod (K+1)`` (the last share
+on the base model) by its ``model`` field: its tokens/s next to the plain job's shows what per-request
+adapters cost in a job (rows of different adapters share each step).
+
 Both sides first run a warm-up job of ``2 × max-batch-size`` requests of the same kind (compiling most
 shape buckets), then the measured one. ``--scale`` shrinks the job for a CPU (request count, prompt
 and output lengths); the roofline printed is the weights-only one (``max-batch-size`` rows per
@@ -18,6 +23,7 @@ read of the weights at ``--bandwidth-gbs``), which the KV reads lower further.
 
     python benchmarks/batch_job.py --shape llama3-8b --dtype bfloat16 --bandwidth-gbs 4800     # H200
     python benchmarks/batch_job.py --shape smollm2 --scale 0.03 --dtype float32 --max-batch-size 8  # CPU
+    python benchmarks/batch_job.py --shape llama3-8b --dtype bfloat16 --lora-adapters 4            # with LoRA
 """
 
 from __future__ import annotations
@@ -53,27 +59,46 @@ def make_requests(n: int, scale: float, vocab: int, seed: int) -> list[dict[str,
     return requests
 
 
-def write_jsonl(requests: list[dict[str, Any]], path: Path) -> Path:
+def write_jsonl(requests: list[dict[str, Any]], path: Path, adapters: int = 0) -> Path:
+    """The requests as a batch file; with ``adapters`` LoRA modules, request i names ``lora{i mod
+    (adapters + 1)}`` (the base model for the last share)."""
     with open(path, "w", encoding="utf-8") as out:
-        for r in requests:
-            body = {"model": "random", "prompt": r["prompt"], "max_tokens": r["max_tokens"], "temperature": 0}
+        for i, r in enumerate(requests):
+            pick = i % (adapters + 1)
+            model = f"lora{pick}" if pick < adapters else "random"
+            body = {"model": model, "prompt": r["prompt"], "max_tokens": r["max_tokens"], "temperature": 0}
             out.write(json.dumps({"custom_id": r["id"], "method": "POST", "url": "/v1/completions", "body": body}) + "\n")
     return path
 
 
-def batch_job(model: Any, requests: list[dict[str, Any]], directory: Path, name: str, args: argparse.Namespace) -> tuple[float, int]:
+def batch_job(
+    model: Any, requests: list[dict[str, Any]], directory: Path, name: str, args: argparse.Namespace, adapters: int = 0
+) -> tuple[float, Any]:
+    """Seconds and the summary of the job (with ``adapters`` random LoRA modules registered)."""
     from zgen.batch import run
     from zgen.cache.factory import paged_kv, prefix_cache
+    from zgen.lora import random_adapter
 
     options = [paged_kv(max_memory_mb=args.kv_memory_mb)]
     options += [] if args.no_prefix_cache else [prefix_cache(capacity_blocks=args.prefix_blocks)]
+    modules = {f"lora{k}": random_adapter(model.config, args.lora_rank, seed=k) for k in range(adapters)}
     start = time.perf_counter()
     summary = run(
-        model, write_jsonl(requests, directory / f"{name}.jsonl"), directory / f"{name}.out.jsonl", *options,
+        model, write_jsonl(requests, directory / f"{name}.jsonl", adapters), directory / f"{name}.out.jsonl", *options,
         max_batch_size=args.max_batch_size, prefill_chunk=args.prefill_chunk, refill_rows=args.refill_rows, progress=False,
+        model_name="random", lora_modules=modules,
     )
     assert summary.failed == 0, summary
-    return time.perf_counter() - start, summary.completion_tokens
+    return time.perf_counter() - start, summary
+
+
+def job_report(seconds: float, summary: Any) -> dict[str, Any]:
+    """Tokens/s and the latency percentiles the job's summary read from the engine's metrics."""
+    return {
+        "seconds": seconds, "output_tokens": summary.completion_tokens, "output_tokens_per_s": summary.completion_tokens / seconds,
+        "time_to_first_token_s": summary.to_json()["time_to_first_token_s"],
+        "inter_token_latency_s": summary.to_json()["inter_token_latency_s"],
+    }
 
 
 def fixed_chunks(model: Any, requests: list[dict[str, Any]], args: argparse.Namespace) -> tuple[float, int]:
@@ -105,6 +130,8 @@ def main() -> None:
     parser.add_argument("--kv-memory-mb", type=float, default=None, help="The batch job's page pool (default: 1.5x what max-batch-size rows of the longest request need).")
     parser.add_argument("--bandwidth-gbs", type=float, default=0.0, help="Memory bandwidth for the weights-only roofline (H200 ~4800, H100 ~3350).")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lora-adapters", type=int, default=0, help="Also run the job with this many random LoRA modules, requests spread over them and the base model.")
+    parser.add_argument("--lora-rank", type=int, default=16)
     args = parser.parse_args()
 
     import jax
@@ -124,8 +151,12 @@ def main() -> None:
         directory = Path(tmp)
         batch_job(model, warmup, directory, "warmup", args)
         fixed_chunks(model, warmup, args)
-        job_s, job_tokens = batch_job(model, requests, directory, "job", args)
+        if args.lora_adapters:
+            batch_job(model, warmup, directory, "warmup-lora", args, args.lora_adapters)
+        job_s, job = batch_job(model, requests, directory, "job", args)
         chunk_s, chunk_tokens = fixed_chunks(model, requests, args)
+        lora = batch_job(model, requests, directory, "job-lora", args, args.lora_adapters) if args.lora_adapters else None
+    job_tokens = job.completion_tokens
     weight_bytes = sum(p.size * p.dtype.itemsize for p in model.params.values())
     report: dict[str, Any] = {
         "device": str(jax.devices()[0].device_kind),
@@ -137,10 +168,13 @@ def main() -> None:
         "prefix_cache": not args.no_prefix_cache,
         "kv_memory_mb": args.kv_memory_mb,
         "refill_rows": args.refill_rows or max(1, args.max_batch_size // 2),
-        "batch_job": {"seconds": job_s, "output_tokens": job_tokens, "output_tokens_per_s": job_tokens / job_s},
+        "batch_job": job_report(job_s, job),
         "fixed_chunks": {"seconds": chunk_s, "output_tokens": chunk_tokens, "output_tokens_per_s": chunk_tokens / chunk_s},
         "speedup": (job_tokens / job_s) / (chunk_tokens / chunk_s),
     }
+    if lora is not None:
+        report["batch_job_lora"] = {"adapters": args.lora_adapters, "rank": args.lora_rank, **job_report(*lora)}
+        report["lora_vs_plain_job"] = report["batch_job_lora"]["output_tokens_per_s"] / report["batch_job"]["output_tokens_per_s"]
     if args.bandwidth_gbs:
         roofline = args.max_batch_size * args.bandwidth_gbs * 1e9 / weight_bytes
         report["weights_roofline_tokens_per_s"] = roofline

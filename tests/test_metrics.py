@@ -13,7 +13,8 @@ from zgen import Context, Engine, Generator, Request, SamplingConfig, load_model
 from zgen.cache.factory import paged_kv, prefix_cache
 from zgen.contexts.drafter import NgramDrafter
 from zgen.model import Model
-from zgen.runtime.metrics import EngineMetrics
+from zgen.errors import ConfigError
+from zgen.runtime.metrics import EngineMetrics, Histogram
 
 
 @pytest.fixture(scope="module")
@@ -104,3 +105,25 @@ def test_prometheus_export_parses_to_the_plain_numbers(tiny: Model) -> None:
     assert value("zgen_kv_pages", state="total") == m.kv_pages_total
     assert value("zgen_prefix_cache_lookups", "_total") == m.prefix_cache_lookups
     assert m.as_dict()["generated_tokens"] == m.generated_tokens
+
+
+def test_forward_passes_add_no_prompt_tokens(tiny: Model) -> None:
+    gen = Generator(tiny)
+    gen.logits([3, 4, 5, 6])  # a forward pass (scoring), not a generation
+    result = gen.generate("w3 w4 w5", greedy(2, ignore_eos=True))
+    m = gen.metrics()
+    assert m.requests_finished == {"done": 1, "length": 1}
+    assert m.prompt_tokens == result.usage.prompt_tokens
+
+
+def test_histogram_quantiles_and_sums() -> None:
+    h = Histogram((1.0, 2.0, 4.0), (2, 2, 0, 1), 9.0)  # two in (0, 1], two in (1, 2], one above 4
+    assert h.quantile(0.0) == 0.0 and h.quantile(0.2) == 0.5 and h.quantile(0.5) == 1.25
+    assert h.quantile(0.99) == 4.0  # above every bound: the last bound, as Prometheus says
+    assert Histogram((1.0,), (0, 0), 0.0).quantile(0.5) is None
+    with pytest.raises(ConfigError):
+        h.quantile(1.5)
+    both = h + h
+    assert (both.counts, both.sum, both.quantile(0.5)) == ((4, 4, 0, 2), 18.0, 1.25)
+    with pytest.raises(ConfigError):
+        _ = h + Histogram((1.0,), (1, 0), 0.5)

@@ -30,13 +30,13 @@ from rich.markup import escape
 from rich.table import Table
 from typer.core import TyperCommand, TyperGroup
 
-from zgen.batch import BatchSummary, run as run_batch
+from zgen.batch import BatchSummary, register_modules, run as run_batch
 from zgen.cache.factory import CACHE_KINDS, PAGED_KINDS, CacheOption, cache_kind, kv_dtype, paged_kv, prefix_cache, resolve
 from zgen.cache.formats import KV_DTYPES, kv_format
 from zgen.cli_progress import CompileClock, Phase, Phases, stderr_console
 from zgen.contexts.snapshot import store_dir
 from zgen.embeddings import embed, parse_inputs
-from zgen.errors import ConfigError, ZgenError
+from zgen.errors import AdapterError, ConfigError, ZgenError
 from zgen.evaluation import perplexity, read_text_file
 from zgen.generator import Generator, Prompt
 from zgen.loading.builtin import BUILTIN_MODELS, DEFAULT_MODEL, builtin_model_path
@@ -252,6 +252,41 @@ def _with_adapters(model: Model, adapters: list[tuple[LoraAdapter, float]]) -> M
     for adapter, scale in adapters:
         model.push_adapter(adapter, scale)
     return model
+
+
+def _lora_module_specs(values: list[str] | None) -> list[str] | None:
+    names: set[str] = set()
+    for value in values or []:
+        name = _split_lora_module(value)[0]
+        if name in names:
+            raise typer.BadParameter(f"the LoRA module name {name!r} is given twice; each name picks one adapter")
+        names.add(name)
+    return values
+
+
+def _split_lora_module(value: str) -> tuple[str, str, float]:
+    """``NAME=PATH[:SCALE]`` as (name, path, scale)."""
+    name, equals, rest = value.partition("=")
+    if not equals or not name.strip() or not rest:
+        raise typer.BadParameter(f"give NAME=PATH[:SCALE] (e.g. sql=./sql-lora), got {value!r}")
+    return (name, *_split_lora(rest))
+
+
+def _read_lora_modules(specs: list[str] | None, base_name: str) -> dict[str, tuple[LoraAdapter, float]]:
+    """The adapters of --lora-modules, read before the model loads (a usage error names the flag)."""
+    modules: dict[str, tuple[LoraAdapter, float]] = {}
+    for name, path, scale in map(_split_lora_module, specs or []):
+        if name == base_name:
+            raise typer.BadParameter(
+                f"the LoRA module {name!r} has the base model's name (--model / --served-model-name), so requests could not "
+                "choose between them; rename it",
+                param_hint="'--lora-modules'",
+            )
+        try:
+            modules[name] = (load_adapter(path, name=name), scale)
+        except AdapterError as err:
+            raise typer.BadParameter(str(err), param_hint="'--lora-modules'") from None
+    return modules
 
 
 LoraOption = Annotated[
@@ -695,6 +730,16 @@ def batch_job(
     use_prefix_cache: PrefixCacheOption = False,
     kv_memory_mb: Annotated[float | None, typer.Option("--kv-memory-mb", callback=_positive(), help="The page pool's budget in MiB (makes the cache paged; default 512). Size it for --max-batch-size rows of your longest request.")] = None,
     summary: Annotated[Path | None, typer.Option("--summary", dir_okay=False, help="Also write the final summary to this file as JSON.")] = None,
+    lora_modules: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--lora-modules", metavar="NAME=PATH[:SCALE]", callback=_lora_module_specs,
+            help='A PEFT LoRA adapter requests pick by name: body "model": NAME (or "lora": NAME); others run on the base model. Repeatable.',
+        ),
+    ] = None,
+    served_model_name: Annotated[
+        str | None, typer.Option("--served-model-name", help="The base model's name in requests' and results' \"model\" field (default: the --model value).")
+    ] = None,
     on_ray: Annotated[bool, typer.Option("--ray", help="Generate on Ray actors (the cluster ray.init() finds, else a local one); needs zgen[ray].")] = False,
     ray_actors: Annotated[int, typer.Option("--ray-actors", min=1, help="With --ray: actors, each loading the model once.")] = 1,
     ray_gpus: Annotated[float, typer.Option("--ray-gpus", min=0.0, help="With --ray: GPUs per actor.")] = 0.0,
@@ -704,8 +749,9 @@ def batch_job(
 
     A bad line (not JSON, an unknown url, an invalid parameter, a prompt too long, a duplicate
     custom_id) becomes an error record for its custom_id and the job goes on. Killed at any point, the
-    same command continues where it stopped (custom_ids already in --output are skipped). Exit code 0
-    when every request succeeded, 3 when some failed (the summary says how many).
+    same command continues where it stopped (custom_ids already in --output are skipped; with the same
+    --lora-modules). Exit code 0 when every request succeeded, 3 when some failed (the summary says how
+    many).
     """
     path = _model_path(model)
     if output.resolve() == input.resolve():
@@ -717,20 +763,30 @@ def batch_job(
         options.append(paged_kv(max_memory_mb=kv_memory_mb))
     if on_ray and (data_parallel > 1 or tensor_parallel > 1):
         raise typer.BadParameter("Ray places one model per actor; use --ray-actors instead", param_hint="'--data-parallel' / '--tensor-parallel'")
+    if lora_modules and (on_ray or tensor_parallel > 1):
+        raise typer.BadParameter(
+            "LoRA modules run on one device per model; leave out --ray and --tensor-parallel", param_hint="'--lora-modules'"
+        )
+    base_name = served_model_name or model
+    adapters = _read_lora_modules(lora_modules, base_name)
     try:
         if on_ray:
             result = _batch_on_ray(
                 model if model in BUILTIN_MODELS else str(path), input, output, options, actors=ray_actors, gpus=ray_gpus, max_batch_size=max_batch_size,
-                prefill_chunk=prefill_chunk, dtype=dtype, model_name=model, quiet=quiet, summary=summary,
+                prefill_chunk=prefill_chunk, dtype=dtype, model_name=base_name, quiet=quiet, summary=summary,
             )
         else:
             with Phases.on_stderr(enabled=not quiet) as phases:
                 split_here = data_parallel == 1  # one split model is loaded split; replicas are split per group
                 loaded = _load(phases, model, path, dtype, None, tensor_parallel=tensor_parallel if split_here else 1)
+            try:
+                register_modules(adapters, base_name=base_name, config=loaded.config)
+            except AdapterError as err:
+                raise typer.BadParameter(str(err), param_hint="'--lora-modules'") from None
             result = run_batch(
                 loaded, input, output, *options, max_batch_size=max_batch_size, prefill_chunk=prefill_chunk, refill_rows=refill_rows,
-                data_parallel=data_parallel, tensor_parallel=1 if split_here else tensor_parallel, model_name=model,
-                progress=not quiet, summary=summary,
+                data_parallel=data_parallel, tensor_parallel=1 if split_here else tensor_parallel, model_name=base_name,
+                progress=not quiet, summary=summary, lora_modules=adapters,
             )
     except ZgenError as err:
         raise _fail(err) from None

@@ -1,4 +1,5 @@
-"""A tiny random model with a chat template, request lines, and the OpenAI client's types for records."""
+"""A tiny random model with a chat template, random LoRA adapters for it, request lines, and the OpenAI
+client's types for records."""
 
 from __future__ import annotations
 
@@ -6,7 +7,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+import peft
 import pydantic
+import torch
+import transformers
 from openai.types import BatchError, Completion
 from openai.types.chat import ChatCompletion
 
@@ -21,6 +25,14 @@ def save_tiny_chat_model(directory: Path) -> Path:
     config = json.loads((directory / "tokenizer_config.json").read_text())
     (directory / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
     return directory
+
+
+def save_random_adapter(base_dir: Path, out: Path, seed: int, **lora: Any) -> Path:
+    """A PEFT LoRA adapter of the model in ``base_dir`` with random A and B (B nonzero), saved to ``out``."""
+    torch.manual_seed(seed)
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    peft.get_peft_model(base, peft.LoraConfig(init_lora_weights=False, **lora)).save_pretrained(out)
+    return out
 
 
 def words(*ids: int) -> str:

@@ -49,3 +49,6 @@ def test_two_replicas_on_two_host_devices_match_one(tmp_path: Path) -> None:
     assert sorted(single) == sorted(parallel) == sorted(f"r{i}" for i in range(16))
     for custom_id, record in single.items():  # greedy and seeded rows alike
         assert parallel[custom_id]["response"]["body"]["choices"] == record["response"]["body"]["choices"]
+    tokens = sum(record["response"]["body"]["usage"]["completion_tokens"] for record in single.values())
+    assert one["completion_tokens"] == two["completion_tokens"] == tokens  # two replicas' metrics added up
+    assert one["generations"] == two["generations"] == 16 and two["inter_token_latency_s"]["p50"] > 0

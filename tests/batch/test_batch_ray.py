@@ -87,3 +87,6 @@ def test_batch_on_ray_writes_what_a_local_job_writes(model_dir: Path, tmp_path: 
             assert on_ray[custom_id]["response"]["body"]["choices"] == record["response"]["body"]["choices"]
         else:
             assert on_ray[custom_id]["error"]["code"] == record["error"]["code"]
+    # the summary adds up the actors' engine metrics: this run generated r4, r5 and chat
+    assert summary.completion_tokens == sum(on_ray[k]["response"]["body"]["usage"]["completion_tokens"] for k in ("r4", "r5", "chat"))
+    assert summary.generations == 3 and summary.time_to_first_token_s is not None

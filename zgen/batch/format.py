@@ -40,7 +40,7 @@ MAX_TOP_LOGPROBS = 20
 _IGNORED = {"model", "user", "metadata", "store", "service_tier", "stream_options", "parallel_tool_calls"}
 _SAMPLING_KEYS = {
     "temperature", "top_p", "seed", "stop", "n", "presence_penalty", "frequency_penalty", "top_k", "min_p",
-    "repetition_penalty", "max_tokens", "logprobs", "stream",
+    "repetition_penalty", "max_tokens", "logprobs", "stream", "lora",
 }
 _CHAT_KEYS = _SAMPLING_KEYS | {"messages", "max_completion_tokens", "top_logprobs", "response_format"}
 _COMPLETIONS_KEYS = _SAMPLING_KEYS | {"prompt", "echo", "best_of", "suffix"}
@@ -55,7 +55,7 @@ class LineError:
 
     line: int
     custom_id: str | None
-    code: str  # invalid_json, invalid_request, invalid_url, invalid_parameter, duplicate_custom_id, prompt_too_long, generation_failed
+    code: str  # invalid_json, invalid_request, invalid_url, invalid_parameter, model_not_found, duplicate_custom_id, prompt_too_long, generation_failed
     message: str
     param: str | None = None
 
@@ -74,7 +74,7 @@ class BatchRequest:
     n: int = 1
     top_logprobs: int | None = None  # None: no log-probs; k >= 0: each token's log-prob and its k best alternatives
     max_tokens_given: bool = True  # False: a chat request may use the rest of the context
-
+    lora: str | None = None  # the LoRA module the body names with zgen's "lora" field (resolved by the job)
 
 
 def choice_sampling(sampling: SamplingConfig, index: int) -> SamplingConfig:
@@ -150,12 +150,15 @@ def _parse_request(record: dict[str, object], custom_id: str, line: int) -> Batc
     n = _integer(body, "n", 1, MAX_CHOICES)
     top = _logprobs(body, chat)
     model = body.get("model")
+    lora = body.get("lora")
+    if lora is not None and (not isinstance(lora, str) or not lora):
+        raise _Invalid("invalid_parameter", f"lora must name a LoRA module registered for the job, got {lora!r}", "lora")
     sampling = _sampling(body, max_tokens if max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS)
     if chat and (grammar := _response_format(body.get("response_format"))) is not None:
         sampling = replace(sampling, grammar=grammar)
     return BatchRequest(
         line, custom_id, cast(Endpoint, url), model if isinstance(model, str) else None, prompts, sampling,
-        n=1 if n is None else n, top_logprobs=top, max_tokens_given=max_tokens is not None or not chat,
+        n=1 if n is None else n, top_logprobs=top, max_tokens_given=max_tokens is not None or not chat, lora=lora,
     )
 
 
@@ -348,7 +351,8 @@ def error_record(error: LineError) -> dict[str, object]:
 
 
 def success_record(request: BatchRequest, choices: Sequence[Choice], tokenizer: Tokenizer, model: str) -> dict[str, object]:
-    """The record of a request whose every choice finished, with the ChatCompletion or Completion body."""
+    """The record of a request whose every choice finished, with the ChatCompletion or Completion body
+    reporting ``model`` as the model that answered."""
     chat = request.url == CHAT_URL
     first = {c.prompt_index: c.result for c in reversed(choices)}  # each prompt counted once, as the API does
     prompt_tokens = sum(r.usage.prompt_tokens for r in first.values())
@@ -364,7 +368,7 @@ def success_record(request: BatchRequest, choices: Sequence[Choice], tokenizer: 
         "id": f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}",
         "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()),
-        "model": request.model or model,
+        "model": model,
         "choices": [(_chat_choice if chat else _completion_choice)(i, c, tokenizer) for i, c in enumerate(choices)],
         "usage": usage,
     }

@@ -1,32 +1,36 @@
 """A batch job: a JSONL file of OpenAI Batch API requests in, a resumable JSONL file of results out.
 
 The path of a job: read every input line → skip those whose custom_id the output already holds → check
-every remaining line (JSON, url, parameters, duplicate custom_ids, prompt length: a bad line becomes an
-error record for its custom_id and the job goes on) → queue the valid ones on the Generator's engine as
-room allows (a window of ``2 × max_batch_size`` choices in flight, topped up the moment one finishes;
+every remaining line (JSON, url, parameters, duplicate custom_ids, the LoRA module it names, prompt
+length: a bad line becomes an error record for its custom_id and the job goes on) → queue the valid
+ones on the Generator's engine as room allows (a window of ``2 × max_batch_size`` choices in flight,
+topped up the moment one finishes;
 the engine refills freed rows ``refill_rows`` at a time so their prompts prefill together, and a shared
 prompt prefix is served from the prefix cache) →
 each request's record is appended and synced as soon as all its choices are done
 (:mod:`zgen.batch.output`).
 
 The job owns no decode loop: it translates lines into Generator requests (and, for ``top_logprobs``, a
-scoring pass on the engine) and records what comes back. With ``data_parallel=N``, N replicas of the
-model on N local devices pull requests from one queue and write into the one output file.
+scoring pass on the engine) and records what comes back; a request naming a LoRA module carries its
+adapter (:mod:`zgen.batch.adapters`), and the engine batches it with the base model's requests. With
+``data_parallel=N``, N replicas of the model on N local devices pull requests from one queue and write
+into the one output file. The summary reads this run's tokens and latencies from the engines' metrics
+(:mod:`zgen.batch.summary`).
 """
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 
+from zgen.batch.adapters import LoraModules, ModuleSpec, Selection, check_resume, register_modules
 from zgen.batch.format import (
     BatchRequest,
     Choice,
@@ -41,51 +45,26 @@ from zgen.batch.format import (
 )
 from zgen.batch.output import RecordWriter, ResultsFile
 from zgen.batch.progress import JobProgress
+from zgen.batch.summary import BatchSummary, summarize
 from zgen.cache.factory import CacheOption
 from zgen.errors import ConfigError, InputError, PromptTooLongError, ZgenError
 from zgen.generator import Generator, Request, Submitted
 from zgen.model import Model, load_model, split_model
 from zgen.runtime.engine import ForwardRequest, Job
+from zgen.runtime.metrics import EngineMetrics
 from zgen.runtime.results import GenerationResult
 
 Device = Any  # a jax.Device (jax's stubs declare the name as a variable, not a type)
 
 
-@dataclass(frozen=True)
-class BatchSummary:
-    """What a job did. ``succeeded``/``failed`` count the whole output file (earlier runs included);
-    the token counts, ``written`` and the rate are this run's."""
-
-    requests: int  # input lines
-    succeeded: int
-    failed: int
-    skipped: int  # already in the output when this run started
-    written: int  # records this run appended
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-    wall_s: float
-    output_tokens_per_s: float
-    replica_requests: tuple[int, ...] = ()  # requests each replica finished this run (data parallelism)
-
-    def to_json(self) -> dict[str, object]:
-        return asdict(self)
-
-    def describe(self) -> str:
-        return (
-            f"{self.requests} requests: {self.succeeded} succeeded, {self.failed} failed, {self.skipped} were already "
-            f"done; this run wrote {self.written} records, {self.completion_tokens} output tokens ({self.prompt_tokens} "
-            f"prompt, {self.cached_tokens} cached) in {self.wall_s:.1f} s, {self.output_tokens_per_s:,.1f} output tokens/s"
-        )
-
-
 @dataclass
 class _Checked:
-    """A valid request with its prompts' ids and each choice's request."""
+    """A valid request with its prompts' ids, each choice's request and the adapter it runs with."""
 
     request: BatchRequest
     choices: list[tuple[int, Request]]  # (prompt index, request) per choice
     prompt_ids: list[list[int]]
+    selection: Selection
 
 
 @dataclass
@@ -121,13 +100,21 @@ def screen(lines: Sequence[str], done: set[RecordKey]) -> Screened:
     return screened
 
 
-def check(pending: Sequence[tuple[int, str]], generator: Generator) -> tuple[list[_Checked], list[LineError]]:
-    """Each numbered line parsed and its prompts tokenized: the runnable requests and the errors."""
+def check(
+    pending: Sequence[tuple[int, str]], generator: Generator, modules: LoraModules
+) -> tuple[list[_Checked], list[LineError]]:
+    """Each numbered line parsed, its adapter chosen among ``modules`` and its prompts tokenized: the
+    runnable requests and the errors."""
     runnable: list[_Checked] = []
     errors: list[LineError] = []
     for number, line in pending:
         parsed = parse_line(line, number)
-        checked = parsed if isinstance(parsed, LineError) else _encode(parsed, generator)
+        selection = parsed if isinstance(parsed, LineError) else modules.select(parsed)
+        if isinstance(selection, LineError):
+            errors.append(selection)
+            continue
+        assert isinstance(parsed, BatchRequest)
+        checked = _encode(parsed, selection, generator)
         if isinstance(checked, LineError):
             errors.append(checked)
         else:
@@ -135,7 +122,7 @@ def check(pending: Sequence[tuple[int, str]], generator: Generator) -> tuple[lis
     return runnable, errors
 
 
-def _encode(request: BatchRequest, generator: Generator) -> _Checked | LineError:
+def _encode(request: BatchRequest, selection: Selection, generator: Generator) -> _Checked | LineError:
     """The request's prompts tokenized and checked against the model's context."""
     param = "messages" if request.url.endswith("chat/completions") else "prompt"
     context = generator.model.config.max_position_embeddings
@@ -151,12 +138,12 @@ def _encode(request: BatchRequest, generator: Generator) -> _Checked | LineError
                 sampling = replace(sampling, max_new_tokens=context - len(ids))
             ids = generator.prepare(Request(ids, sampling))
             prompt_ids.append(ids)
-            choices += [(p, Request(ids, choice_sampling(sampling, i))) for i in range(request.n)]
+            choices += [(p, Request(ids, choice_sampling(sampling, i), adapter=selection.adapters)) for i in range(request.n)]
     except PromptTooLongError as err:
         return LineError(request.line, request.custom_id, "prompt_too_long", str(err).replace("max_new_tokens", "max_tokens"), param)
     except InputError as err:
         return LineError(request.line, request.custom_id, "invalid_parameter", str(err), param)
-    return _Checked(request, choices, prompt_ids)
+    return _Checked(request, choices, prompt_ids, selection)
 
 
 # -- running requests on one generator ------------------------------------------------------------------
@@ -202,9 +189,8 @@ class Driver:
     """Runs requests on one Generator: keeps up to ``window`` choices queued on its engine, and hands
     each finished request's record to ``emit``."""
 
-    def __init__(self, generator: Generator, model_name: str, emit: Callable[[dict[str, object]], None], *, window: int) -> None:
+    def __init__(self, generator: Generator, emit: Callable[[dict[str, object]], None], *, window: int) -> None:
         self.generator = generator
-        self.model_name = model_name
         self.emit = emit
         self.window = window
         self.finished = 0  # requests this driver recorded
@@ -246,7 +232,7 @@ class Driver:
                 slot.result = slot.generation.result()
                 top = running.item.request.top_logprobs
                 if top and slot.result.token_ids:
-                    slot.scoring = self._score(slot.result)
+                    slot.scoring = self._score(slot.result, running.item.selection)
                     return slot
                 logprobs = None
                 if top is not None:
@@ -264,20 +250,23 @@ class Driver:
         running.results[slot.index] = Choice(prompt_index, slot.result, logprobs)
         if len(running.results) == len(running.item.choices):
             choices = [running.results[i] for i in range(len(running.item.choices))]
-            record = success_record(running.item.request, choices, self.generator.model.tokenizer, self.model_name)
+            item = running.item
+            record = success_record(item.request, choices, self.generator.model.tokenizer, item.selection.model)
             self.emit(record)
             self.finished += 1
         return None
 
-    def _score(self, result: GenerationResult) -> Job:
-        """A forward pass over the prompt and the generated tokens that returns the logits before each
-        generated token (the engine serves it in the same batches as every other job)."""
+    def _score(self, result: GenerationResult, selection: Selection) -> Job:
+        """A forward pass over the prompt and the generated tokens, with the request's adapter, that
+        returns the logits before each generated token (the engine serves it in the same batches as
+        every other job)."""
         engine = self.generator.engine
         tokens = result.prompt_token_ids + result.token_ids[:-1]
         first = len(result.prompt_token_ids) - 1
         seq = engine.new_sequence(tokens)
         try:
-            job = engine.submit(seq, ForwardRequest(end=len(tokens), logits_at=tuple(range(first, len(tokens)))))
+            request = ForwardRequest(end=len(tokens), logits_at=tuple(range(first, len(tokens))), adapters=selection.adapters)
+            job = engine.submit(seq, request)
         except BaseException:
             engine.release(seq)
             raise
@@ -316,19 +305,28 @@ def read_lines(path: Path) -> list[str]:
 
 class JobOutput:
     """The output side of a job: the results file (resumed), the writer thread, the progress bar and
-    the totals the summary reports. Use it as a context manager; :meth:`start` once the work is known."""
+    the counts of records written. Use it as a context manager; :meth:`start` once the work is known.
+    ``generated_tokens()`` gives the output tokens generated so far in this run (the engines' metrics),
+    for the bar's tokens/s."""
 
-    def __init__(self, output: str | Path, *, progress: bool) -> None:
+    def __init__(self, output: str | Path, *, progress: bool, generated_tokens: Callable[[], int]) -> None:
         self._results = ResultsFile(output)
         self._progress = progress
+        self._generated_tokens = generated_tokens
         self._bar: JobProgress | None = None
         self._writer: RecordWriter | None = None
         self.started = time.perf_counter()
-        self.written = self.failed = self.prompt_tokens = self.cached_tokens = self.completion_tokens = 0
+        self.written = self.failed = self._tokens_shown = 0
 
     def __enter__(self) -> JobOutput:
         self.existing = self._results.open()
         return self
+
+    def check_modules(self, modules: LoraModules | None) -> None:
+        """Refuse to resume with other LoRA modules than the records were made with (see
+        :mod:`zgen.batch.adapters`); call before :meth:`start`."""
+        identity = {} if modules is None else modules.identity()
+        check_resume(self._results.path, identity, has_records=bool(self.existing.keys))
 
     def start(self, total: int) -> None:
         """Show a bar over ``total`` records and start writing."""
@@ -350,36 +348,30 @@ class JobOutput:
 
     def _written(self, records: list[dict[str, object]]) -> None:
         failed = sum(r["error"] is not None for r in records)
-        tokens = 0
-        for record in records:
-            usage = _usage(record)
-            self.prompt_tokens += usage.get("prompt_tokens", 0)
-            self.cached_tokens += usage.get("cached_tokens", 0)
-            tokens += usage.get("completion_tokens", 0)
         self.written += len(records)
         self.failed += failed
-        self.completion_tokens += tokens
+        tokens = self._generated_tokens()
         assert self._bar is not None
-        self._bar.advance(len(records), tokens, failed)
+        self._bar.advance(len(records), tokens - self._tokens_shown, failed)
+        self._tokens_shown = tokens
 
-    def summary(self, requests: int, skipped: int, replica_requests: Sequence[int], path: str | Path | None) -> BatchSummary:
-        """The job's summary (call after the ``with``); also written as JSON to ``path`` if given."""
-        wall = time.perf_counter() - self.started
-        result = BatchSummary(
+    def summary(
+        self, metrics: Sequence[EngineMetrics], requests: int, skipped: int, replica_requests: Sequence[int], path: str | Path | None
+    ) -> BatchSummary:
+        """The job's summary (call after the ``with``) from its engines' ``metrics``; also written as
+        JSON to ``path`` if given."""
+        result = summarize(
+            metrics,
             requests=requests,
             succeeded=len(self.existing.keys) - self.existing.failed + self.written - self.failed,
             failed=self.existing.failed + self.failed,
             skipped=skipped,
             written=self.written,
-            prompt_tokens=self.prompt_tokens,
-            cached_tokens=self.cached_tokens,
-            completion_tokens=self.completion_tokens,
-            wall_s=wall,
-            output_tokens_per_s=self.completion_tokens / wall if wall > 0 else 0.0,
-            replica_requests=tuple(replica_requests),
+            wall_s=time.perf_counter() - self.started,
+            replica_requests=replica_requests,
         )
         if path is not None:
-            Path(path).write_text(json.dumps(result.to_json(), indent=2) + "\n", encoding="utf-8")
+            result.write(path)
         return result
 
 
@@ -397,6 +389,7 @@ def run(
     model_name: str | None = None,
     progress: bool = True,
     summary: str | Path | None = None,
+    lora_modules: Mapping[str, ModuleSpec] | None = None,
 ) -> BatchSummary:
     """Run the OpenAI-format batch file ``input`` into ``output`` (see the module docstring).
 
@@ -407,6 +400,12 @@ def run(
     each run on one local device, or with ``tensor_parallel=T`` on a group of T devices.
     ``refill_rows`` (default: half of ``max_batch_size``): queued requests take freed rows that many at
     a time, prefilling together.
+
+    ``lora_modules`` registers LoRA adapters by name (name -> PEFT directory or loaded adapter,
+    optionally ``(it, scale)``): a request runs with one when its body's ``model`` or ``lora`` names it
+    (:mod:`zgen.batch.adapters`); ``model_name`` is the base model's name (default: ``model`` as given).
+    An adapter that does not fit the model raises an AdapterError before anything runs. The summary's
+    tokens and latencies are read from the engines' metrics (:mod:`zgen.batch.summary`).
     """
     for what, value in (("data_parallel", data_parallel), ("tensor_parallel", tensor_parallel)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -422,6 +421,9 @@ def run(
     if (data_parallel > 1 or tensor_parallel > 1) and loaded.split:
         raise ConfigError("the model is already split over devices; pass it unsplit with data_parallel / tensor_parallel")
     name = model_name or (str(model) if not isinstance(model, Model) else str(loaded.source or "zgen"))
+    modules = register_modules(lora_modules, base_name=name, config=loaded.config)
+    if modules.adapters and (tensor_parallel > 1 or loaded.split):
+        raise ConfigError("LoRA modules on a model split with tensor_parallel are not available yet; run the job on one device per replica")
     # Replica i runs on devices [i*T, (i+1)*T): one device, or a tensor-parallel group of T.
     groups = [list(devices[i * tensor_parallel : (i + 1) * tensor_parallel]) for i in range(data_parallel)]
     devs: list[Device | None] = [None] if data_parallel * tensor_parallel == 1 else [group[0] for group in groups]
@@ -434,17 +436,19 @@ def run(
                 replica_model = loaded if device is None else replica(loaded, device)
             generators.append(job_generator(replica_model, options, max_batch_size, prefill_chunk, refill_rows))
     try:
-        with JobOutput(output, progress=progress) as out:
+        with JobOutput(output, progress=progress, generated_tokens=lambda: sum(g.metrics().generated_tokens for g in generators)) as out:
+            out.check_modules(modules)
             screened = screen(lines, out.existing.keys)
-            runnable, errors = check(screened.pending, generators[0])
+            runnable, errors = check(screened.pending, generators[0], modules)
             out.start(len(runnable) + len(errors) + len(screened.errors))
             for error in [*screened.errors, *errors]:
                 out.put(error_record(error))
-            replica_requests = _drive(generators, devs, runnable, name, out.put, max_batch_size)
+            replica_requests = _drive(generators, devs, runnable, out.put, max_batch_size)
+        metrics = [generator.metrics() for generator in generators]
     finally:
         for generator in generators:
             generator.close()
-    return out.summary(count_requests(lines), screened.skipped, replica_requests, summary)
+    return out.summary(metrics, count_requests(lines), screened.skipped, replica_requests, summary)
 
 
 def count_requests(lines: Sequence[str]) -> int:
@@ -465,32 +469,20 @@ def job_generator(
 def generate_records(generator: Generator, pending: Sequence[tuple[int, str]], model_name: str, *, window: int) -> list[dict[str, object]]:
     """The records of these numbered lines (checked, then run on ``generator``): what one worker of a
     distributed job (:mod:`zgen.integrations.ray`) computes for its share."""
-    runnable, errors = check(pending, generator)
+    runnable, errors = check(pending, generator, LoraModules(model_name))
     records = [error_record(error) for error in errors]
-    Driver(generator, model_name, records.append, window=window).run(_Feed(runnable))
+    Driver(generator, records.append, window=window).run(_Feed(runnable))
     return records
 
 
-def _usage(record: dict[str, object]) -> dict[str, int]:
-    response = record.get("response")
-    if not isinstance(response, dict):
-        return {}
-    usage = response["body"]["usage"]  # type: ignore[index]
-    return {
-        "prompt_tokens": usage["prompt_tokens"],
-        "completion_tokens": usage["completion_tokens"],
-        "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
-    }
-
-
 def _drive(
-    generators: list[Generator], devices: Sequence[Device | None], runnable: list[_Checked], name: str,
+    generators: list[Generator], devices: Sequence[Device | None], runnable: list[_Checked],
     emit: Callable[[dict[str, object]], None], max_batch_size: int,
 ) -> list[int]:
     """Each generator's driver on a thread of its own (one alone runs here), pulling from one feed;
     how many requests each finished."""
     feed = _Feed(runnable)
-    drivers = [Driver(g, name, emit, window=2 * max_batch_size) for g in generators]
+    drivers = [Driver(g, emit, window=2 * max_batch_size) for g in generators]
 
     def drive(driver: Driver, device: Device | None) -> None:
         with jax.default_device(device):

@@ -20,6 +20,7 @@ the model inside each actor exactly as on one machine:
 from __future__ import annotations
 
 import json
+import secrets
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -27,11 +28,13 @@ from typing import Any
 import numpy as np
 
 from zgen.batch.format import error_record
-from zgen.batch.job import BatchSummary, JobOutput, count_requests, generate_records, job_generator, read_lines, screen
+from zgen.batch.job import JobOutput, count_requests, generate_records, job_generator, read_lines, screen
+from zgen.batch.summary import BatchSummary
 from zgen.cache.factory import CacheOption
 from zgen.errors import ConfigError, InputError
 from zgen.generator import Generator, Prompt, Request
 from zgen.model import load_model
+from zgen.runtime.metrics import EngineMetrics, Histogram
 from zgen.runtime.sampling import SamplingConfig
 
 Batch = dict[str, Any]  # a Ray Data batch in the "numpy" format: column name -> array
@@ -78,7 +81,8 @@ def _prompts(batch: Batch) -> list[Prompt]:
 
 class BatchLineWorker:
     """A Ray actor's share of an OpenAI Batch API file: numbered request lines in, result records (as
-    JSON text) out, computed by the same code as a local job (:func:`zgen.batch.job.generate_records`)."""
+    JSON text) out, computed by the same code as a local job (:func:`zgen.batch.job.generate_records`),
+    each with the actor's id and its engine's metrics so far (JSON), for the job's summary."""
 
     def __init__(
         self, model: str, *cache_options: CacheOption, dtype: str = "float32", max_batch_size: int = 64,
@@ -87,11 +91,26 @@ class BatchLineWorker:
         self.generator = job_generator(load_model(model, dtype=dtype), cache_options, max_batch_size, prefill_chunk)
         self.model_name = model_name or model
         self.window = 2 * max_batch_size
+        self.worker = secrets.token_hex(8)
 
     def __call__(self, batch: Batch) -> Batch:
         pending = [(int(n), str(t)) for n, t in zip(batch["line"], batch["text"], strict=True)]
         records = generate_records(self.generator, pending, self.model_name, window=self.window)
-        return {"record": np.array([json.dumps(r, ensure_ascii=False) for r in records], dtype=object)}
+        metrics = json.dumps(self.generator.metrics().as_dict())
+        return {
+            "record": np.array([json.dumps(r, ensure_ascii=False) for r in records], dtype=object),
+            "worker": np.array([self.worker] * len(records), dtype=object),
+            "metrics": np.array([metrics] * len(records), dtype=object),
+        }
+
+
+def metrics_from_json(text: str) -> EngineMetrics:
+    """An :meth:`EngineMetrics.as_dict` snapshot sent as JSON, back as the snapshot."""
+    raw = json.loads(text)
+    for key in ("time_to_first_token", "inter_token_latency", "batch_occupancy"):
+        h = raw[key]
+        raw[key] = Histogram(tuple(h["bounds"]), tuple(h["counts"]), h["sum"])
+    return EngineMetrics(**raw)
 
 
 def run_on_ray(
@@ -113,7 +132,8 @@ def run_on_ray(
     ``model``, so it must be a built-in name or a path every node can read), ``gpus_per_actor`` GPUs
     each, ``lines_per_task`` request lines per Ray task. Connects to the Ray cluster that
     ``ray.init()`` finds (``RAY_ADDRESS``), or starts a local one. Records stream back to this process,
-    which alone writes the output: resuming works as for a local job."""
+    which alone writes the output: resuming works as for a local job. The summary adds up the actors'
+    engine metrics (each actor's engine is new, so its figures are this job's)."""
     try:
         import ray
         import ray.data
@@ -122,7 +142,9 @@ def run_on_ray(
     if isinstance(actors, bool) or not isinstance(actors, int) or actors < 1:
         raise ConfigError(f"actors must be an integer >= 1, got {actors!r}")
     lines = read_lines(Path(input))
-    with JobOutput(output, progress=progress) as out:
+    latest: dict[str, EngineMetrics] = {}  # each actor's last snapshot
+    with JobOutput(output, progress=progress, generated_tokens=lambda: sum(m.generated_tokens for m in list(latest.values()))) as out:
+        out.check_modules(None)
         screened = screen(lines, out.existing.keys)
         out.start(len(screened.pending) + len(screened.errors))
         for error in screened.errors:
@@ -143,9 +165,12 @@ def run_on_ray(
                 batch_format="numpy",
             )
             for batch in dataset.iter_batches(batch_size=None, batch_format="numpy"):
-                for text in batch["record"]:
+                for text, worker, metrics in zip(batch["record"], batch["worker"], batch["metrics"], strict=True):
+                    snapshot = metrics_from_json(str(metrics))
+                    if str(worker) not in latest or snapshot.requests >= latest[str(worker)].requests:  # batches may arrive out of order
+                        latest[str(worker)] = snapshot
                     out.put(json.loads(str(text)))
-    return out.summary(count_requests(lines), screened.skipped, (), summary)
+    return out.summary(list(latest.values()), count_requests(lines), screened.skipped, (), summary)
 
 
 __all__ = ["BatchLineWorker", "ZgenPredictor", "run_on_ray"]

@@ -45,6 +45,27 @@ class Histogram:
     def mean(self) -> float:
         return self.sum / self.count if self.count else 0.0
 
+    def quantile(self, q: float) -> float | None:
+        """The ``q``-quantile (``0 <= q <= 1``) as Prometheus' ``histogram_quantile`` estimates it:
+        linearly within the bucket it falls in (the first starts at 0; above every bound, the last
+        bound). None without observations."""
+        if not 0.0 <= q <= 1.0:
+            raise ConfigError(f"a quantile lies in [0, 1], got {q}")
+        if not self.count:
+            return None
+        rank, seen, lower = q * self.count, 0, 0.0
+        for bound, n in zip(self.bounds, self.counts, strict=False):
+            if n and seen + n >= rank:
+                return lower + (bound - lower) * (rank - seen) / n
+            seen, lower = seen + n, bound
+        return self.bounds[-1]
+
+    def __add__(self, other: Histogram) -> Histogram:
+        """Both histograms' observations (e.g. of several engines), over the same buckets."""
+        if self.bounds != other.bounds:
+            raise ConfigError("only histograms over the same buckets add up")
+        return Histogram(self.bounds, tuple(a + b for a, b in zip(self.counts, other.counts, strict=True)), self.sum + other.sum)
+
     def cumulative(self) -> list[tuple[float, int]]:
         """``(upper bound, observations <= it)`` per bucket, ending with ``(inf, count)``."""
         total, out = 0, []
@@ -157,8 +178,9 @@ class MetricsCollector:
     def finished_request(self, reason: str, *, prompt_tokens: int = 0, cached_tokens: int = 0) -> None:
         with self._lock:
             self.finished[reason] = self.finished.get(reason, 0) + 1
-            self.prompt_tokens += prompt_tokens
-            self.cached_prompt_tokens += cached_tokens
+            if reason != "done":  # a forward pass (reason "done") is no generation: its tokens are no prompt's
+                self.prompt_tokens += prompt_tokens
+                self.cached_prompt_tokens += cached_tokens
 
     def speculation(self, drafted: int, accepted: int) -> None:
         """A speculative step verified ``drafted`` tokens and kept ``accepted`` of them."""
