@@ -3,7 +3,10 @@ unchanged, recomputed after a change) and a context's adapter stack in its snaps
 
 from __future__ import annotations
 
+import json
+import shutil
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,9 +14,10 @@ import transformers
 
 from tests.hf_reference import SMALL, save_random_checkpoint
 from tests.test_lora import ALL_TARGETS, _make_adapter  # pyright: ignore[reportPrivateUsage]
-from zgen import Generator, SamplingConfig, load_adapter, load_model
+from zgen import Context, Engine, Generator, SamplingConfig, load_adapter, load_model
 from zgen.cache.factory import CacheOption, paged_kv
-from zgen.errors import AdapterError
+from zgen.contexts import snapshot
+from zgen.errors import AdapterError, SnapshotError
 from zgen.lora import random_adapter
 
 GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=6, ignore_eos=True)
@@ -91,3 +95,94 @@ def test_session_adapters_are_checked(setup: dict[str, Any]) -> None:
         session.push_adapter(setup["a"], float("nan"))
     assert session.adapters == ()
 
+
+
+# ------------------------------------------------------------------------------------------------
+# Adapter stacks in context snapshots
+
+
+def _fingerprint_files(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def stacked(setup: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """A context with two adapters pushed (loaded from copies the test may change), a reply generated
+    under them, saved as "stacked"."""
+    monkeypatch.setenv("ZGEN_STORE_DIR", str(tmp_path / "store"))
+    for name in ("a", "b"):
+        shutil.copytree(setup["root"] / name, tmp_path / name)
+    a, b = load_adapter(tmp_path / "a"), load_adapter(tmp_path / "b")
+    engine = Engine(setup["model"])
+    ctx = Context(engine)
+    ctx.fill_tokens(TURN1)
+    ctx.push_adapter(a, 0.5)
+    ctx.push_adapter(b)
+    ctx.generate_result(GREEDY)
+    ctx.fill_tokens([6, 7])
+    ctx.save("stacked")
+    return {"engine": engine, "ctx": ctx, "a": a, "b": b, "dir": tmp_path, "store": tmp_path / "store" / "stacked"}
+
+
+def test_a_snapshot_restores_its_adapter_stack(stacked: dict[str, Any]) -> None:
+    engine, ctx, a, b = stacked["engine"], stacked["ctx"], stacked["a"], stacked["b"]
+    reloaded = Context.open(engine, "stacked")  # from the directories the adapters were loaded from
+    assert [(x.name, scale) for x, scale in reloaded.adapters] == [("a", 0.5), ("b", 1.0)]
+    given = Context.open(engine, "stacked", adapters=[b, a])  # the caller's own objects, matched by weights
+    assert [(x, scale) for x, scale in given.adapters] == [(a, 0.5), (b, 1.0)]
+    expected = ctx.generate_result(GREEDY).token_ids  # the context that was never saved
+    assert reloaded.generate_result(GREEDY).token_ids == expected
+    assert given.generate_result(GREEDY).token_ids == expected
+    plain = Context.open(engine, "stacked")
+    plain.pop_adapter()
+    plain.pop_adapter()
+    assert plain.generate_result(GREEDY).token_ids != expected  # the restored stack is what made them equal
+
+
+def test_a_missing_or_different_adapter_is_refused_and_changes_nothing(setup: dict[str, Any], stacked: dict[str, Any]) -> None:
+    engine, a, b, root = stacked["engine"], stacked["a"], stacked["b"], stacked["dir"]
+    files = _fingerprint_files(stacked["store"])
+    used = engine.kv.pool.num_used
+    impostor = load_adapter(setup["root"] / "a", name="b")  # another adapter under b's name
+
+    def refused(match: str, **kwargs: Any) -> None:
+        with pytest.raises(SnapshotError, match=match) as caught:
+            Context.open(engine, "stacked", **kwargs)
+        assert "adapters=[zgen.load_adapter(DIR)]" in str(caught.value)  # says how to fix it
+        assert _fingerprint_files(stacked["store"]) == files and engine.kv.pool.num_used == used
+
+    refused(r"adapter 'b' \(scale 1\).*given as 'b' has other weights", adapters=[impostor])
+    shutil.rmtree(root / "b")
+    shutil.copytree(setup["root"] / "a", root / "b")  # b's directory now holds another adapter
+    refused(r"adapter 'b'.*the files there now hold other weights")
+    shutil.rmtree(root / "b")
+    refused(r"adapter 'b'.*cannot be loaded now")
+    # Given the adapter, the snapshot opens as before.
+    assert Context.open(engine, "stacked", adapters=[b]).adapters[1] == (b, 1.0)
+
+    ctx = Context(engine)
+    ctx.fill_tokens(TURN1)
+    ctx.push_adapter(random_adapter(engine.model.config, 2, seed=3))
+    ctx.save("in-memory")
+    with pytest.raises(SnapshotError, match="not loaded from a directory"):
+        Context.open(engine, "in-memory")
+
+
+def test_a_snapshot_of_format_3_opens_with_no_stack(stacked: dict[str, Any]) -> None:
+    engine, store = stacked["engine"], stacked["store"]
+    path = store / (store / "CURRENT").read_text() / "meta.json"
+    meta = json.loads(path.read_text())
+    assert meta["format"] == 4 and [r["name"] for r in meta["adapters"]] == ["a", "b"]
+    meta.pop("meta_sha256")
+    del meta["adapters"]
+    meta["format"] = 3
+    meta["meta_sha256"] = snapshot._meta_digest(meta)  # pyright: ignore[reportPrivateUsage]
+    path.write_text(json.dumps(meta))
+    opened = Context.open(engine, "stacked")
+    assert opened.adapters == () and opened.token_ids == stacked["ctx"].token_ids
+    meta.pop("meta_sha256")
+    meta["format"] = 4  # format 4 must say which adapters it ran with
+    meta["meta_sha256"] = snapshot._meta_digest(meta)  # pyright: ignore[reportPrivateUsage]
+    path.write_text(json.dumps(meta))
+    with pytest.raises(SnapshotError, match="'adapters' should be a list"):
+        Context.open(engine, "stacked")
