@@ -16,7 +16,7 @@ from tests.hf_reference import SMALL, save_random_checkpoint
 from tests.test_lora import ALL_TARGETS, _make_adapter  # pyright: ignore[reportPrivateUsage]
 from zgen import Context, Engine, Generator, SamplingConfig, load_adapter, load_model
 from zgen.cache.factory import CacheOption, paged_kv
-from zgen.contexts import snapshot
+from zgen.contexts import drop_export, import_kv_pages, snapshot
 from zgen.errors import AdapterError, SnapshotError
 from zgen.lora import random_adapter
 
@@ -130,6 +130,10 @@ def test_a_snapshot_restores_its_adapter_stack(stacked: dict[str, Any]) -> None:
     assert [(x.name, scale) for x, scale in reloaded.adapters] == [("a", 0.5), ("b", 1.0)]
     given = Context.open(engine, "stacked", adapters=[b, a])  # the caller's own objects, matched by weights
     assert [(x, scale) for x, scale in given.adapters] == [(a, 0.5), (b, 1.0)]
+    ctx.export_kv_pages("stacked")  # the in-memory form carries the stack too
+    imported = Context.from_imported_state(engine, import_kv_pages(engine, "stacked"))
+    assert imported.adapters == ctx.adapters == ((a, 0.5), (b, 1.0))
+    drop_export(engine, "stacked")
     expected = ctx.generate_result(GREEDY).token_ids  # the context that was never saved
     assert reloaded.generate_result(GREEDY).token_ids == expected
     assert given.generate_result(GREEDY).token_ids == expected
