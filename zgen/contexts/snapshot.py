@@ -40,12 +40,12 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
 import uuid
 import weakref
-import math
 from collections.abc import Iterator, Sequence as Seq
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -413,7 +413,11 @@ def _restore_adapters(
         if not isinstance(adapter, LoraAdapter):
             raise InputError(f"adapters= takes loaded adapters (zgen.load_adapter), got {type(adapter).__name__}")
     by_fingerprint = {adapter_fingerprint(a): a for a in available}
-    return tuple((by_fingerprint.get(r["sha256"]) or _reload(r, name, available), float(r["scale"])) for r in records)
+    stack: list[tuple[LoraAdapter, float]] = []
+    for record in records:
+        given = by_fingerprint.get(record["sha256"])
+        stack.append((given if given is not None else _reload(record, name, available), float(record["scale"])))
+    return tuple(stack)
 
 
 def _reload(record: dict[str, Any], name: str, available: Seq[LoraAdapter]) -> LoraAdapter:
