@@ -1,6 +1,6 @@
 """Beam search on engine forks: the same beams and scores as HF transformers' beam search (float32, a
 tiny random Llama), with and without EOS reached, several beam counts, length penalties and
-early-stopping modes; the CLI's --num-beams."""
+early-stopping modes; the CLI's --num-beams and --early-stopping."""
 
 from __future__ import annotations
 
@@ -121,3 +121,42 @@ def test_cli_num_beams(pair: tuple[Model, Any, Path], monkeypatch: pytest.Monkey
     assert all(isinstance(b["text"], str) for b in beams)
     text = CliRunner().invoke(app, args[:-1])
     assert text.exit_code == 0 and text.stdout.strip() == expected[0].text.strip()
+
+
+def test_cli_early_stopping_flag(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from zgen.cli import app
+
+    # Token 47 is one the beams of this seed reach after two tokens: with it as EOS the three modes differ.
+    directory = tmp_path / "eos47"
+    save_random_checkpoint(transformers.LlamaConfig(**{**SMALL, "eos_token_id": 47}, tie_word_embeddings=False), directory)
+    model = load_model(directory, dtype="float32")
+    monkeypatch.setenv("ZGEN_XLA_CACHE_DIR", str(tmp_path / "xla"))
+    base = ["generate", "-m", str(directory), "-p", "w17 w42 w5", "-n", "8", "--num-beams", "3", "--json"]
+    outputs = {}
+    for flag, setting in (("true", True), ("never", "never"), ("false", False)):
+        result = CliRunner().invoke(app, [*base, "--early-stopping", flag])
+        assert result.exit_code == 0, result.output
+        beams = json.loads(result.stdout)["beams"]
+        expected = Generator(model).beam_search("w17 w42 w5", 3, early_stopping=setting, max_new_tokens=8)
+        assert [b["token_ids"] for b in beams] == [b.token_ids for b in expected]
+        np.testing.assert_allclose([b["score"] for b in beams], [b.score for b in expected], atol=1e-5)
+        outputs[flag] = [b["token_ids"] for b in beams]
+    assert outputs["true"] != outputs["never"]  # the flag really reached the search
+    default = CliRunner().invoke(app, base)
+    assert default.exit_code == 0 and [b["token_ids"] for b in json.loads(default.stdout)["beams"]] == outputs["false"]
+
+    def must_not_load(*_: object, **__: object) -> None:
+        raise AssertionError("the model was loaded before the flags were checked")
+
+    monkeypatch.setattr("zgen.cli.load_model", must_not_load)
+    for flags, message in (
+        (["--early-stopping", "sometimes", "--num-beams", "3"], "'sometimes' is not one of true, false, never"),
+        (["--early-stopping", "never"], "--early-stopping applies to beam search; add --num-beams N with N > 1"),
+    ):
+        refused = CliRunner().invoke(app, ["generate", "-m", str(directory), "-p", "w17", *flags])
+        assert refused.exit_code == 2, refused.output
+        assert message in " ".join(refused.stderr.replace("│", " ").split())
+    helped = " ".join(CliRunner().invoke(app, ["generate", "--help"]).output.replace("│", " ").split())
+    assert "never once it cannot at the longest length it could reach" in helped

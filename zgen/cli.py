@@ -42,6 +42,7 @@ from zgen.generator import Generator, Prompt
 from zgen.loading.builtin import BUILTIN_MODELS, DEFAULT_MODEL, builtin_model_path
 from zgen.lora import LoraAdapter, load_adapter
 from zgen.model import DTYPES, GGUF_WEIGHTS, WEIGHTS_CHOICES, Model, default_cache_dir, load_model, resolve_model
+from zgen.runtime.beam import EarlyStopping
 from zgen.runtime.grammar import Grammar
 from zgen.runtime.sampling import SamplingConfig
 from zgen.runtime.step import POOLINGS, Pooling
@@ -213,6 +214,19 @@ EarlyExitOption = Annotated[
 NumDraftOption = Annotated[
     int | None,
     typer.Option("--num-draft-tokens", metavar="K", min=1, max=32, help="Tokens drafted per pass at most (default: 8 with --prompt-lookup, else 4)."),
+]
+
+# --early-stopping's values, as HF transformers' generate(early_stopping=...) takes them.
+EARLY_STOPPING: dict[str, EarlyStopping] = {"true": True, "false": False, "never": "never"}
+EarlyStoppingOption = Annotated[
+    str | None,
+    _choice(
+        "--early-stopping",
+        tuple(EARLY_STOPPING),
+        "When beam search stops (needs --num-beams > 1): true as soon as num-beams beams have finished; false "
+        "(default) once the best live beam, scored at its current length, cannot beat the worst finished one; "
+        "never once it cannot at the longest length it could reach (HF transformers' early_stopping).",
+    ),
 ]
 
 
@@ -504,6 +518,7 @@ def generate(
     length_penalty: Annotated[
         float, typer.Option("--length-penalty", callback=_finite, help="Beam scores are summed log-probs / length ** this (> 0 favours longer beams).")
     ] = 1.0,
+    early_stopping: EarlyStoppingOption = None,
     quiet: QuietOption = False,
     json_schema: Annotated[Path | None, typer.Option("--json-schema", help="The output is JSON valid under this JSON Schema file.")] = None,
     regex: Annotated[str | None, typer.Option("--regex", help="The output matches this regular expression as a whole.")] = None,
@@ -529,6 +544,8 @@ def generate(
         raise typer.BadParameter("--num-draft-tokens needs --prompt-lookup, --draft-model or --early-exit", param_hint="'--num-draft-tokens'")
     if chosen_speculators and kv_cache == "compressed":
         raise typer.BadParameter("speculative decoding cannot roll back the lossy compressed cache; choose another", param_hint="'--kv-cache'")
+    if early_stopping is not None and num_beams < 2:
+        raise typer.BadParameter("--early-stopping applies to beam search; add --num-beams N with N > 1", param_hint="'--early-stopping'")
     path = _model_path(model)
     draft_path = _model_path(draft_model, "--draft-model") if draft_model is not None else None
     _check_weights(weights, path)
@@ -549,7 +566,8 @@ def generate(
             generator = Generator(loaded, *options, speculative=speculator)
         with generator:
             if num_beams > 1:
-                _print_beams(generator, request, num_beams, length_penalty, max_new_tokens, as_json)
+                stopping = EARLY_STOPPING[early_stopping or "false"]
+                _print_beams(generator, request, num_beams, length_penalty, max_new_tokens, as_json, stopping)
                 return
             if as_json:
                 print(json.dumps(_json_result(generator, request, sampling.config), ensure_ascii=False))
@@ -578,8 +596,13 @@ def _speculator(
     return None
 
 
-def _print_beams(generator: Generator, request: Prompt, num_beams: int, length_penalty: float, max_new: int, as_json: bool) -> None:
-    beams = generator.beam_search(request, num_beams, length_penalty=length_penalty, max_new_tokens=max_new)
+def _print_beams(
+    generator: Generator, request: Prompt, num_beams: int, length_penalty: float, max_new: int, as_json: bool,
+    early_stopping: EarlyStopping = False,
+) -> None:
+    beams = generator.beam_search(
+        request, num_beams, length_penalty=length_penalty, max_new_tokens=max_new, early_stopping=early_stopping
+    )
     if as_json:
         listed = [{"text": b.text, "token_ids": b.token_ids, "score": b.score, "finish_reason": b.finish_reason} for b in beams]
         print(json.dumps({"beams": listed, "prompt_token_ids": generator.encode_prompt(request)}, ensure_ascii=False))

@@ -19,8 +19,8 @@ from typing import Self
 import numpy as np
 
 from zgen.cache.factory import CacheOption
-from zgen.errors import ConfigError, InputError, PromptTooLongError
-from zgen.lora.adapter import AdapterChoice, adapter_pairs
+from zgen.errors import AdapterError, ConfigError, InputError, PromptTooLongError
+from zgen.lora.adapter import AdapterChoice, LoraAdapter, adapter_pairs, check_adapter
 from zgen.model import Model
 from zgen.runtime.beam import Beam, EarlyStopping, beam_search, check_beam_options
 from zgen.runtime.engine import Engine, EngineConfig, ForwardRequest, ForwardResult, Job
@@ -217,8 +217,9 @@ class Generator:
             length_penalty=length_penalty, early_stopping=early_stopping, adapters=adapter_pairs(adapter),
         )
 
-    def new_session(self) -> Session:
-        return Session(self)
+    def new_session(self, *, adapter: AdapterChoice | None = None) -> Session:
+        """A conversation keeping its KV between turns; every turn runs with ``adapter`` (see :class:`Session`)."""
+        return Session(self, adapter=adapter)
 
     def metrics(self) -> EngineMetrics:
         """What this generator's engine has done: requests, tokens, latencies, batch occupancy, KV
@@ -332,12 +333,41 @@ class Session:
     Each call takes the whole conversation (text, ids or chat messages); the longest prefix shared with
     the tokens already in this session's cache is not computed again. Safe beside other sessions of
     one Generator (a session on a row cache holds its row between turns: :meth:`reset` frees it).
+
+    ``adapter`` (one LoRA adapter, an ``(adapter, scale)`` pair or a list of them) runs every turn with
+    that mix, on top of the model's pushed adapters; :meth:`push_adapter` / :meth:`pop_adapter` change
+    it for later turns. K/V computed under one mix are wrong under another, so the session keeps its
+    KV only while the mix (its own and the model's stack) is the one that computed it: the first turn
+    after a change computes the whole conversation again (``usage.cached_prompt_tokens`` is 0), then
+    turns reuse the KV as before.
     """
 
-    def __init__(self, generator: Generator) -> None:
+    def __init__(self, generator: Generator, *, adapter: AdapterChoice | None = None) -> None:
         self.generator = generator
         self._lock = threading.Lock()
         self._seq: TokenSequence | None = None
+        self._adapters: list[tuple[LoraAdapter, float]] = []
+        for pair in adapter_pairs(adapter):
+            self.push_adapter(*pair)
+        self._kv_mix: tuple[tuple[LoraAdapter, float], ...] = ()  # the adapters the kept K/V were computed with
+
+    @property
+    def adapters(self) -> tuple[tuple[LoraAdapter, float], ...]:
+        """The session's adapter mix, (adapter, scale) in the order applied."""
+        return tuple(self._adapters)
+
+    def push_adapter(self, adapter: LoraAdapter, scale: float = 1.0) -> None:
+        """Run later turns with ``adapter`` (times ``scale``) too, on top of the session's others; the
+        next turn computes the conversation's K/V again (class docstring)."""
+        ((adapter, scale),) = adapter_pairs((adapter, scale))
+        check_adapter(adapter, self.generator.model.config)
+        self._adapters.append((adapter, scale))
+
+    def pop_adapter(self) -> LoraAdapter:
+        """Take the last adapter pushed on this session off its mix and return it."""
+        if not self._adapters:
+            raise AdapterError("no adapter was pushed on this session; nothing to pop")
+        return self._adapters.pop()[0]
 
     @property
     def token_ids(self) -> list[int]:
@@ -369,10 +399,16 @@ class Session:
         gen = self.generator
         seq = self._seq or gen.engine.new_sequence(seed=secrets.randbits(63))
         self._seq = seq
-        shared = _common_prefix(seq.tokens, ids[:-1])  # the last prompt token is fed for its logits
+        mix = (*gen.model.adapters, *self._adapters)  # what the engine runs the turn with
+        same_mix = len(mix) == len(self._kv_mix) and all(
+            a is b and x == y for (a, x), (b, y) in zip(mix, self._kv_mix, strict=True)
+        )
+        shared = _common_prefix(seq.tokens, ids[:-1]) if same_mix else 0  # the last prompt token is fed for its logits
         seq.keep(shared)
         seq.append(ids[shared:])
-        return gen._submit(Request(ids, sampling), ids, stream=stream, per_token=per_token, seq=seq)[1]
+        self._kv_mix = mix
+        request = Request(ids, sampling, adapter=tuple(self._adapters))
+        return gen._submit(request, ids, stream=stream, per_token=per_token, seq=seq)[1]
 
     def reset(self) -> None:
         with self._lock:

@@ -200,7 +200,7 @@ _META_DAMAGE: list[tuple[str, Any]] = [
     ("token_ids", None), ("token_ids", "abc"), ("token_ids", [1.5]), ("token_ids", [10**9]), ("masked", [10**6]),
     ("masked", "all"), ("messages", [["user"]]), ("messages", [[1, 2]]), ("awaiting_reply", "no"), ("kv_len", -1),
     ("kv_len", 10**6), ("kv_len", True), ("present", [True]), ("present", None), ("pages_sha256", {"k": []}),
-    ("model", 5), ("layout", None),
+    ("model", 5), ("layout", None), ("adapters", None), ("adapters", [{"name": "a", "source": None, "sha256": "0", "scale": 1}]),
 ]
 
 

@@ -250,6 +250,11 @@ class Context:
         check_adapter(adapter, self.engine.model.config)
         self._adapters.append((adapter, scale))
 
+    @property
+    def adapters(self) -> tuple[tuple[LoraAdapter, float], ...]:
+        """The context's adapter stack, (adapter, scale) in the order pushed."""
+        return tuple(self._adapters)
+
     def pop_adapter(self) -> LoraAdapter:
         """Take the last adapter pushed on this context off its stack and return it."""
         if not self._adapters:
@@ -451,22 +456,32 @@ class Context:
     # -- persistence -------------------------------------------------------------------------------
 
     def _state(self) -> ImportedKVState:
-        return snapshot.capture(self.seq, tuple((m["role"], m["content"]) for m in self._messages), self._awaiting_reply)
+        messages = tuple((m["role"], m["content"]) for m in self._messages)
+        return snapshot.capture(self.seq, messages, self._awaiting_reply, tuple(self._adapters))
 
     def _adopt(self, state: ImportedKVState) -> Context:
         self._messages = [{"role": r, "content": c} for r, c in state.messages]
         self._awaiting_reply = state.awaiting_reply
+        self._adapters = list(state.adapters)
         return self
 
     def save(self, name: str) -> None:
-        """Persist tokens, masks and K/V pages under ``name`` in the store directory (``ZGEN_STORE_DIR``)."""
+        """Persist tokens, masks, chat turns, K/V pages and the adapter stack (each adapter's directory,
+        fingerprint and scale; the model's own pushed adapters are not the context's and are not saved)
+        under ``name`` in the store directory (``ZGEN_STORE_DIR``)."""
         snapshot.save_state(self.engine, self._state(), name)
 
     @classmethod
-    def open(cls, model_or_engine: Model | Engine, name: str, *, seed: int | None = None) -> Context:
-        """A live context from a snapshot ``save`` wrote (in this process or an earlier one)."""
+    def open(
+        cls, model_or_engine: Model | Engine, name: str, *, seed: int | None = None, adapters: Sequence[LoraAdapter] = ()
+    ) -> Context:
+        """A live context from a snapshot ``save`` wrote (in this process or an earlier one), with the
+        adapter stack it was saved with: each adapter is the one of ``adapters`` with the same weights
+        (fingerprint), else reloaded from the directory it was loaded from. One that is neither (an
+        in-memory adapter not passed, a directory gone or holding other weights) is refused with
+        :class:`~zgen.errors.SnapshotError` naming it; nothing is changed then."""
         ctx = cls(model_or_engine, seed=seed)
-        return ctx._adopt(snapshot.open_into(ctx.engine, name, ctx.seq))
+        return ctx._adopt(snapshot.open_into(ctx.engine, name, ctx.seq, adapters))
 
     def export_kv_pages(self, name: str) -> None:
         """Publish this context's pages under ``name`` in its engine (shared by reference, no copy)."""
@@ -474,7 +489,8 @@ class Context:
 
     @classmethod
     def from_imported_state(cls, engine: Engine, state: ImportedKVState, *, seed: int | None = None) -> Context:
-        """A context over pages another context exported (see :func:`~zgen.contexts.import_kv_pages`)."""
+        """A context over pages another context exported (see :func:`~zgen.contexts.import_kv_pages`),
+        with the exporter's adapter stack."""
         ctx = cls(engine, seed=seed)
         snapshot.inject(state, ctx.seq)
         return ctx._adopt(state)

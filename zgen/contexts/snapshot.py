@@ -6,8 +6,9 @@ A snapshot is a directory ``$ZGEN_STORE_DIR/<name>/`` (default store: ``~/.cache
                           process dies), so saves of one name run one at a time and never under a reader
     <name>/CURRENT        the name of the complete version, replaced by an atomic rename
     <name>/v-<uuid>/      a version: meta.json (tokens, masks, chat turns, the page layout, a
-                          fingerprint of the model, SHA-256 checksums of the pages and of meta.json
-                          itself) and an orbax checkpoint kv/ of the pages in their stored format
+                          fingerprint of the model, the context's LoRA adapter stack, SHA-256
+                          checksums of the pages and of meta.json itself) and an orbax checkpoint
+                          kv/ of the pages in their stored format
 
 A save writes a new version beside the old one, flushes it to disk, then renames a new ``CURRENT``
 into place, and only then deletes the old version: whenever a save is interrupted (an exception, a
@@ -18,6 +19,15 @@ that name, or by an open that finds no one else using it.
 Opening checks meta.json's checksum and every field's type, the fingerprint (:func:`model_fingerprint`)
 and the page format, then the pages' checksums, and refuses anything else with
 :class:`~zgen.errors.SnapshotError`; the pool is touched only once the snapshot has been read and checked.
+
+A context's adapter stack (``Context.push_adapter``) is saved as, per adapter in stack order, its
+name, the directory it was loaded from (absolute; none for an adapter built in memory), a SHA-256
+fingerprint of its weights (:func:`~zgen.lora.adapter.adapter_fingerprint`) and its scale. Opening
+restores the stack: each adapter is the one the caller passes (``Context.open(..., adapters=[...])``,
+matched by fingerprint; others passed are ignored), else reloaded from its recorded directory. One
+that is neither, or whose reloaded files have other weights, is refused with
+:class:`~zgen.errors.SnapshotError` naming it, before the pool is touched. Snapshots of format 3
+(before adapter stacks were saved) open with an empty stack.
 
 Exports are the in-memory form (Pie's ``export_kv_pages``): the engine's exports keep a reference on
 the pages under a name (:func:`import_kv_pages` finds them), and contexts created from the import
@@ -30,12 +40,13 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
 import uuid
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence as Seq
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -48,7 +59,8 @@ import orbax.checkpoint as ocp
 
 from zgen.cache.page_store import PageStore
 from zgen.cache.paged import PagedKVCache
-from zgen.errors import InputError, SnapshotError, TokenIdError
+from zgen.errors import AdapterError, InputError, SnapshotError, TokenIdError
+from zgen.lora.adapter import LoraAdapter, adapter_fingerprint, load_adapter
 from zgen.model import Model
 from zgen.pallas.paged_attention.layouts import KVPages, take_pages
 from zgen.runtime.engine import Engine
@@ -56,7 +68,9 @@ from zgen.runtime.sequence import Sequence
 
 # 2: q4/q3 pages hold keys coded after RoPE (centred on the rotated calibration means).
 # 3: versioned directories behind an atomically replaced CURRENT file; checksums; every tensor fingerprinted.
-FORMAT_VERSION = 3
+# 4: the context's LoRA adapter stack ("adapters"); a format 3 snapshot opens with none.
+FORMAT_VERSION = 4
+_READABLE_FORMATS = (3, 4)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
@@ -70,6 +84,7 @@ class ImportedKVState:
     awaiting_reply: bool  # the last chat turn still needs the assistant header
     kv_len: int
     blocks: tuple[int, ...]  # one per page of the first kv_len tokens; -1 = dropped
+    adapters: tuple[tuple[LoraAdapter, float], ...] = ()  # the context's LoRA stack, (adapter, scale) in order
 
 
 def store_dir() -> Path:
@@ -123,12 +138,16 @@ def _store(engine: Engine) -> PageStore:
     return store
 
 
-def capture(seq: Sequence, messages: tuple[tuple[str, str], ...], awaiting_reply: bool) -> ImportedKVState:
-    """A context's state: its tokens, masks, chat turns and the pages of its first ``kv_len`` tokens."""
+def capture(
+    seq: Sequence, messages: tuple[tuple[str, str], ...], awaiting_reply: bool,
+    adapters: tuple[tuple[LoraAdapter, float], ...] = (),
+) -> ImportedKVState:
+    """A context's state: its tokens, masks, chat turns, the pages of its first ``kv_len`` tokens and
+    its adapter stack."""
     cache = _paged(seq)
     pages = -(-seq.kv_len // cache.store.config.page_size)
     blocks = tuple(int(b) for b in cache.block_table[0, :pages])
-    return ImportedKVState(tuple(seq.tokens), seq.masked.copy(), messages, awaiting_reply, seq.kv_len, blocks)
+    return ImportedKVState(tuple(seq.tokens), seq.masked.copy(), messages, awaiting_reply, seq.kv_len, blocks, adapters)
 
 
 def _inject(state: ImportedKVState, seq: Sequence) -> None:
@@ -182,6 +201,7 @@ def save_state(engine: Engine, state: ImportedKVState, name: str) -> Path:
         "kv_len": state.kv_len,
         "present": [b >= 0 for b in state.blocks],
         "pages_sha256": {"k": [_digest(layer) for layer in k], "v": [_digest(layer) for layer in v]},
+        "adapters": [_adapter_record(adapter, scale) for adapter, scale in state.adapters],
     }
     meta["meta_sha256"] = _meta_digest(meta)
     directory = store_dir() / name
@@ -224,10 +244,12 @@ def _write_version(path: Path, meta: dict[str, Any], k: list[list[np.ndarray]], 
     _fsync_tree(path)
 
 
-def open_into(engine: Engine, name: str, seq: Sequence) -> ImportedKVState:
-    """Load the snapshot ``name`` into the empty ``seq`` (see the module docstring); its state."""
+def open_into(engine: Engine, name: str, seq: Sequence, adapters: Seq[LoraAdapter] = ()) -> ImportedKVState:
+    """Load the snapshot ``name`` into the empty ``seq`` (see the module docstring); its state. The
+    saved adapter stack is made of ``adapters`` (matched by fingerprint) or reloaded from disk."""
     directory = store_dir() / _check_name(name)
     meta, k_data, v_data = _read(engine, directory, name)
+    stack = _restore_adapters(meta["adapters"], name, adapters)
     store = _store(engine)
     present: list[bool] = meta["present"]
     blocks = store.pool.allocate(sum(present))  # PoolExhaustedError here changes nothing
@@ -240,7 +262,7 @@ def open_into(engine: Engine, name: str, seq: Sequence) -> ImportedKVState:
     masked[meta["masked"]] = True
     state = ImportedKVState(
         tuple(meta["token_ids"]), masked, tuple((r, c) for r, c in meta["messages"]), meta["awaiting_reply"],
-        meta["kv_len"], tuple(next(it) if p else -1 for p in present),
+        meta["kv_len"], tuple(next(it) if p else -1 for p in present), stack,
     )
     try:
         _inject(state, seq)
@@ -256,7 +278,7 @@ def _read(engine: Engine, directory: Path, name: str) -> tuple[dict[str, Any], l
     except FileNotFoundError:
         if (directory / "meta.json").is_file():
             raise SnapshotError(
-                f"snapshot {name!r} was written by an older zgen (before format {FORMAT_VERSION}); open it with that "
+                f"snapshot {name!r} was written by an older zgen (before format {_READABLE_FORMATS[0]}); open it with that "
                 "version, or save the context again"
             ) from None
         raise SnapshotError(
@@ -303,8 +325,10 @@ def _checked_meta(meta: object, name: str, engine: Engine) -> dict[str, Any]:
     if not isinstance(meta, dict):
         raise _damaged(name, "its meta.json holds no object")
     fields = cast(dict[str, Any], meta)
-    if fields.get("format") != FORMAT_VERSION:
-        raise SnapshotError(f"snapshot {name!r} is not a zgen context snapshot of format {FORMAT_VERSION}; save it again")
+    if fields.get("format") not in _READABLE_FORMATS:
+        raise SnapshotError(
+            f"snapshot {name!r} is not a zgen context snapshot of format {' or '.join(map(str, _READABLE_FORMATS))}; save it again"
+        )
     recorded = fields.pop("meta_sha256", None)
     if recorded != _meta_digest(fields):
         raise _damaged(name, "its meta.json does not match its checksum")
@@ -352,7 +376,65 @@ def _checked_meta(meta: object, name: str, engine: Engine) -> dict[str, Any]:
         listed = digests.get(kind)
         if not isinstance(listed, list) or len(listed) != layers or not all(isinstance(d, str) for d in listed):
             raise _damaged(name, f"meta.json should hold {layers} {kind.upper()} page checksums")
+    if fields["format"] == 3:
+        fields["adapters"] = []  # saved before adapter stacks were
+    for record in need("adapters", list, "a list of adapters"):
+        if not _is_adapter_record(record):
+            raise _damaged(name, f"meta.json field 'adapters' holds {record!r}, not a name, source, sha256 and scale"[:300])
     return fields
+
+
+# -- adapter stacks ----------------------------------------------------------------------------------
+
+
+def _adapter_record(adapter: LoraAdapter, scale: float) -> dict[str, Any]:
+    source = None if adapter.source is None else str(adapter.source.resolve())
+    return {"name": adapter.name, "source": source, "sha256": adapter_fingerprint(adapter), "scale": scale}
+
+
+def _is_adapter_record(record: object) -> bool:
+    if not isinstance(record, dict) or set(cast(dict[str, Any], record)) != {"name", "source", "sha256", "scale"}:
+        return False
+    fields = cast(dict[str, Any], record)
+    scale = fields["scale"]
+    return (
+        isinstance(fields["name"], str) and isinstance(fields["source"], (str, type(None)))
+        and isinstance(fields["sha256"], str) and re.fullmatch(r"[0-9a-f]{64}", fields["sha256"]) is not None
+        and isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale)
+    )
+
+
+def _restore_adapters(
+    records: list[dict[str, Any]], name: str, available: Seq[LoraAdapter]
+) -> tuple[tuple[LoraAdapter, float], ...]:
+    """The saved stack, each adapter the one of ``available`` with its fingerprint or else reloaded
+    from its recorded directory; SnapshotError naming the first that is neither."""
+    for adapter in available:
+        if not isinstance(adapter, LoraAdapter):
+            raise InputError(f"adapters= takes loaded adapters (zgen.load_adapter), got {type(adapter).__name__}")
+    by_fingerprint = {adapter_fingerprint(a): a for a in available}
+    stack: list[tuple[LoraAdapter, float]] = []
+    for record in records:
+        given = by_fingerprint.get(record["sha256"])
+        stack.append((given if given is not None else _reload(record, name, available), float(record["scale"])))
+    return tuple(stack)
+
+
+def _reload(record: dict[str, Any], name: str, available: Seq[LoraAdapter]) -> LoraAdapter:
+    what = f"snapshot {name!r} was saved with LoRA adapter {record['name']!r} (scale {record['scale']:g}) on its stack"
+    fix = f"pass the adapter it was saved with: Context.open(model, {name!r}, adapters=[zgen.load_adapter(DIR)])"
+    if any(a.name == record["name"] for a in available):
+        raise SnapshotError(f"{what}, but the adapter given as {record['name']!r} has other weights (another fingerprint); {fix}")
+    source = record["source"]
+    if source is None:
+        raise SnapshotError(f"{what}; it was not loaded from a directory, so it cannot be reloaded; {fix}")
+    try:
+        adapter = load_adapter(source, name=record["name"])
+    except AdapterError as err:
+        raise SnapshotError(f"{what}, loaded from {source}, which cannot be loaded now ({err}); {fix}") from None
+    if adapter_fingerprint(adapter) != record["sha256"]:
+        raise SnapshotError(f"{what}, loaded from {source}, but the files there now hold other weights; {fix}")
+    return adapter
 
 
 def _check_pages(engine: Engine, name: str, k_data: Any, v_data: Any, count: int) -> None:

@@ -14,9 +14,11 @@ the rank, their ``B`` placed block-diagonally at each part's output rows (:func:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,6 +133,22 @@ def random_adapter(
             b = (rng.standard_normal((out, rank)) * rank**-0.5 * 0.1).astype(np.float32)
             modules[(layer, proj)] = LoraModule(a, b, alpha / rank)
     return LoraAdapter(name or f"random-{seed}", rank, alpha, False, modules)
+
+
+_FINGERPRINTS: weakref.WeakKeyDictionary[LoraAdapter, str] = weakref.WeakKeyDictionary()
+
+
+def adapter_fingerprint(adapter: LoraAdapter) -> str:
+    """SHA-256 of what an adapter computes: every module's layer, projection, scaling and A and B
+    values (not its name or path). Computed once per adapter object."""
+    if adapter not in _FINGERPRINTS:
+        digest = hashlib.sha256()
+        for (layer, proj), module in sorted(adapter.modules.items()):
+            digest.update(f"{layer}.{proj}:{module.scaling!r}:{module.a.shape}:{module.b.shape}".encode())
+            digest.update(np.ascontiguousarray(module.a, np.float32).tobytes())
+            digest.update(np.ascontiguousarray(module.b, np.float32).tobytes())
+        _FINGERPRINTS[adapter] = digest.hexdigest()
+    return _FINGERPRINTS[adapter]
 
 
 def check_adapter(adapter: LoraAdapter, config: ModelConfig) -> None:
