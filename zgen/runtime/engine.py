@@ -55,7 +55,7 @@ from zgen.model import Model
 from zgen.pallas.paged_attention.layouts import KeyCalibration
 from zgen.runtime.adapters import AdapterBanks
 from zgen.runtime.calibration import key_calibration as model_key_calibration
-from zgen.runtime.grammar import GrammarMatcher, fill_masks, mask_words
+from zgen.runtime.grammar import GrammarMatcher, consume_all, fill_masks, mask_words
 from zgen.runtime.metrics import EngineMetrics, MetricsCollector
 from zgen.runtime.results import FinishReason
 from zgen.runtime.runner import runner_for
@@ -67,6 +67,10 @@ from zgen.runtime.stop import StopCondition, TextStream
 from zgen.shapes import next_pow2
 
 GREEDY = SamplingConfig(temperature=0.0)
+#: Most grammar-constrained rows a decode loop takes (its host callback advances them after every
+#: draw). Measured on an NVIDIA H200: 1 row 1.7 ms/token in the loop against 5.6 stepping the engine
+#: per token; 32 rows 9.0 against 7.0 (the callback's llguidance calls run slower inside the loop).
+GRAMMAR_LOOP_ROWS = 8
 
 
 @dataclass(frozen=True)
@@ -451,6 +455,7 @@ class Engine:
             return
         candidates, finishes = self._admissible(jobs[: self.config.max_batch], sum(not job.admitted for job in jobs))
         decode = all(job.loopable() for job in candidates)
+        decode = decode and sum(job.grammar is not None for job in candidates) <= GRAMMAR_LOOP_ROWS
         if not decode and self.config.prefill_apart and self.kv.pages:
             candidates = [job for job in candidates if not job.loopable()]
         speculator = self._speculator(candidates) if decode else None
@@ -774,20 +779,12 @@ class Engine:
         row's grammar takes its draw, then gives the mask of what may follow (llguidance's threads)."""
         masks = np.full((len(drawn), mask_words(self.model.config.vocab_size)), -1, np.int32)
         complete = np.zeros(len(drawn), bool)
-        going = []
-        for matcher, i in self._loop_grammars:
-            if not active[i] or i in self._loop_failures:
-                continue
-            try:
-                matcher.consume(int(drawn[i]))
-            except GrammarError as err:
-                self._loop_failures[i] = err
-            if i in self._loop_failures or matcher.complete:
-                complete[i] = True  # the row ends here (a failed one fails after the loop)
-            else:
-                going.append((matcher, i))
-        for i, err in fill_masks(going, masks).items():
-            self._loop_failures[i], complete[i] = err, True
+        draws = [(m, int(drawn[i]), i) for m, i in self._loop_grammars if active[i] and i not in self._loop_failures]
+        self._loop_failures.update(consume_all(draws))
+        going = [(m, i) for m, _, i in draws if i not in self._loop_failures and not m.complete]
+        self._loop_failures.update(fill_masks(going, masks))
+        for m, _, i in draws:  # the row ends here (a failed one fails after the loop)
+            complete[i] = m.complete or i in self._loop_failures
         return masks, complete
 
     def _take_loop_draws(self, row: _Row, drawn: list[int], logprobs: np.ndarray, *, grammar_taken: bool = False) -> None:

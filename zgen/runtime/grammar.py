@@ -151,10 +151,15 @@ class GrammarMatcher:
 
     def consume(self, token: int) -> None:
         """Advance past a drawn token (a stop id where the grammar may end ends the generation instead)."""
-        if self._may_end and token in self._stop_ids:
-            return
-        if not self._matcher.consume_token(token):
-            raise GrammarError(f"token {token} is not allowed by the grammar here: {self._matcher.get_error()}")
+        if not self.ends_with(token) and not self._matcher.consume_token(token):
+            raise self._refused(token)
+
+    def ends_with(self, token: int) -> bool:
+        """``token`` is a stop id drawn where the grammar may end: it ends the generation, unconsumed."""
+        return self._may_end and token in self._stop_ids
+
+    def _refused(self, token: int) -> GrammarError:
+        return GrammarError(f"token {token} is not allowed by the grammar here: {self._matcher.get_error()}")
 
     def _fix_end(self, row: np.ndarray) -> None:
         """Swap the tokenizer's EOS bits for this generation's stop ids; check something is allowed."""
@@ -172,6 +177,17 @@ class GrammarMatcher:
 @functools.cache
 def _executor() -> Any:
     return _llguidance().LLExecutor()
+
+
+def consume_all(draws: Sequence[tuple[GrammarMatcher, int, int]]) -> dict[int, GrammarError]:
+    """Advance each matcher past its drawn token (``(matcher, token, row)``), in parallel on
+    llguidance's threads (one by one costs ~0.1-0.3 ms a row). Returns the rows whose grammar refused
+    its token, with why."""
+    taken = [(m, token, i) for m, token, i in draws if not m.ends_with(token)]
+    if not taken:
+        return {}
+    accepted = _executor().consume_token_par([(m._matcher, token) for m, token, _ in taken])
+    return {i: m._refused(token) for (m, token, i), ok in zip(taken, accepted, strict=True) if not ok}
 
 
 def fill_masks(matchers: Sequence[tuple[GrammarMatcher, int]], masks: np.ndarray) -> dict[int, GrammarError]:
