@@ -93,13 +93,14 @@ def main() -> None:
         return True
 
     rows: list[dict[str, Any]] = []
+    example = ""
     for batch in args.batch:
         requests = [
             Request(question, SamplingConfig(temperature=args.temperature, seed=i, max_new_tokens=args.new_tokens, grammar=grammar))
             for i in range(batch)
         ]
         base_s, base = timed(Generator(model, max_batch_size=batch), requests, args.runs)
-        tokens = sum(len(r.token_ids) for r in base)
+        tokens, example = sum(len(r.token_ids) for r in base), base[0].text
         rows.append(dict(batch=batch, speculator="plain", tokens_per_s=tokens / base_s, speedup=1.0, same=True,
                          valid=all(valid(r.text) for r in base)))
         for name, spec in speculators.items():
@@ -114,7 +115,7 @@ def main() -> None:
                 acceptance_rate=accepted / drafted if drafted else 0.0, mean_accepted_per_step=accepted / passes if passes else 0.0,
             ))
     report = dict(device=str(jax.devices()[0]), model=args.model or "random smollm2 shape", dtype=args.dtype,
-                  temperature=args.temperature, example=base[0].text[:160], rows=rows)
+                  temperature=args.temperature, example=example[:160], rows=rows)
     if not args.json:
         print(f"{report['device']}  {report['model']}  {args.dtype}  temperature {args.temperature}")
         print(f"{'batch':>5} {'speculator':<16} {'tok/s':>9} {'speedup':>8} {'accept':>7} {'acc/pass':>8} valid same")
