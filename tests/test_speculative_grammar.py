@@ -146,8 +146,29 @@ def test_rejection_sampling_keeps_the_masked_target_distribution(temperature: fl
 def test_sampled_draft_model_outputs_are_valid(tiny: Model) -> None:  # noqa: F811
     """A sampled draft of other weights (rejections and corrections under the mask): outputs match."""
     draft = dataclasses.replace(tiny, params={n: x * 0.5 for n, x in tiny.params.items()}, attachments={})
-    requests = [r for r in _requests(1.0) if r.sampling.grammar is not None]
+    requests = [r for r in _requests(1.0) if r.sampling.grammar is not None][::2]
     out = Generator(tiny, max_batch_size=16, speculative=DraftModel(draft, 3, adaptive=False)).batch_generate(requests)
     _assert_match(out, requests)
     stats = [r.speculative for r in out if r.speculative is not None]
     assert sum(s.draft_tokens for s in stats) > sum(s.accepted_tokens for s in stats) > 0
+
+
+def test_contexts_and_streams_speculate_under_a_grammar(tiny: Model) -> None:  # noqa: F811
+    schema = SCHEMAS["array"]
+    config = SamplingConfig(temperature=0.8, seed=4, max_new_tokens=40, grammar=Grammar.json_schema(schema, compact=True))
+    engine = Engine(tiny, paged_kv(8))
+
+    def context() -> Context:
+        ctx = Context(engine, seed=2)
+        ctx.fill("[1,2,3] [1,2,3] [1,2,")
+        return ctx
+
+    plain = context().generate_result(config)
+    ctx = context()
+    result = ctx.generate_result(config, speculative=PromptLookup(2, 4))
+    assert result.token_ids == plain.token_ids and result.speculative is not None
+    assert_valid(result.text, schema)
+    assert ctx.token_ids[-len(result.token_ids) :] == result.token_ids and ctx.kv_len == ctx.num_tokens - 1
+    # A stream (the loop returns to the host every few passes) gives the same text.
+    gen = Generator(tiny, speculative=PromptLookup(2, 4), sync_interval=2)
+    assert "".join(gen.generate_stream("[1,2,3] [1,2,", config)) == Generator(tiny).generate("[1,2,3] [1,2,", config).text
