@@ -172,3 +172,47 @@ def test_contexts_and_streams_speculate_under_a_grammar(tiny: Model) -> None:  #
     # A stream (the loop returns to the host every few passes) gives the same text.
     gen = Generator(tiny, speculative=PromptLookup(2, 4), sync_interval=2)
     assert "".join(gen.generate_stream("[1,2,3] [1,2,", config)) == Generator(tiny).generate("[1,2,3] [1,2,", config).text
+
+
+def test_masks_along_drafts_are_the_stepwise_masks_and_grammars_take_only_kept_tokens(tiny: Model) -> None:  # noqa: F811
+    """GrammarDrafts on its own: the masks it gives along a draft are those of consuming the draft one
+    token at a time; past a refused token there is none; take() leaves each grammar as if it had
+    consumed only the kept tokens, and cuts a row where its grammar completes."""
+    from zgen.runtime.grammar import GrammarDrafts, GrammarMatcher, fill_masks, mask_words
+
+    grammar, eos = Grammar.regex(r"(yes|no)! ok"), tiny.eos_token_ids[0]
+    yes, bang, ok = tiny.tokenizer.encode("yes! ok")
+    (zebra,) = tiny.tokenizer.encode(" zebra")
+    words = mask_words(tiny.config.vocab_size)
+
+    def stepwise(tokens: list[int]) -> list[np.ndarray]:
+        matcher, masks = GrammarMatcher(grammar, tiny, (eos,)), []
+        for token in [*tokens, None]:
+            mask = np.zeros((1, words), np.int32)
+            assert not fill_masks([(matcher, 0)], mask)
+            masks.append(mask[0])
+            if token is not None:
+                matcher.consume(token)
+        return masks
+
+    matchers = [GrammarMatcher(grammar, tiny, (eos,)) for _ in range(3)]
+    drafts = GrammarDrafts(tiny.config.vocab_size)
+    drafts.start([(matchers[0], 0), (matchers[1], 1), (matchers[2], 3)])  # row 2 is unconstrained
+    proposed = np.array([[yes, bang, ok, eos], [yes, zebra, bang, ok], [yes, bang, ok, ok], [yes, bang, 0, 0]], np.int32)
+    masks = drafts.draft_masks(proposed, np.array([4, 4, 4, 2], np.int32), np.ones(4, bool))
+    full = stepwise([yes, bang, ok])
+    np.testing.assert_array_equal(masks[0, :4], full)  # after " ok": the grammar's end (the stop id only)
+    np.testing.assert_array_equal(masks[1, :2], full[:2])
+    np.testing.assert_array_equal(masks[3, :3], full[:3])
+    # None past the refused " zebra", past the grammar's end, past the draft, or without a grammar.
+    assert (masks[1, 2:] == -1).all() and (masks[0, 4] == -1).all() and (masks[3, 3:] == -1).all() and (masks[2] == -1).all()
+
+    produced = np.array([[yes, bang, ok, eos, 0], [yes, bang, 0, 0, 0], [0] * 5, [yes, 0, 0, 0, 0]], np.int32)
+    keep, ends = drafts.take(produced, np.array([5, 2, 5, 1], np.int32), np.ones(4, bool))
+    assert keep.tolist() == [3, 2, 5, 1] and ends.tolist() == [True, False, False, False]
+    assert not drafts.finish()
+    for matcher, taken in ((matchers[1], [yes, bang]), (matchers[2], [yes])):  # nothing else consumed
+        mask = np.zeros((1, words), np.int32)
+        assert not fill_masks([(matcher, 0)], mask)
+        np.testing.assert_array_equal(mask[0], stepwise(taken)[-1])
+    assert matchers[0].complete
