@@ -17,6 +17,10 @@ A :class:`Speculator` (prompt lookup, a draft model, ... : :mod:`zgen.speculativ
    ``compressed`` cache pools chunks as tokens arrive, so writing rejected drafts would change what it
    keeps: it refuses speculation (:class:`~zgen.errors.ConfigError`).
 
+A speculator that is also an :class:`Observer` sees, after each verification, the target's own draw at
+every checked position, the ones past a rejection included (Jacobi decoding takes its next guesses
+from them); it only changes what is drafted, never what is accepted.
+
 Acceptance rules, per row:
 
 * a *deterministic* draft (``Proposal.probs is None``; prompt lookup) or a greedy row: a drafted token
