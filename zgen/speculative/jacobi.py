@@ -132,7 +132,8 @@ class Jacobi:
             token = jnp.where(hit, found, jnp.where(has_guess, guess, context[:, -1]))
             return jnp.concatenate([context[:, 1:], token[:, None]], axis=1), token
 
-        _, tokens = jax.lax.scan(next_token, context, jnp.arange(1, self._num_tokens + 1, dtype=jnp.int32))
+        # Unrolled: k small steps, no inner device loop to launch and test per drafted token.
+        _, tokens = jax.lax.scan(next_token, context, jnp.arange(1, self._num_tokens + 1, dtype=jnp.int32), unroll=True)
         count = jnp.where(draft.active, draft.num_tokens, 0).astype(jnp.int32)
         return Proposal(tokens.T.astype(jnp.int32), count, None), state
 
