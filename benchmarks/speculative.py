@@ -17,6 +17,11 @@ directory) for real acceptance.
     python benchmarks/speculative.py --model smollm2 --new-tokens 128  # the real GGUF weights
     python benchmarks/speculative.py --model /path/SmolLM2-135M-Instruct.Q4_1.gguf --speculators prompt-lookup early-exit:8
     python benchmarks/speculative.py --speculators draft:smollm2 --kv-dtype fp8 --json
+    python benchmarks/speculative.py --model smollm2 --speculators prompt-lookup jacobi jacobi:adaptive
+
+``jacobi`` is Jacobi (lookahead) decoding with its default fixed draft width (every pass verifies
+``--num-draft-tokens`` guesses, default 8); ``jacobi:adaptive`` adds the adaptive draft length and
+fallback to plain decoding.
 """
 
 from __future__ import annotations
@@ -82,7 +87,7 @@ def prompts(model: Model, batch: int, real: bool) -> list[Any]:
 
 def speculator(spec: str, model: Model, args: argparse.Namespace) -> Speculator:
     from zgen import load_model
-    from zgen.speculative import DraftModel, PromptLookup
+    from zgen.speculative import DraftModel, Jacobi, PromptLookup
 
     kind, _, value = spec.partition(":")
     if kind == "prompt-lookup":
@@ -91,7 +96,9 @@ def speculator(spec: str, model: Model, args: argparse.Namespace) -> Speculator:
         return DraftModel.early_exit(model, layers=int(value or 8), num_tokens=args.num_draft_tokens or 4)
     if kind == "draft":
         return DraftModel(load_model(value, dtype=args.dtype), args.num_draft_tokens or 4)
-    raise SystemExit(f"unknown speculator {spec!r}: prompt-lookup, early-exit:N or draft:MODEL")
+    if kind == "jacobi" and value in ("", "adaptive"):
+        return Jacobi(args.num_draft_tokens or 8, adaptive=value == "adaptive")
+    raise SystemExit(f"unknown speculator {spec!r}: prompt-lookup, early-exit:N, draft:MODEL, jacobi or jacobi:adaptive")
 
 
 def timed(generator: Generator, requests: list[Any], runs: int) -> tuple[float, list[GenerationResult]]:

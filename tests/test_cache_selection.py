@@ -46,15 +46,16 @@ def test_bad_cache_options() -> None:
     assert CacheOptions(kv_dtype="q4").resolved_kind == "paged" and CacheOptions().resolved_kind == "tensor"
 
 
-def test_cli_cache_flags_and_eval_ppl(tmp_path: Path) -> None:
+def test_cli_cache_flags_and_eval_ppl(random_checkpoint: Path, tmp_path: Path) -> None:
     runner = CliRunner()
-    args = ["generate", "-p", "Copper is", "--temperature", "0", "-n", "5", "--ignore-eos", "--kv-cache", "paged", "--kv-dtype", "q4", "--prefix-cache", "--json"]
-    result = runner.invoke(app, args)
+    model = ["--model", str(random_checkpoint)]
+    args = ["generate", *model, "-p", "w5 w6 w7", "--temperature", "0", "-n", "5", "--ignore-eos", "--json"]
+    result = runner.invoke(app, [*args, "--kv-cache", "paged", "--kv-dtype", "q4", "--prefix-cache"])
     assert result.exit_code == 0, result.output
     assert len(json.loads(result.stdout)["token_ids"]) == 5
     text = tmp_path / "text.txt"
-    text.write_text("The harbour was quiet that morning, and the boats rocked gently at their moorings. " * 6)
-    out = runner.invoke(app, ["eval", "ppl", "--text-file", str(text), "--window", "64", "--chunk", "16", "--json"])
+    text.write_text(" ".join(f"w{i % 90 + 3}" for i in range(100)))
+    out = runner.invoke(app, ["eval", "ppl", *model, "--text-file", str(text), "--window", "64", "--chunk", "16", "--json"])
     assert out.exit_code == 0, out.output
     fields = json.loads(out.stdout)
     assert set(fields) == {"ppl", "nll", "tokens_scored", "windows"}

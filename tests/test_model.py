@@ -38,8 +38,9 @@ def test_half_precision_dtypes_track_float32(smollm2: Model) -> None:
         logits = Generator(model).logits(ids)
         agreement = np.mean(logits.argmax(-1) == reference.argmax(-1))
         assert agreement >= 0.8, (dtype, agreement)
-        result = Generator(model).generate(ids, SamplingConfig(temperature=0.0, max_new_tokens=8, ignore_eos=True))
-        assert len(result.token_ids) == 8 and result.text
+        if dtype == "bfloat16":  # the GPU default also decodes (one compile of the decode loop is enough)
+            result = Generator(model).generate(ids, SamplingConfig(temperature=0.0, max_new_tokens=8, ignore_eos=True))
+            assert len(result.token_ids) == 8 and result.text
 
 
 def test_runner_reports_cost_and_memory(smollm2: Model) -> None:

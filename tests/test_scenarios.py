@@ -216,7 +216,8 @@ def test_every_cache_kind_each_front_end_accepts(smollm2: Model, ids: list[list[
             _contexts(smollm2, *LOSSLESS[kind]).run(ids[2], GREEDY, None)
 
 
-@pytest.mark.parametrize("options", [(cache_kind("compressed"),), (kv_dtype("q4"),), (paged_kv(64), kv_dtype("fp8"))], ids=["compressed", "q4", "fp8"])
+# fp8 pages end to end: tests/contexts/test_engine_pool.py and the conformance suite (a small model).
+@pytest.mark.parametrize("options", [(cache_kind("compressed"),), (kv_dtype("q4"),)], ids=["compressed", "q4"])
 def test_lossy_caches_generate_through_the_generator(smollm2: Model, ids: list[list[int]], options: tuple[CacheOption, ...]) -> None:
     result = _generator(smollm2, *options).run(ids[0], GREEDY, None)
     assert len(result.token_ids) == 8 and result.text

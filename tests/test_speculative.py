@@ -74,10 +74,12 @@ def _request(prompt: str, sampling: SamplingConfig = GREEDY) -> Any:
     return Request(prompt, sampling)
 
 
+# Every KV format's write-then-roll-back exactness: property_tests/test_speculative_rollback.py; here the
+# cache kinds end to end, with one coded format (q4: keys coded before they are stored).
 @pytest.mark.parametrize(
     "options",
-    [(flat_kv(),), (paged_kv(4),), (paged_kv(4), kv_dtype("fp8")), (paged_kv(4), kv_dtype("q4")), (paged_kv(4), kv_dtype("q3")), (tiered_kv(),)],
-    ids=["flat", "paged", "paged-fp8", "paged-q4", "paged-q3", "tiered"],
+    [(flat_kv(),), (paged_kv(4),), (paged_kv(4), kv_dtype("q4")), (tiered_kv(),)],
+    ids=["flat", "paged", "paged-q4", "tiered"],
 )
 def test_greedy_equals_plain_on_every_cache_kind(tiny: Model, options: tuple[CacheOption, ...]) -> None:
     """A draft of other weights (kept drafting: not adaptive) has most drafts rejected and rolled back."""

@@ -22,7 +22,7 @@ from zgen.runtime.engine import GRAMMAR_LOOP_ROWS
 from zgen.runtime.grammar import allowed_tokens
 from zgen.runtime.sampling import SamplingFlags, SamplingParams, filter_logits
 from zgen.runtime.speculation import Proposal, verify
-from zgen.speculative import DraftModel, PromptLookup
+from zgen.speculative import DraftModel, Jacobi, PromptLookup
 
 REGEXES = {  # prompts that repeat what the grammar asks for: prompt lookup drafts it
     r"(abc ){6}": "abc abc abc",
@@ -59,14 +59,14 @@ def test_constrained_rows_speculate_to_plain_constrained_tokens(tiny: Model, tem
     requests = _requests(temperature)
     plain = Generator(tiny, max_batch_size=16).batch_generate(requests)
     _assert_match(plain, requests)
-    for speculator in (PromptLookup(2, 4), DraftModel.early_exit(tiny, layers=1, num_tokens=3)):
+    for speculator in (PromptLookup(2, 4), DraftModel.early_exit(tiny, layers=1, num_tokens=3), Jacobi(4)):
         out = Generator(tiny, max_batch_size=16, speculative=speculator).batch_generate(requests)
         _assert_match(out, requests)
         stats = [r.speculative for r in out]
         assert sum(s.steps for s in stats if s is not None) > 0, speculator  # (rows done in one token have none)
-        # Deterministic drafts (prompt lookup) and greedy rows give plain decoding's exact tokens; a
-        # sampled draft model follows the same (masked) distribution, checked on verify() below.
-        if temperature == 0.0 or isinstance(speculator, PromptLookup):
+        # Deterministic drafts (prompt lookup, Jacobi) and greedy rows give plain decoding's exact
+        # tokens; a sampled draft model follows the same (masked) distribution, checked on verify() below.
+        if temperature == 0.0 or not isinstance(speculator, DraftModel):
             assert [r.token_ids for r in out] == [r.token_ids for r in plain], speculator
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from zgen.errors import ConfigError
@@ -221,6 +221,7 @@ def test_text_stream_cuts_token_sequences_and_strings(letters: Tokenizer) -> Non
     sequences=st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=3), max_size=2),
     strings=st.lists(st.text(alphabet="abcdef", min_size=1, max_size=3), max_size=2),
 )
+@example(tokens=[1, 0], sequences=[[0], [1, 0]], strings=[])  # two sequences end together: the longer goes
 def test_text_stream_equals_the_text_of_the_kept_tokens(tokens: list[int], sequences: list[list[int]], strings: list[str]) -> None:
     """Whatever the stops, the streamed text is the decoded kept tokens, minus a completed sequence,
     cut before the first stop string."""
@@ -235,7 +236,8 @@ def test_text_stream_equals_the_text_of_the_kept_tokens(tokens: list[int], seque
     kept = text.tokens
     assert kept == tokens[: len(kept)]
     body = kept
-    matched = next((s for s in condition.sequences if tuple(kept[-len(s) :]) == s and len(kept) >= len(s)), None)
+    ended = [s for s in condition.sequences if tuple(kept[-len(s) :]) == s and len(kept) >= len(s)]
+    matched = max(ended, key=len) if ended else None  # the longest of the sequences ending together
     if matched is not None and text.finish_reason == "stop":
         body = kept[: len(kept) - len(matched)]
     decoded = "".join(chr(ord("a") + t) for t in body)

@@ -46,7 +46,7 @@ from zgen.runtime.beam import EarlyStopping
 from zgen.runtime.grammar import Grammar
 from zgen.runtime.sampling import SamplingConfig
 from zgen.runtime.step import POOLINGS, Pooling
-from zgen.speculative import DraftModel, PromptLookup, Speculator
+from zgen.speculative import DraftModel, Jacobi, PromptLookup, Speculator
 
 
 def _untyped_flags(params: list[Any]) -> list[Any]:
@@ -211,9 +211,17 @@ EarlyExitOption = Annotated[
         "self-speculative draft, no second model; same output).",
     ),
 ]
+JacobiOption = Annotated[
+    bool,
+    typer.Option(
+        "--jacobi",
+        help="Speculative decoding with Jacobi (lookahead) drafts: the model's own predictions from earlier "
+        "passes and the n-grams they form, no draft model (same output).",
+    ),
+]
 NumDraftOption = Annotated[
     int | None,
-    typer.Option("--num-draft-tokens", metavar="K", min=1, max=32, help="Tokens drafted per pass at most (default: 8 with --prompt-lookup, else 4)."),
+    typer.Option("--num-draft-tokens", metavar="K", min=1, max=32, help="Tokens drafted per pass at most (default: 8 with --prompt-lookup or --jacobi, else 4)."),
 ]
 
 # --early-stopping's values, as HF transformers' generate(early_stopping=...) takes them.
@@ -506,6 +514,7 @@ def generate(
     prompt_lookup: PromptLookupOption = False,
     draft_model: DraftModelOption = None,
     early_exit: EarlyExitOption = None,
+    jacobi: JacobiOption = False,
     num_draft_tokens: NumDraftOption = None,
     as_json: Annotated[
         bool,
@@ -531,17 +540,21 @@ def generate(
     GGUF recommends nothing, so pass --temperature 0 for greedy, repeatable text (or e.g.
     --temperature 0.7 --top-p 0.9).
 
-    Speculative decoding (--prompt-lookup, --draft-model, --early-exit) drafts tokens cheaply and checks
+    Speculative decoding (--prompt-lookup, --draft-model, --early-exit, --jacobi) drafts tokens cheaply and checks
     them in one forward pass: greedy output is exactly the plain output, sampled output follows the
     same distribution.
     """
     if not (prompt or chat):
         raise typer.BadParameter("the prompt is empty", param_hint="'--prompt'")
-    chosen_speculators = [flag for flag, on in (("--prompt-lookup", prompt_lookup), ("--draft-model", draft_model), ("--early-exit", early_exit)) if on]
+    chosen_speculators = [
+        flag
+        for flag, on in (("--prompt-lookup", prompt_lookup), ("--draft-model", draft_model), ("--early-exit", early_exit), ("--jacobi", jacobi))
+        if on
+    ]
     if len(chosen_speculators) > 1:
         raise typer.BadParameter(f"choose one speculator, got {' and '.join(chosen_speculators)}", param_hint="'--prompt-lookup'")
     if num_draft_tokens is not None and not chosen_speculators:
-        raise typer.BadParameter("--num-draft-tokens needs --prompt-lookup, --draft-model or --early-exit", param_hint="'--num-draft-tokens'")
+        raise typer.BadParameter("--num-draft-tokens needs --prompt-lookup, --draft-model, --early-exit or --jacobi", param_hint="'--num-draft-tokens'")
     if chosen_speculators and kv_cache == "compressed":
         raise typer.BadParameter("speculative decoding cannot roll back the lossy compressed cache; choose another", param_hint="'--kv-cache'")
     if early_stopping is not None and num_beams < 2:
@@ -562,7 +575,7 @@ def generate(
         with Phases.on_stderr(enabled=show) as phases:
             loaded = _with_adapters(_load(phases, model, path, dtype, sampling, weights), adapters)
             draft = _load(phases, draft_model, draft_path, dtype, None) if draft_model is not None and draft_path is not None else None
-            speculator = _speculator(loaded, prompt_lookup, draft, early_exit, num_draft_tokens)
+            speculator = _speculator(loaded, prompt_lookup, draft, early_exit, num_draft_tokens, jacobi=jacobi)
             generator = Generator(loaded, *options, speculative=speculator)
         with generator:
             if num_beams > 1:
@@ -585,10 +598,12 @@ def generate(
 
 
 def _speculator(
-    model: Model, prompt_lookup: bool, draft: Model | None, early_exit: int | None, num_tokens: int | None
+    model: Model, prompt_lookup: bool, draft: Model | None, early_exit: int | None, num_tokens: int | None, *, jacobi: bool = False
 ) -> Speculator | None:
     if prompt_lookup:
         return PromptLookup(num_tokens=num_tokens or 8)
+    if jacobi:
+        return Jacobi(num_tokens or 8)
     if draft is not None:
         return DraftModel(draft, num_tokens or 4)
     if early_exit is not None:

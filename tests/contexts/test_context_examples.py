@@ -61,14 +61,14 @@ def test_tree_of_thought(smollm2: Model) -> None:
 
 
 def test_beam_search(smollm2: Model) -> None:
-    beams = run("beam_search", smollm2)  # also checks width 1 == greedy
-    assert len(beams) == 3 and all(len(b.tokens) == 8 for b in beams)
+    beams = run("beam_search", smollm2, steps=5)  # also checks width 1 == greedy
+    assert len(beams) == 3 and all(len(b.tokens) == 5 for b in beams)
     assert [b.logprob for b in beams] == sorted((b.logprob for b in beams), reverse=True)
 
 
 def test_attention_sink(smollm2: Model) -> None:
-    result = run("attention_sink", smollm2)
-    assert result.tokens >= 192 and result.max_pages <= result.bound_pages
+    result = run("attention_sink", smollm2, window=32, total=96)  # 3x the window: pages are dropped twice over
+    assert result.tokens >= 96 and result.max_pages <= result.bound_pages
     assert result.text.strip() and "<|" not in result.text  # clean text, no chat-template tokens
 
 

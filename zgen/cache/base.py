@@ -171,6 +171,12 @@ class KVManager(Protocol):
         """Offer the stored K/V of ``tokens`` (all of them written) to the prefix cache, if any."""
         ...
 
+    def expect(self, tokens: int) -> None:
+        """A sequence is about to grow to ``tokens`` (a prompt and its generation budget). A cache whose
+        shapes grow with its sequences takes its final size now, so the prefill and the decode after
+        it, and the next request of that length, run one compiled shape. Reserves nothing."""
+        ...
+
     def close(self) -> None:
         """Free what lives outside the device (a tiered store's host RAM and files)."""
         ...

@@ -75,6 +75,9 @@ class PagedKVManager:
     def absorb(self, state: KVState) -> None:
         self.store.absorb(state.pages if isinstance(state, MaskedPagedState) else state)  # type: ignore[arg-type]
 
+    def expect(self, tokens: int) -> None:
+        del tokens  # pages are taken as tokens come; a step's shapes follow the block tables' width
+
     def match_prefix(self, handle: KVHandle, tokens: Sequence[int]) -> int:
         cache = _paged(handle)
         if self.radix is None or len(tokens) < 2:

@@ -140,6 +140,10 @@ class SlotKVManager:
         del handle, tokens
         return 0
 
+    def expect(self, tokens: int) -> None:
+        if self.state is not None:  # the first reserve makes the state (it knows the rows)
+            self._ensure_capacity(min(tokens, self.max_len))
+
     def commit_prefix(self, handle: KVHandle, tokens: Sequence[int]) -> None:
         del handle, tokens
 

@@ -587,6 +587,8 @@ class Engine:
         end = min(job.feed_end(), start + self.config.prefill_chunk)
         seq.kv.reserve(end - start)
         r = job.request
+        if job.text is not None and not job.generating:
+            self.kv.expect(r.end + job.draws_left(self.max_len))
         if job.generating:  # the next token is drawn after the last one is fed
             reads = [end - 1] if end == seq.num_tokens else []
         else:

@@ -17,6 +17,10 @@ A :class:`Speculator` (prompt lookup, a draft model, ... : :mod:`zgen.speculativ
    ``compressed`` cache pools chunks as tokens arrive, so writing rejected drafts would change what it
    keeps: it refuses speculation (:class:`~zgen.errors.ConfigError`).
 
+A speculator that is also an :class:`Observer` sees, after each verification, the target's own draw at
+every checked position, the ones past a rejection included (Jacobi decoding takes its next guesses
+from them); it only changes what is drafted, never what is accepted.
+
 Acceptance rules, per row:
 
 * a *deterministic* draft (``Proposal.probs is None``; prompt lookup) or a greedy row: a drafted token
@@ -70,7 +74,10 @@ from zgen.runtime.results import SpeculativeStats
 from zgen.runtime.sampling import SamplingFlags, SamplingParams, filter_logits, sample
 from zgen.runtime.step import ModelSpec, Params, draw, forward
 
-__all__ = ["DraftControl", "DraftInput", "Proposal", "SpeculativeLoop", "SpeculativeStats", "Speculator", "speculative_loop", "verify"]
+__all__ = [
+    "DraftControl", "DraftInput", "Observer", "Proposal", "SpeculativeLoop", "SpeculativeStats", "Speculator", "speculative_loop",
+    "target_draws", "verify",
+]
 
 #: Most tokens one pass may draft (a draft longer than this only costs verification work).
 MAX_DRAFT_TOKENS = 32
@@ -145,6 +152,18 @@ class Speculator(Protocol):
 
     def advance(self, state: Any, kept: Int[Array, " B"]) -> Any:
         """After a pass: each row's first ``kept`` positions are final (the next pending token is at ``kept``)."""
+        ...
+
+
+@runtime_checkable
+class Observer(Protocol):
+    """A speculator that also learns from each verification pass (Jacobi decoding: the target's
+    draws after a rejected draft are the next pass's guesses). Optional: the loop calls ``observe``
+    only on speculators that have it."""
+
+    def observe(self, state: Any, draft: DraftInput, proposal: Proposal, count: Int[Array, " B"], draws: Int[Array, "B T"]) -> Any:
+        """After a pass that checked ``count`` drafts per row: ``draws[:, j]`` is the target's own token
+        at position ``length + j`` given the pending token and drafts ``1 .. j`` (valid for ``j <= count``)."""
         ...
 
 
@@ -227,6 +246,17 @@ def _noise(keys: UInt32[Array, "B 2"], index: Int[Array, "B N"], draw: Any) -> A
     return jax.vmap(per_index)(typed, index.astype(jnp.uint32))
 
 
+def target_draws(
+    logits: Float[Array, "B T V"], position: Int[Array, " B"], sampling: SamplingParams, keys: UInt32[Array, "B 2"], flags: SamplingFlags
+) -> Int[Array, "B T"]:
+    """The target's own token at each of positions ``position + 1 .. position + T`` (logits read at
+    ``position .. position + T - 1``): the runtime's sampler with the row's key and draw index."""
+    b, t, v = logits.shape
+    rep_sampling = jax.tree_util.tree_map(lambda x: jnp.repeat(x, t, axis=0), sampling)
+    draw_index = position[:, None] + jnp.arange(t)[None, :]
+    return sample(logits.reshape(b * t, v), rep_sampling, None, jnp.repeat(keys, t, axis=0), draw_index.reshape(-1), flags).reshape(b, t)
+
+
 def verify(
     logits: Float[Array, "B T V"],
     proposal: Proposal,
@@ -252,7 +282,7 @@ def verify(
     repeat = lambda x: jnp.repeat(x, t, axis=0)  # noqa: E731 - one row per read
     rep_sampling = jax.tree_util.tree_map(repeat, sampling)
     draw_index = position[:, None] + jnp.arange(t)[None, :]
-    own = sample(flat, rep_sampling, None, repeat(keys), draw_index.reshape(-1), flags).reshape(b, t)
+    own = target_draws(masked, position, sampling, keys, flags)
     ok = drafts == own[:, :k]
     sampled_draft = proposal.probs is not None and not flags.all_greedy
     target_probs = None
@@ -368,26 +398,28 @@ def speculative_loop(
             b = masks.shape[0]
             return allowed_tokens(masks[:, :reads].reshape(b * reads, -1), vocab).reshape(b, reads, vocab)
 
-        def check(kv: KVState) -> tuple[KVState, Array, Array, Array]:
+        def check(kv: KVState, state: Any) -> tuple[KVState, Any, Array, Array, Array]:
             tokens = jnp.concatenate([pending[:, None], proposal.tokens], axis=1)
             offsets = jnp.arange(k + 1)[None, :]
             positions = jnp.where(active[:, None] & (offsets <= count[:, None]), p[:, None] + offsets, -1)
             logits, kv = forward(model, params, kv, tokens, positions, jnp.broadcast_to(offsets, tokens.shape))
-            produced, logprobs, accepted = verify(
-                logits, proposal, count, p, sampling, s.keys, flags, allowed(logits.shape[-1], k + 1)
-            )
-            return kv, produced, logprobs, accepted
+            mask = allowed(logits.shape[-1], k + 1)
+            produced, logprobs, accepted = verify(logits, proposal, count, p, sampling, s.keys, flags, mask)
+            if isinstance(speculator, Observer):  # the draws it sees are the grammar's too
+                seen = logits if mask is None else jnp.where(mask, logits, -jnp.inf)
+                state = speculator.observe(state, draft, proposal, count, target_draws(seen, p, sampling, s.keys, flags))
+            return kv, state, produced, logprobs, accepted
 
-        def plain(kv: KVState) -> tuple[KVState, Array, Array, Array]:
+        def plain(kv: KVState, state: Any) -> tuple[KVState, Any, Array, Array, Array]:
             positions = jnp.where(active, p, -1)[:, None]
             logits, kv = forward(model, params, kv, pending[:, None], positions, jnp.zeros_like(positions))
             first = allowed(logits.shape[-1], 1)
             token, logprob = draw(logits[:, 0], sampling, None, s.keys, p, flags, None if first is None else first[:, 0])
             produced = jnp.zeros((token.shape[0], k + 1), jnp.int32).at[:, 0].set(token)
             logprobs = jnp.zeros((token.shape[0], k + 1), jnp.float32).at[:, 0].set(logprob)
-            return kv, produced, logprobs, jnp.zeros_like(p)
+            return kv, state, produced, logprobs, jnp.zeros_like(p)
 
-        kv, produced, logprobs, accepted = jax.lax.cond(jnp.any(count > 0), check, plain, kv)
+        kv, state, produced, logprobs, accepted = jax.lax.cond(jnp.any(count > 0), check, plain, kv, state)
         # Keep up to the first stop id and within the budget; inactive rows keep nothing.
         j = jnp.arange(k + 1)[None, :]
         made = jnp.where(j <= accepted[:, None], 1, 0)

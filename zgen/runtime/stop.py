@@ -252,9 +252,10 @@ class TextStream:
         return "" if self.done else self._end(reason)
 
     def _completed_sequence(self) -> tuple[int, ...]:
-        if self.tokens[-1] in self._single:
-            return (self.tokens[-1],)
-        return next((s for s in self._multi if tuple(self.tokens[-len(s) :]) == s), ())
+        """The stop sequence the last token completed; the longest where several end together (as
+        for stop strings), so the text leaves out all of it."""
+        multi = max((s for s in self._multi if tuple(self.tokens[-len(s) :]) == s), key=len, default=())
+        return multi or ((self.tokens[-1],) if self.tokens[-1] in self._single else ())
 
     def _at_limit(self) -> bool:
         return self.stop.max_tokens is not None and len(self.tokens) >= self.stop.max_tokens
