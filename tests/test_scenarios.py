@@ -99,19 +99,21 @@ def test_greedy_and_logprobs_equal_hf(front_ends: list[_FrontEnd], ids: list[lis
     assert result.finish_reason == "length" and result.usage.completion_tokens == 12
 
 
-def _penalized_greedy(generator: Generator, prompt: list[int], sampling: SamplingConfig, n: int) -> list[int]:
-    """Greedy decoding with the penalties applied in numpy to the model's logits (vLLM's semantics)."""
-    tokens: list[int] = []
-    for _ in range(n):
-        logits = generator.logits(prompt + tokens)[-1].astype(np.float64)
+def _penalized_greedy_picks(generator: Generator, prompt: list[int], sampling: SamplingConfig, drawn: list[int]) -> list[int]:
+    """What greedy decoding with the penalties applied in numpy to the model's logits (vLLM's
+    semantics) picks after each prefix of ``drawn``: the logits of every prefix from one causal pass."""
+    logits = generator.logits(prompt + drawn[:-1])[len(prompt) - 1 :].astype(np.float64)
+    picks: list[int] = []
+    for step, row in enumerate(logits):
+        tokens = drawn[:step]
         seen = set(prompt) | set(tokens)
-        counts = np.bincount(np.asarray(tokens, np.int64), minlength=logits.shape[0]).astype(np.float64)
+        counts = np.bincount(np.asarray(tokens, np.int64), minlength=row.shape[0]).astype(np.float64)
         for t in seen:
             p = sampling.repetition_penalty
-            logits[t] = logits[t] / p if logits[t] > 0 else logits[t] * p
-        logits -= sampling.frequency_penalty * counts + sampling.presence_penalty * (counts > 0)
-        tokens.append(int(np.argmax(logits)))
-    return tokens
+            row[t] = row[t] / p if row[t] > 0 else row[t] * p
+        row -= sampling.frequency_penalty * counts + sampling.presence_penalty * (counts > 0)
+        picks.append(int(np.argmax(row)))
+    return picks
 
 
 def test_penalties_work_through_every_front_end(front_ends: list[_FrontEnd], ids: list[list[int]], smollm2: Model) -> None:
@@ -119,7 +121,7 @@ def test_penalties_work_through_every_front_end(front_ends: list[_FrontEnd], ids
         temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.4, max_new_tokens=10, ignore_eos=True
     )
     result = _same([f.run(ids[1], sampling, None) for f in front_ends])
-    assert result.token_ids == _penalized_greedy(Generator(smollm2), ids[1], sampling, 10)
+    assert result.token_ids == _penalized_greedy_picks(Generator(smollm2), ids[1], sampling, result.token_ids)
     plain = front_ends[0].run(ids[1], SamplingConfig(temperature=0.0, max_new_tokens=10, ignore_eos=True), None)
     assert plain.token_ids != result.token_ids  # the penalties changed something to check
 

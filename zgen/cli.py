@@ -546,17 +546,7 @@ def generate(
     """
     if not (prompt or chat):
         raise typer.BadParameter("the prompt is empty", param_hint="'--prompt'")
-    chosen_speculators = [
-        flag
-        for flag, on in (("--prompt-lookup", prompt_lookup), ("--draft-model", draft_model), ("--early-exit", early_exit), ("--jacobi", jacobi))
-        if on
-    ]
-    if len(chosen_speculators) > 1:
-        raise typer.BadParameter(f"choose one speculator, got {' and '.join(chosen_speculators)}", param_hint="'--prompt-lookup'")
-    if num_draft_tokens is not None and not chosen_speculators:
-        raise typer.BadParameter("--num-draft-tokens needs --prompt-lookup, --draft-model, --early-exit or --jacobi", param_hint="'--num-draft-tokens'")
-    if chosen_speculators and kv_cache == "compressed":
-        raise typer.BadParameter("speculative decoding cannot roll back the lossy compressed cache; choose another", param_hint="'--kv-cache'")
+    _check_speculator_flags(prompt_lookup, draft_model, early_exit, jacobi, num_draft_tokens, kv_cache)
     if early_stopping is not None and num_beams < 2:
         raise typer.BadParameter("--early-stopping applies to beam search; add --num-beams N with N > 1", param_hint="'--early-stopping'")
     path = _model_path(model)
@@ -595,6 +585,24 @@ def generate(
             _write("\n")
     except ZgenError as err:
         raise _fail(err) from None
+
+
+def _check_speculator_flags(
+    prompt_lookup: bool, draft_model: str | None, early_exit: int | None, jacobi: bool, num_draft_tokens: int | None, kv_cache: str | None
+) -> bool:
+    """Refuse contradictory speculative-decoding flags before anything loads; whether one was chosen."""
+    chosen = [
+        flag
+        for flag, on in (("--prompt-lookup", prompt_lookup), ("--draft-model", draft_model), ("--early-exit", early_exit), ("--jacobi", jacobi))
+        if on
+    ]
+    if len(chosen) > 1:
+        raise typer.BadParameter(f"choose one speculator, got {' and '.join(chosen)}", param_hint="'--prompt-lookup'")
+    if num_draft_tokens is not None and not chosen:
+        raise typer.BadParameter("--num-draft-tokens needs --prompt-lookup, --draft-model, --early-exit or --jacobi", param_hint="'--num-draft-tokens'")
+    if chosen and kv_cache == "compressed":
+        raise typer.BadParameter("speculative decoding cannot roll back the lossy compressed cache; choose another", param_hint="'--kv-cache'")
+    return bool(chosen)
 
 
 def _speculator(
@@ -778,6 +786,11 @@ def batch_job(
     served_model_name: Annotated[
         str | None, typer.Option("--served-model-name", help="The base model's name in requests' and results' \"model\" field (default: the --model value).")
     ] = None,
+    prompt_lookup: PromptLookupOption = False,
+    draft_model: DraftModelOption = None,
+    early_exit: EarlyExitOption = None,
+    jacobi: JacobiOption = False,
+    num_draft_tokens: NumDraftOption = None,
     on_ray: Annotated[bool, typer.Option("--ray", help="Generate on Ray actors (the cluster ray.init() finds, else a local one); needs zgen[ray].")] = False,
     ray_actors: Annotated[int, typer.Option("--ray-actors", min=1, help="With --ray: actors, each loading the model once.")] = 1,
     ray_gpus: Annotated[float, typer.Option("--ray-gpus", min=0.0, help="With --ray: GPUs per actor.")] = 0.0,
@@ -789,9 +802,17 @@ def batch_job(
     custom_id) becomes an error record for its custom_id and the job goes on. Killed at any point, the
     same command continues where it stopped (custom_ids already in --output are skipped; with the same
     --lora-modules). Exit code 0 when every request succeeded, 3 when some failed (the summary says how
-    many).
+    many). Speculative decoding (--prompt-lookup, --draft-model, --early-exit, --jacobi) works as for
+    `zgen generate`, on one device.
     """
     path = _model_path(model)
+    speculating = _check_speculator_flags(prompt_lookup, draft_model, early_exit, jacobi, num_draft_tokens, kv_cache)
+    if speculating and (on_ray or data_parallel > 1 or tensor_parallel > 1):
+        raise typer.BadParameter(
+            "speculative decoding in a batch job runs on one device; leave out --ray, --data-parallel and --tensor-parallel",
+            param_hint="'--prompt-lookup'",
+        )
+    draft_path = _model_path(draft_model, "--draft-model") if draft_model is not None else None
     if output.resolve() == input.resolve():
         raise typer.BadParameter("the output would overwrite the input; choose another file", param_hint="'--output'")
     options = _cache_options(kv_cache, kv_dtype_name, use_prefix_cache)
@@ -817,6 +838,8 @@ def batch_job(
             with Phases.on_stderr(enabled=not quiet) as phases:
                 split_here = data_parallel == 1  # one split model is loaded split; replicas are split per group
                 loaded = _load(phases, model, path, dtype, None, tensor_parallel=tensor_parallel if split_here else 1)
+                draft = _load(phases, draft_model, draft_path, dtype, None) if draft_model is not None and draft_path is not None else None
+                speculator = _speculator(loaded, prompt_lookup, draft, early_exit, num_draft_tokens, jacobi=jacobi)
             try:
                 register_modules(adapters, base_name=base_name, config=loaded.config)
             except AdapterError as err:
@@ -824,7 +847,7 @@ def batch_job(
             result = run_batch(
                 loaded, input, output, *options, max_batch_size=max_batch_size, prefill_chunk=prefill_chunk, refill_rows=refill_rows,
                 data_parallel=data_parallel, tensor_parallel=1 if split_here else tensor_parallel, model_name=base_name,
-                progress=not quiet, summary=summary, lora_modules=adapters,
+                progress=not quiet, summary=summary, lora_modules=adapters, speculative=speculator,
             )
     except ZgenError as err:
         raise _fail(err) from None

@@ -14,7 +14,9 @@ from zgen import Generator, SamplingConfig, load_model
 from zgen.batch import run
 from zgen.cache.factory import prefix_cache
 from zgen.cli import app
+from zgen.errors import ConfigError
 from zgen.model import Model
+from zgen.speculative import PromptLookup
 
 
 @pytest.fixture(scope="module")
@@ -149,3 +151,23 @@ def test_cli_exit_code_summary_and_foreign_output(model_dir: Path, tmp_path: Pat
     result = CliRunner().invoke(app, [*args[:-4], "--output", str(tmp_path / "foreign.jsonl")])
     assert result.exit_code == 1 and "not a batch result record" in result.stderr
     assert (tmp_path / "foreign.jsonl").read_text() == "hello\n"
+
+
+def test_speculative_decoding_gives_the_plain_records(model: Model, model_dir: Path, tmp_path: Path) -> None:
+    lines = [completion_line(f"r{i}", words(*[5 + i, 6, 7] * 4), max_tokens=8, temperature=0) for i in range(4)]
+    source = write_lines(tmp_path / "in.jsonl", lines)
+    run(model, source, tmp_path / "plain.jsonl", max_batch_size=2, progress=False)
+    drafted = run(model, source, tmp_path / "drafted.jsonl", max_batch_size=2, progress=False, speculative=PromptLookup(num_tokens=4))
+    texts = {k: r["response"]["body"]["choices"][0]["text"] for k, r in by_id(read_records(tmp_path / "plain.jsonl")).items()}
+    assert texts == {k: r["response"]["body"]["choices"][0]["text"] for k, r in by_id(read_records(tmp_path / "drafted.jsonl")).items()}
+    assert drafted.succeeded == 4
+    args = ["batch", "--model", str(model_dir), "--input", str(source), "--quiet"]
+    cli = CliRunner().invoke(app, [*args, "--output", str(tmp_path / "cli.jsonl"), "--jacobi", "--num-draft-tokens", "4"])
+    assert cli.exit_code == 0, cli.output
+    assert texts == {k: r["response"]["body"]["choices"][0]["text"] for k, r in by_id(read_records(tmp_path / "cli.jsonl")).items()}
+    for bad, why in ((["--jacobi", "--data-parallel", "2"], "runs on one device"), (["--num-draft-tokens", "4"], "needs --prompt-lookup")):
+        refused = CliRunner().invoke(app, [*args, "--output", str(tmp_path / "bad.jsonl"), *bad], env={"COLUMNS": "200"})
+        assert refused.exit_code == 2 and why in refused.output
+    assert not (tmp_path / "bad.jsonl").exists()
+    with pytest.raises(ConfigError, match="one device"):
+        run(model, source, tmp_path / "bad.jsonl", data_parallel=2, speculative=PromptLookup())

@@ -53,6 +53,7 @@ from zgen.model import Model, load_model, split_model
 from zgen.runtime.engine import ForwardRequest, Job
 from zgen.runtime.metrics import EngineMetrics
 from zgen.runtime.results import GenerationResult
+from zgen.runtime.speculation import Speculator
 
 Device = Any  # a jax.Device (jax's stubs declare the name as a variable, not a type)
 
@@ -390,6 +391,7 @@ def run(
     progress: bool = True,
     summary: str | Path | None = None,
     lora_modules: Mapping[str, ModuleSpec] | None = None,
+    speculative: Speculator | None = None,
 ) -> BatchSummary:
     """Run the OpenAI-format batch file ``input`` into ``output`` (see the module docstring).
 
@@ -406,11 +408,16 @@ def run(
     (:mod:`zgen.batch.adapters`); ``model_name`` is the base model's name (default: ``model`` as given).
     An adapter that does not fit the model raises an AdapterError before anything runs. The summary's
     tokens and latencies are read from the engines' metrics (:mod:`zgen.batch.summary`).
+
+    ``speculative`` (:mod:`zgen.speculative`) drafts tokens for every request (greedy results are the
+    plain ones; sampled ones follow the same distribution); one replica only.
     """
     for what, value in (("data_parallel", data_parallel), ("tensor_parallel", tensor_parallel)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{what} must be an integer >= 1, got {value!r}")
     devices = jax.local_devices()
+    if speculative is not None and data_parallel * tensor_parallel > 1:
+        raise ConfigError("speculative decoding in a batch job runs on one device; leave out data_parallel / tensor_parallel")
     if data_parallel * tensor_parallel > len(devices):
         raise ConfigError(
             f"data_parallel={data_parallel} x tensor_parallel={tensor_parallel} needs as many local devices; this "
@@ -434,7 +441,7 @@ def run(
                 replica_model = split_model(loaded, tensor_parallel, group)
             else:
                 replica_model = loaded if device is None else replica(loaded, device)
-            generators.append(job_generator(replica_model, options, max_batch_size, prefill_chunk, refill_rows))
+            generators.append(job_generator(replica_model, options, max_batch_size, prefill_chunk, refill_rows, speculative))
     try:
         with JobOutput(output, progress=progress, generated_tokens=lambda: sum(g.metrics().generated_tokens for g in generators)) as out:
             out.check_modules(modules)
@@ -456,13 +463,15 @@ def count_requests(lines: Sequence[str]) -> int:
 
 
 def job_generator(
-    model: Model, options: Sequence[CacheOption], max_batch_size: int, prefill_chunk: int, refill_rows: int | None = None
+    model: Model, options: Sequence[CacheOption], max_batch_size: int, prefill_chunk: int, refill_rows: int | None = None,
+    speculative: Speculator | None = None,
 ) -> Generator:
     """The Generator a batch job runs on: freed rows refilled ``refill_rows`` at a time (default half
     the batch), decoding rows sitting out the prefill steps of a paged cache."""
     refill = max(1, max_batch_size // 2) if refill_rows is None else refill_rows
     return Generator(
-        model, *options, max_batch_size=max_batch_size, prefill_chunk=prefill_chunk, refill_rows=refill, prefill_apart=True
+        model, *options, max_batch_size=max_batch_size, prefill_chunk=prefill_chunk, refill_rows=refill, prefill_apart=True,
+        speculative=speculative,
     )
 
 
