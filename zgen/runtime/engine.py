@@ -55,7 +55,7 @@ from zgen.model import Model
 from zgen.pallas.paged_attention.layouts import KeyCalibration
 from zgen.runtime.adapters import AdapterBanks
 from zgen.runtime.calibration import key_calibration as model_key_calibration
-from zgen.runtime.grammar import GrammarMatcher, consume_all, fill_masks, mask_words
+from zgen.runtime.grammar import GrammarDrafts, GrammarMatcher, consume_all, fill_masks, mask_words
 from zgen.runtime.metrics import EngineMetrics, MetricsCollector
 from zgen.runtime.results import FinishReason
 from zgen.runtime.runner import runner_for
@@ -268,6 +268,7 @@ class Engine:
         self._last_params: tuple[list[SamplingConfig], SamplingParams] | None = None  # reused while a batch decodes
         self._loop_grammars: list[tuple[GrammarMatcher, int]] = []  # the running decode loop's constrained rows
         self._loop_failures: dict[int, GrammarError] = {}  # ... and the rows whose grammar failed in it
+        self._draft_grammars = GrammarDrafts(model.config.vocab_size)  # the speculative loops' constrained rows
         self._speculators: weakref.WeakSet[Speculator] = weakref.WeakSet()  # checked against this model
 
     @property
@@ -526,14 +527,15 @@ class Engine:
     def _speculator(jobs: list[Job]) -> Speculator | None:
         """The speculator a decode step runs with: the one every job asked for (same cache key), with
         no penalties (they depend on each drawn token) and no LoRA adapters (the speculative loop runs
-        the base model); otherwise the step decodes plainly, which gives the same tokens."""
+        the base model); otherwise the step decodes plainly, which gives the same tokens. Grammar rows
+        speculate too: the loop checks their drafts against the grammar (see :mod:`zgen.runtime.speculation`)."""
         first = jobs[0].request.speculative
         if first is None:
             return None
         key = first.cache_key()
         for job in jobs:
             spec = job.request.speculative
-            if spec is None or spec.cache_key() != key or job.sampling.uses_penalties or job.adapters or job.grammar:
+            if spec is None or spec.cache_key() != key or job.sampling.uses_penalties or job.adapters:
                 return None
         return first
 
@@ -837,7 +839,13 @@ class Engine:
             done_at_start=np.int32(done.sum()),
         )
         loop = SpeculativeLoop(**host)
-        loop, state = self.runner.speculate(state, loop, params, speculator, flags=flags)
+        constrained = [(row.job.grammar, i) for row, i in zip(rows, index, strict=True) if row.job.grammar is not None]
+        self._draft_grammars.start(constrained)
+        try:
+            grammar = self._draft_grammars if constrained else None
+            loop, state = self.runner.speculate(state, loop, params, speculator, flags=flags, grammar=grammar)
+        finally:
+            failures = self._draft_grammars.finish()
         self.kv.absorb(state)
         out, logprobs, emitted, drafted, accepted, verified, iterations, ctl = jax.device_get(
             (loop.out_tokens, loop.out_logprobs, loop.emitted, loop.drafted, loop.accepted, loop.verified, loop.step, loop.control)
@@ -851,7 +859,11 @@ class Engine:
             stats = SpeculativeStats(int(drafted[i]), int(accepted[i]), int(verified[i]))
             self.collector.speculation(stats.draft_tokens, stats.accepted_tokens)
             job.result.speculative = stats if job.result.speculative is None else job.result.speculative + stats
-            self._take_loop_draws(row, _row_draws(out[i, : min(row.count, int(emitted[i]))].tolist(), ids), logprobs[i])
+            if i in failures:
+                self._fail(job, failures[i])
+                continue
+            drawn = _row_draws(out[i, : min(row.count, int(emitted[i]))].tolist(), ids)
+            self._take_loop_draws(row, drawn, logprobs[i], grammar_taken=job.grammar is not None)
 
     def _take(self, job: Job, position: int, token: int, logprob: float, *, grammar_taken: bool = False) -> None:
         """Record a token sampled at ``position``; a generation keeps it (``job.drawn``, appended to the

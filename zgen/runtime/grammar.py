@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 GrammarKind = Literal["json_schema", "regex", "lark"]
 
-__all__ = ["Grammar", "GrammarMatcher", "allowed_tokens", "fill_masks", "mask_words"]
+__all__ = ["Grammar", "GrammarDrafts", "GrammarMatcher", "allowed_tokens", "fill_masks", "mask_words"]
 
 
 def _llguidance() -> Any:
@@ -165,13 +165,18 @@ class GrammarMatcher:
         """Swap the tokenizer's EOS bits for this generation's stop ids; check something is allowed."""
         if self._matcher.is_error():
             raise GrammarError(f"the grammar failed: {self._matcher.get_error()}")
+        self._may_end = self._end_bits(row)
+
+    def _end_bits(self, row: np.ndarray) -> bool:
+        """:meth:`_fix_end` on a mask of any state (one along a draft): whether the generation may end there."""
         words, bits = self._eos // 32, (self._eos % 32).astype(np.int32)
-        self._may_end = bool(np.any((row[words] >> bits) & 1))
+        may_end = bool(np.any((row[words] >> bits) & 1))
         np.bitwise_and.at(row, words, ~(np.int32(1) << bits))
-        if self._may_end and self._stop_ids.size:
+        if may_end and self._stop_ids.size:
             np.bitwise_or.at(row, self._stop_ids // 32, np.int32(1) << (self._stop_ids % 32).astype(np.int32))
         if not row.any():
             raise GrammarError("the grammar allows no next token, and this generation has no stop token to end it")
+        return may_end
 
 
 @functools.cache
@@ -205,3 +210,116 @@ def fill_masks(matchers: Sequence[tuple[GrammarMatcher, int]], masks: np.ndarray
         except GrammarError as err:
             failed[i] = err
     return failed
+
+
+class GrammarDrafts:
+    """The constrained rows of a speculative loop (:mod:`zgen.runtime.speculation`) and its two host
+    callbacks per pass:
+
+    * :meth:`draft_masks` — after drafting: each row's token mask at every position the pass verifies
+      (its pending token, then each drafted token), computed along the draft by llguidance's threads,
+      which roll the grammars back after (they are unchanged);
+    * :meth:`take` — after acceptance: each grammar takes the tokens its row keeps, one depth at a time
+      over all rows; a row keeps nothing past the token that completes (or breaks) its grammar.
+
+    A drafted token the grammar refuses needs no check of its own: the mask before it excludes it, so
+    the target's masked draw never equals it and rejection sampling never accepts it. Past such a token,
+    or past the grammar's end, positions have no mask (every token allowed), and :meth:`take` keeps no
+    token drawn there. One object serves an engine's loops (:meth:`start` / :meth:`finish` around each),
+    so the compiled loop that calls it stays the same.
+    """
+
+    def __init__(self, vocab_size: int) -> None:
+        self.words = mask_words(vocab_size)
+        self.rows: list[tuple[GrammarMatcher, int]] = []
+        self.failures: dict[int, GrammarError] = {}
+        self._may_end: dict[int, list[bool]] = {}  # per row: may the generation end, at each masked position
+
+    def start(self, rows: Sequence[tuple[GrammarMatcher, int]]) -> None:
+        """The next loop's constrained rows: ``(matcher, row index)``."""
+        self.rows, self.failures, self._may_end = list(rows), {}, {}
+
+    def finish(self) -> dict[int, GrammarError]:
+        """After the loop: the rows whose grammar failed in it, with why."""
+        failures = self.failures
+        self.rows, self.failures, self._may_end = [], {}, {}
+        return failures
+
+    def draft_masks(self, drafts: np.ndarray, count: np.ndarray, active: np.ndarray) -> np.ndarray:
+        """Masks ``[B, K + 1, W]``: row ``i``'s at position ``j`` says what may follow its first ``j``
+        drafted tokens (of ``count[i]``); -1 (all allowed) where no grammar or no mask applies."""
+        from llguidance.numpy import fill_next_token_bitmask_par, fill_next_token_bitmask_par_with_draft_tokens
+
+        drafts, count, active = np.asarray(drafts), np.asarray(count), np.asarray(active)
+        b, k = drafts.shape
+        masks = np.zeros((b, k + 1, self.words), np.int32)
+        flat = masks.reshape(b * (k + 1), self.words)
+        going = [(m, i) for m, i in self.rows if active[i] and i not in self.failures]
+        along = [(m._matcher, i * (k + 1), drafts[i, : count[i]].tolist()) for m, i in going if count[i] > 0]
+        if along:
+            fill_next_token_bitmask_par_with_draft_tokens(_executor(), along, flat)
+        if alone := [(m._matcher, i * (k + 1)) for m, i in going if count[i] <= 0]:  # llguidance wants a draft above
+            fill_next_token_bitmask_par(_executor(), alone, flat)
+        known = np.zeros((b, k + 1), bool)
+        self._may_end = {}
+        for m, i in going:
+            try:
+                m._fix_end(masks[i, 0])
+            except GrammarError as err:
+                self.failures[i] = err
+                continue
+            may_end = [m._may_end]
+            for j in range(1, int(count[i]) + 1):
+                if not masks[i, j].any():
+                    break  # the draft left the grammar (a refused token, or its end): no mask from here
+                try:
+                    may_end.append(m._end_bits(masks[i, j]))
+                except GrammarError:
+                    break  # nothing may follow here: a row that keeps the token before fails in take()
+            self._may_end[i] = may_end
+            known[i, : len(may_end)] = True
+        masks[~known] = -1
+        return masks
+
+    def take(self, produced: np.ndarray, keep: np.ndarray, active: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each constrained row's grammar takes its first ``keep`` tokens of ``produced [B, K + 1]``.
+        Returns how many each row keeps (fewer where its grammar completes or fails within them) and the
+        rows that end here (grammar complete, or failed: :meth:`finish` says why)."""
+        produced, keep, active = np.asarray(produced), np.array(keep, np.int32), np.asarray(active)
+        ends = np.zeros(len(keep), bool)
+        going: list[tuple[GrammarMatcher, int]] = []
+        for m, i in self.rows:
+            if active[i] and i in self.failures:
+                keep[i], ends[i] = 0, True
+            elif active[i]:
+                going.append((m, i))
+        depth = 0
+        while going:
+            draws: list[tuple[GrammarMatcher, int, int]] = []
+            for m, i in going:
+                if depth >= keep[i]:
+                    continue
+                may_end = self._may_end[i]
+                if depth >= len(may_end):
+                    # Drawn where no mask was known: the grammar (neither complete nor refusing the
+                    # token before) allows nothing here. Keep up to here; the true mask says why.
+                    keep[i] = depth
+                    failed = fill_masks([(m, 0)], np.zeros((1, self.words), np.int32))
+                    if failed:
+                        self.failures[i], ends[i] = failed[0], True
+                    continue
+                m._may_end = may_end[depth]
+                token = int(produced[i, depth])
+                if not m.ends_with(token):  # a stop id where the grammar may end: the loop's stop rule ends the row
+                    draws.append((m, token, i))
+            refused = consume_all(draws)
+            going = []
+            for m, _, i in draws:
+                if i in refused or m.complete:
+                    keep[i], ends[i] = depth + 1, True
+                    if i in refused:
+                        self.failures[i] = refused[i]
+                else:
+                    going.append((m, i))
+            depth += 1
+        return keep, ends

@@ -22,6 +22,7 @@ from zgen.graph.decoder import hidden_state_graph
 from zgen.lora.bank import LoraBank
 from zgen.lora.graph import inject_lora
 from zgen.model import Model, attached
+from zgen.runtime.grammar import GrammarDrafts
 from zgen.runtime.sampling import SamplingFlags, SamplingParams
 from zgen.runtime.speculation import SpeculativeLoop, Speculator, speculative_loop
 from zgen.runtime.step import (
@@ -118,16 +119,17 @@ class Runner:
         return self._compiled(key, lower)(*args)
 
     def speculate(
-        self, kv: S, loop: SpeculativeLoop, sampling: SamplingParams, speculator: Speculator, *, flags: SamplingFlags
+        self, kv: S, loop: SpeculativeLoop, sampling: SamplingParams, speculator: Speculator, *, flags: SamplingFlags,
+        grammar: GrammarDrafts | None = None,
     ) -> tuple[SpeculativeLoop, S]:
         """The speculative loop (:func:`~zgen.runtime.speculation.speculative_loop`), compiled once per
-        shape, sampling flags and speculator key."""
+        shape, sampling flags and speculator key; ``grammar`` is compiled in, like the decode loop's."""
         draft_params = speculator.device_params()
-        key = ("speculate", _shape_key(kv), _shape_key(loop), _shape_key(draft_params), flags, speculator.cache_key())
+        key = ("speculate", _shape_key(kv), _shape_key(loop), _shape_key(draft_params), flags, speculator.cache_key(), grammar)
         args = (self.params, kv, loop, sampling, draft_params)
 
         def run(params: Any, kv: S, loop: SpeculativeLoop, sampling: SamplingParams, draft: Any) -> tuple[SpeculativeLoop, S]:
-            out, state = speculative_loop(self.spec, params, kv, loop, sampling, speculator, draft, flags=flags)
+            out, state = speculative_loop(self.spec, params, kv, loop, sampling, speculator, draft, flags=flags, grammar=grammar)
             return out, state  # type: ignore[return-value]
 
         return self._compiled(key, lambda: jax.jit(run, donate_argnums=(1, 2)).lower(*args))(*args)

@@ -45,6 +45,14 @@ rejection, and fall back to plain decoding (no draft) while the acceptance rate 
 When no row drafts, nothing is drafted, and when no row has a draft to check (every row in fallback,
 or prompt lookup found nothing) the pass is a plain one-token decode step (``lax.cond``): a batch in
 fallback costs what plain decoding costs.
+
+Rows under a grammar (:class:`~zgen.runtime.grammar.GrammarDrafts`) draft as if unconstrained; two host
+callbacks per pass keep them exact. After drafting, the first gives each row's token mask at every
+verified position, computed along its draft; the target's logits are masked there before the draws and
+the acceptance test, so the target distribution every rule above samples is the masked one plain
+constrained decoding draws from, and a drafted token the grammar refuses is rejected where it stands
+(its masked probability is 0). After acceptance, the second advances each grammar by the tokens its
+row keeps, and cuts the row at the token that completes its grammar.
 """
 
 from __future__ import annotations
@@ -56,13 +64,15 @@ from typing import Any, Protocol, runtime_checkable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import io_callback
 from jaxtyping import Array, Bool, Float, Int, UInt32
 
 from zgen.cache.base import KVState
 from zgen.model import Model
+from zgen.runtime.grammar import GrammarDrafts, allowed_tokens
 from zgen.runtime.results import SpeculativeStats
 from zgen.runtime.sampling import SamplingFlags, SamplingParams, filter_logits, sample
-from zgen.runtime.step import ModelSpec, Params, forward
+from zgen.runtime.step import ModelSpec, Params, draw, forward
 
 __all__ = [
     "DraftControl", "DraftInput", "Observer", "Proposal", "SpeculativeLoop", "SpeculativeStats", "Speculator", "speculative_loop",
@@ -255,21 +265,24 @@ def verify(
     sampling: SamplingParams,
     keys: UInt32[Array, "B 2"],
     flags: SamplingFlags,
+    allowed: Bool[Array, "B T V"] | None = None,
 ) -> tuple[Int[Array, "B T"], Float[Array, "B T"], Int[Array, " B"]]:
     """Accept a prefix of each row's draft against the target's logits at ``position .. position+k``.
 
-    ``count``: drafted tokens per row to check (<= k). Returns the tokens the pass produces (the
+    ``count``: drafted tokens per row to check (<= k). ``allowed``: the tokens a grammar allows at each
+    position (the target distribution is the masked one). Returns the tokens the pass produces (the
     accepted drafts, then the target's correction or bonus token; ``accepted + 1`` valid per row),
     their log-probabilities under the raw target logits, and how many drafts each row accepted.
     """
     b, t, v = logits.shape
     k = t - 1
     drafts = proposal.tokens
-    flat = logits.reshape(b * t, v)
+    masked = logits if allowed is None else jnp.where(allowed, logits, -jnp.inf)
+    flat = masked.reshape(b * t, v)
     repeat = lambda x: jnp.repeat(x, t, axis=0)  # noqa: E731 - one row per read
     rep_sampling = jax.tree_util.tree_map(repeat, sampling)
     draw_index = position[:, None] + jnp.arange(t)[None, :]
-    own = target_draws(logits, position, sampling, keys, flags)
+    own = target_draws(masked, position, sampling, keys, flags)
     ok = drafts == own[:, :k]
     sampled_draft = proposal.probs is not None and not flags.all_greedy
     target_probs = None
@@ -343,8 +356,10 @@ def speculative_loop(
     draft_params: Any,
     *,
     flags: SamplingFlags,
+    grammar: GrammarDrafts | None = None,
 ) -> tuple[SpeculativeLoop, KVState]:
-    """Draft, verify, accept ... on the device until every row is done (see the module docstring)."""
+    """Draft, verify, accept ... on the device until every row is done (see the module docstring);
+    ``grammar``: the host side of the constrained rows."""
     k = speculator.num_tokens
 
     def cond(carry: tuple[SpeculativeLoop, KVState, Any]) -> Array:
@@ -372,24 +387,36 @@ def speculative_loop(
         # Only rows that draft pay for drafting, and a pass with nothing to check is a plain decode step.
         proposal, state = jax.lax.cond(jnp.any(want > 0), propose, nothing, state)
         count = jnp.minimum(proposal.count, want)
+        masks = None
+        if grammar is not None:  # the constrained rows' masks along their drafts (host)
+            shape = jax.ShapeDtypeStruct((count.shape[0], k + 1, grammar.words), jnp.int32)
+            masks = io_callback(grammar.draft_masks, shape, proposal.tokens, count, active, ordered=True)
+
+        def allowed(vocab: int, reads: int) -> Array | None:
+            if masks is None:
+                return None
+            b = masks.shape[0]
+            return allowed_tokens(masks[:, :reads].reshape(b * reads, -1), vocab).reshape(b, reads, vocab)
 
         def check(kv: KVState, state: Any) -> tuple[KVState, Any, Array, Array, Array]:
             tokens = jnp.concatenate([pending[:, None], proposal.tokens], axis=1)
             offsets = jnp.arange(k + 1)[None, :]
             positions = jnp.where(active[:, None] & (offsets <= count[:, None]), p[:, None] + offsets, -1)
             logits, kv = forward(model, params, kv, tokens, positions, jnp.broadcast_to(offsets, tokens.shape))
-            produced, logprobs, accepted = verify(logits, proposal, count, p, sampling, s.keys, flags)
-            if isinstance(speculator, Observer):
-                state = speculator.observe(state, draft, proposal, count, target_draws(logits, p, sampling, s.keys, flags))
+            mask = allowed(logits.shape[-1], k + 1)
+            produced, logprobs, accepted = verify(logits, proposal, count, p, sampling, s.keys, flags, mask)
+            if isinstance(speculator, Observer):  # the draws it sees are the grammar's too
+                seen = logits if mask is None else jnp.where(mask, logits, -jnp.inf)
+                state = speculator.observe(state, draft, proposal, count, target_draws(seen, p, sampling, s.keys, flags))
             return kv, state, produced, logprobs, accepted
 
         def plain(kv: KVState, state: Any) -> tuple[KVState, Any, Array, Array, Array]:
             positions = jnp.where(active, p, -1)[:, None]
             logits, kv = forward(model, params, kv, pending[:, None], positions, jnp.zeros_like(positions))
-            token = sample(logits[:, 0], sampling, None, s.keys, p, flags)
-            logprob = jnp.take_along_axis(jax.nn.log_softmax(logits[:, 0], axis=-1), token[:, None], axis=1)
+            first = allowed(logits.shape[-1], 1)
+            token, logprob = draw(logits[:, 0], sampling, None, s.keys, p, flags, None if first is None else first[:, 0])
             produced = jnp.zeros((token.shape[0], k + 1), jnp.int32).at[:, 0].set(token)
-            logprobs = jnp.zeros((token.shape[0], k + 1), jnp.float32).at[:, 0].set(logprob[:, 0])
+            logprobs = jnp.zeros((token.shape[0], k + 1), jnp.float32).at[:, 0].set(logprob)
             return kv, state, produced, logprobs, jnp.zeros_like(p)
 
         kv, state, produced, logprobs, accepted = jax.lax.cond(jnp.any(count > 0), check, plain, kv, state)
@@ -399,13 +426,18 @@ def speculative_loop(
         is_stop = jnp.any(produced[..., None] == s.stop_ids[:, None, :], axis=-1) & (made > 0)
         first_stop = jnp.min(jnp.where(is_stop, j, k + 1), axis=1)
         keep = jnp.minimum(jnp.minimum(accepted + 1, first_stop + 1), s.budget - s.emitted)
-        keep = jnp.where(active, keep, 0)
+        keep = jnp.where(active, keep, 0).astype(jnp.int32)
+        complete = jnp.zeros_like(active)
+        if grammar is not None:  # the grammars take the kept tokens; a row ends where its grammar does
+            shapes = (jax.ShapeDtypeStruct(keep.shape, jnp.int32), jax.ShapeDtypeStruct(keep.shape, jnp.bool_))
+            taken, complete = io_callback(grammar.take, shapes, produced, keep, active, ordered=True)
+            keep = jnp.minimum(keep, taken)
         rows = jnp.arange(p.shape[0])[:, None]
         slots = jnp.where(j < keep[:, None], s.emitted[:, None] + j, s.out_tokens.shape[1])
         places = jnp.where(j < keep[:, None], s.length[:, None] + j, s.history.shape[1])
         length = s.length + keep
         emitted = s.emitted + keep
-        ends = active & ((first_stop < keep) | (emitted >= s.budget))
+        ends = active & ((first_stop < keep) | (emitted >= s.budget) | complete)
         state = speculator.advance(state, length - 1)
         s = replace(
             s,
