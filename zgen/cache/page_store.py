@@ -28,15 +28,16 @@ from zgen.shapes import next_pow2
 
 
 def available_memory_bytes() -> int:
-    """Bytes a new allocation can take on the default device.
+    """Bytes a new allocation can take on the default device, at most.
 
-    Accelerators report their free memory; on CPU the pages live in host memory, bounded by the free
-    physical pages and by the process's address-space limit (``RLIMIT_AS``) where one is set.
+    Accelerators report their free memory; on CPU the pages live in host memory, bounded by the
+    machine's physical memory (not what is free this moment: the page cache gives memory back) and by
+    the process's address-space limit (``RLIMIT_AS``) where one is set.
     """
     stats = jax.devices()[0].memory_stats()
     if stats and "bytes_limit" in stats:
         return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
-    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    free = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
     if soft != resource.RLIM_INFINITY:
         with open("/proc/self/statm") as statm:
