@@ -70,3 +70,22 @@ def hidden_state_graph(graph: Graph) -> Graph:
             break
     out.set_outputs(HIDDEN)
     return out
+
+
+def residual_stream(layer: int) -> str:
+    """The node holding decoder layer ``layer``'s output (the residual stream after it); the last
+    layer's is the last hidden state before the final norm."""
+    return f"layers.{layer}.mlp_residual"
+
+
+def feature_graph(graph: Graph, layers: tuple[int, ...]) -> Graph:
+    """The decoder graph with more outputs: its logits, then the residual stream after each of
+    ``layers`` at every position (what an EAGLE head reads: the last layer's, or a low, middle and
+    high layer's to fuse)."""
+    out = Graph()
+    for name, type_ in graph.inputs.items():
+        out.add_input(name, type_)
+    for node in graph.nodes:
+        out.add(node)
+    out.set_outputs(LOGITS, *(residual_stream(layer) for layer in layers))
+    return out

@@ -17,7 +17,8 @@ A :class:`Speculator` (prompt lookup, a draft model, ... : :mod:`zgen.speculativ
    ``compressed`` cache pools chunks as tokens arrive, so writing rejected drafts would change what it
    keeps: it refuses speculation (:class:`~zgen.errors.ConfigError`).
 
-A speculator that is also an :class:`Observer` sees, after each verification, the target's own draw at
+A speculator that is also a :class:`FeatureObserver` (EAGLE) gets the target's features (hidden states)
+at every position each forward pass writes. A speculator that is also an :class:`Observer` sees, after each verification, the target's own draw at
 every checked position, the ones past a rejection included (Jacobi decoding takes its next guesses
 from them); it only changes what is drafted, never what is accepted.
 
@@ -72,10 +73,10 @@ from zgen.model import Model
 from zgen.runtime.grammar import GrammarDrafts, allowed_tokens
 from zgen.runtime.results import SpeculativeStats
 from zgen.runtime.sampling import SamplingFlags, SamplingParams, filter_logits, sample
-from zgen.runtime.step import ModelSpec, Params, draw, forward
+from zgen.runtime.step import ModelSpec, Params, draw, forward, forward_features
 
 __all__ = [
-    "DraftControl", "DraftInput", "Observer", "Proposal", "SpeculativeLoop", "SpeculativeStats", "Speculator", "speculative_loop",
+    "DraftControl", "DraftInput", "FeatureObserver", "Observer", "Proposal", "SpeculativeLoop", "SpeculativeStats", "Speculator", "speculative_loop",
     "target_draws", "verify",
 ]
 
@@ -164,6 +165,22 @@ class Observer(Protocol):
     def observe(self, state: Any, draft: DraftInput, proposal: Proposal, count: Int[Array, " B"], draws: Int[Array, "B T"]) -> Any:
         """After a pass that checked ``count`` drafts per row: ``draws[:, j]`` is the target's own token
         at position ``length + j`` given the pending token and drafts ``1 .. j`` (valid for ``j <= count``)."""
+        ...
+
+
+@runtime_checkable
+class FeatureObserver(Protocol):
+    """A speculator that drafts from the target's features (EAGLE): every forward pass of the loop
+    also returns the residual stream after ``feature_layers`` and hands it over. Optional, like
+    :class:`Observer`."""
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The decoder layers whose outputs it reads (concatenated, in this order)."""
+        ...
+
+    def observe_features(self, state: Any, features: Float[Array, "B T F"], positions: Int[Array, "B T"]) -> Any:
+        """After a forward pass: ``features[:, j]`` belong to the token at ``positions[:, j]`` (-1: none)."""
         ...
 
 
@@ -398,11 +415,18 @@ def speculative_loop(
             b = masks.shape[0]
             return allowed_tokens(masks[:, :reads].reshape(b * reads, -1), vocab).reshape(b, reads, vocab)
 
+        def target_forward(kv: KVState, state: Any, tokens: Array, positions: Array, reads: Array) -> tuple[Array, KVState, Any]:
+            if not isinstance(speculator, FeatureObserver):
+                logits, kv = forward(model, params, kv, tokens, positions, reads)
+                return logits, kv, state
+            logits, features, kv = forward_features(model, params, kv, tokens, positions, reads, speculator.feature_layers)
+            return logits, kv, speculator.observe_features(state, features, positions)
+
         def check(kv: KVState, state: Any) -> tuple[KVState, Any, Array, Array, Array]:
             tokens = jnp.concatenate([pending[:, None], proposal.tokens], axis=1)
             offsets = jnp.arange(k + 1)[None, :]
             positions = jnp.where(active[:, None] & (offsets <= count[:, None]), p[:, None] + offsets, -1)
-            logits, kv = forward(model, params, kv, tokens, positions, jnp.broadcast_to(offsets, tokens.shape))
+            logits, kv, state = target_forward(kv, state, tokens, positions, jnp.broadcast_to(offsets, tokens.shape))
             mask = allowed(logits.shape[-1], k + 1)
             produced, logprobs, accepted = verify(logits, proposal, count, p, sampling, s.keys, flags, mask)
             if isinstance(speculator, Observer):  # the draws it sees are the grammar's too
@@ -412,7 +436,7 @@ def speculative_loop(
 
         def plain(kv: KVState, state: Any) -> tuple[KVState, Any, Array, Array, Array]:
             positions = jnp.where(active, p, -1)[:, None]
-            logits, kv = forward(model, params, kv, pending[:, None], positions, jnp.zeros_like(positions))
+            logits, kv, state = target_forward(kv, state, pending[:, None], positions, jnp.zeros_like(positions))
             first = allowed(logits.shape[-1], 1)
             token, logprob = draw(logits[:, 0], sampling, None, s.keys, p, flags, None if first is None else first[:, 0])
             produced = jnp.zeros((token.shape[0], k + 1), jnp.int32).at[:, 0].set(token)

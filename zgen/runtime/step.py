@@ -32,7 +32,7 @@ from jaxtyping import Array, Bool, Float, Int, UInt32
 
 from zgen.cache.base import KVState
 from zgen.graph.core import ForwardContext, Graph
-from zgen.graph.decoder import LOGIT_ROWS, POSITIONS, TOKENS
+from zgen.graph.decoder import LOGIT_ROWS, POSITIONS, TOKENS, feature_graph
 from zgen.graph.nodes import rotary
 from zgen.lora.graph import ADAPTER_SLOTS
 from zgen.runtime.grammar import allowed_tokens
@@ -112,6 +112,32 @@ def hidden_states(
         feeds[ADAPTER_SLOTS] = adapter_slots
     (hidden,) = graph.run(params, feeds, ctx)
     return hidden, ctx.state
+
+
+def forward_features(
+    model: ModelSpec,
+    params: Params,
+    kv: S,
+    tokens: Int[Array, "B T"],
+    positions: Int[Array, "B T"],
+    read_rows: Int[Array, "B R"],
+    layers: tuple[int, ...],
+) -> tuple[Float[Array, "B R V"], Float[Array, "B T F"], S]:
+    """:func:`forward` that also returns the residual stream after each of ``layers`` at every token,
+    concatenated (``F = len(layers) * hidden``): the target features an EAGLE head drafts from."""
+    outputs, kv = run_graph(
+        feature_graph(model.graph, layers), model.sliding_window, params, kv, {TOKENS: tokens, POSITIONS: positions, LOGIT_ROWS: read_rows}
+    )
+    return outputs[0], jnp.concatenate(outputs[1:], axis=-1), kv
+
+
+def run_graph(
+    graph: Graph, sliding_window: int | None, params: Params, kv: S, feeds: Mapping[str, jax.Array]
+) -> tuple[tuple[jax.Array, ...], S]:
+    """Any graph whose attention reads and writes ``kv`` (a draft head's, say), fed by name."""
+    ctx = _CacheContext(kv, sliding_window)
+    outputs = graph.run(params, feeds, ctx)
+    return outputs, ctx.state
 
 
 Pooling = Literal["mean", "last", "cls", "max"]
