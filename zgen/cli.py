@@ -27,6 +27,7 @@ import typer
 from rich.console import Console
 from rich.filesize import decimal
 from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 from typer.core import TyperCommand, TyperGroup
 
@@ -47,6 +48,7 @@ from zgen.runtime.grammar import Grammar
 from zgen.runtime.sampling import SamplingConfig
 from zgen.runtime.step import POOLINGS, Pooling
 from zgen.speculative import DraftModel, Jacobi, PromptLookup, Speculator
+from zgen.speculative.eagle import Eagle
 
 
 def _untyped_flags(params: list[Any]) -> list[Any]:
@@ -74,6 +76,8 @@ cache_app = typer.Typer(
 )
 app.add_typer(eval_app, name="eval")
 app.add_typer(cache_app, name="cache")
+eagle_app = typer.Typer(cls=_Group, help="Train EAGLE heads (speculative decoding from the model's own features).", no_args_is_help=True)
+app.add_typer(eagle_app, name="eagle")
 
 # The sampling knobs a model's generation_config.json may recommend, and each command's defaults when
 # it recommends none (SamplingConfig's own defaults fill the rest: no top-k, top-p, min-p or penalty).
@@ -217,6 +221,15 @@ JacobiOption = Annotated[
         "--jacobi",
         help="Speculative decoding with Jacobi (lookahead) drafts: the model's own predictions from earlier "
         "passes and the n-grams they form, no draft model (same output).",
+    ),
+]
+EagleOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--eagle",
+        metavar="DIR",
+        file_okay=False,
+        help="Speculative decoding with the EAGLE head trained into DIR by `zgen eagle train` for this model (same output).",
     ),
 ]
 NumDraftOption = Annotated[
@@ -515,6 +528,7 @@ def generate(
     draft_model: DraftModelOption = None,
     early_exit: EarlyExitOption = None,
     jacobi: JacobiOption = False,
+    eagle: EagleOption = None,
     num_draft_tokens: NumDraftOption = None,
     as_json: Annotated[
         bool,
@@ -546,7 +560,7 @@ def generate(
     """
     if not (prompt or chat):
         raise typer.BadParameter("the prompt is empty", param_hint="'--prompt'")
-    _check_speculator_flags(prompt_lookup, draft_model, early_exit, jacobi, num_draft_tokens, kv_cache)
+    _check_speculator_flags(prompt_lookup, draft_model, early_exit, jacobi, num_draft_tokens, kv_cache, eagle=eagle)
     if early_stopping is not None and num_beams < 2:
         raise typer.BadParameter("--early-stopping applies to beam search; add --num-beams N with N > 1", param_hint="'--early-stopping'")
     path = _model_path(model)
@@ -565,7 +579,7 @@ def generate(
         with Phases.on_stderr(enabled=show) as phases:
             loaded = _with_adapters(_load(phases, model, path, dtype, sampling, weights), adapters)
             draft = _load(phases, draft_model, draft_path, dtype, None) if draft_model is not None and draft_path is not None else None
-            speculator = _speculator(loaded, prompt_lookup, draft, early_exit, num_draft_tokens, jacobi=jacobi)
+            speculator = _speculator(loaded, prompt_lookup, draft, early_exit, num_draft_tokens, jacobi=jacobi, eagle=eagle)
             generator = Generator(loaded, *options, speculative=speculator)
         with generator:
             if num_beams > 1:
@@ -588,26 +602,33 @@ def generate(
 
 
 def _check_speculator_flags(
-    prompt_lookup: bool, draft_model: str | None, early_exit: int | None, jacobi: bool, num_draft_tokens: int | None, kv_cache: str | None
+    prompt_lookup: bool, draft_model: str | None, early_exit: int | None, jacobi: bool, num_draft_tokens: int | None, kv_cache: str | None,
+    *, eagle: Path | None = None,
 ) -> bool:
     """Refuse contradictory speculative-decoding flags before anything loads; whether one was chosen."""
     chosen = [
         flag
-        for flag, on in (("--prompt-lookup", prompt_lookup), ("--draft-model", draft_model), ("--early-exit", early_exit), ("--jacobi", jacobi))
+        for flag, on in (
+            ("--prompt-lookup", prompt_lookup), ("--draft-model", draft_model), ("--early-exit", early_exit), ("--jacobi", jacobi),
+            ("--eagle", eagle is not None),
+        )
         if on
     ]
     if len(chosen) > 1:
         raise typer.BadParameter(f"choose one speculator, got {' and '.join(chosen)}", param_hint="'--prompt-lookup'")
     if num_draft_tokens is not None and not chosen:
-        raise typer.BadParameter("--num-draft-tokens needs --prompt-lookup, --draft-model, --early-exit or --jacobi", param_hint="'--num-draft-tokens'")
+        raise typer.BadParameter("--num-draft-tokens needs --prompt-lookup, --draft-model, --early-exit, --jacobi or --eagle", param_hint="'--num-draft-tokens'")
     if chosen and kv_cache == "compressed":
         raise typer.BadParameter("speculative decoding cannot roll back the lossy compressed cache; choose another", param_hint="'--kv-cache'")
     return bool(chosen)
 
 
 def _speculator(
-    model: Model, prompt_lookup: bool, draft: Model | None, early_exit: int | None, num_tokens: int | None, *, jacobi: bool = False
+    model: Model, prompt_lookup: bool, draft: Model | None, early_exit: int | None, num_tokens: int | None, *, jacobi: bool = False,
+    eagle: Path | None = None,
 ) -> Speculator | None:
+    if eagle is not None:
+        return Eagle.load(eagle, model, num_tokens or 4)
     if prompt_lookup:
         return PromptLookup(num_tokens=num_tokens or 8)
     if jacobi:
@@ -790,6 +811,7 @@ def batch_job(
     draft_model: DraftModelOption = None,
     early_exit: EarlyExitOption = None,
     jacobi: JacobiOption = False,
+    eagle: EagleOption = None,
     num_draft_tokens: NumDraftOption = None,
     on_ray: Annotated[bool, typer.Option("--ray", help="Generate on Ray actors (the cluster ray.init() finds, else a local one); needs zgen[ray].")] = False,
     ray_actors: Annotated[int, typer.Option("--ray-actors", min=1, help="With --ray: actors, each loading the model once.")] = 1,
@@ -806,7 +828,7 @@ def batch_job(
     `zgen generate`, on one device.
     """
     path = _model_path(model)
-    speculating = _check_speculator_flags(prompt_lookup, draft_model, early_exit, jacobi, num_draft_tokens, kv_cache)
+    speculating = _check_speculator_flags(prompt_lookup, draft_model, early_exit, jacobi, num_draft_tokens, kv_cache, eagle=eagle)
     if speculating and (on_ray or data_parallel > 1 or tensor_parallel > 1):
         raise typer.BadParameter(
             "speculative decoding in a batch job runs on one device; leave out --ray, --data-parallel and --tensor-parallel",
@@ -839,7 +861,7 @@ def batch_job(
                 split_here = data_parallel == 1  # one split model is loaded split; replicas are split per group
                 loaded = _load(phases, model, path, dtype, None, tensor_parallel=tensor_parallel if split_here else 1)
                 draft = _load(phases, draft_model, draft_path, dtype, None) if draft_model is not None and draft_path is not None else None
-                speculator = _speculator(loaded, prompt_lookup, draft, early_exit, num_draft_tokens, jacobi=jacobi)
+                speculator = _speculator(loaded, prompt_lookup, draft, early_exit, num_draft_tokens, jacobi=jacobi, eagle=eagle)
             try:
                 register_modules(adapters, base_name=base_name, config=loaded.config)
             except AdapterError as err:
@@ -1089,6 +1111,58 @@ def cache_clear(
             else:
                 entry.unlink()
         print(f"{cache.name}: removed {_count(len(entries), 'entry', 'entries')}, {decimal(freed)} ({cache.path})")
+
+
+
+# -- zgen eagle -------------------------------------------------------------------------------------
+
+
+@eagle_app.command("train", cls=_Command)
+def eagle_train(
+    data: Annotated[Path, typer.Option("--data", exists=True, dir_okay=False, readable=True, help="Training text: a .txt file, or .jsonl chats (one {\"messages\": [...]} per line).")],
+    out: Annotated[Path, typer.Option("--out", file_okay=False, help="The head's directory; training again into it continues from its last saved step.")],
+    model: ModelOption = DEFAULT_MODEL,
+    steps: Annotated[int, typer.Option("--steps", min=1, help="Train up to this step.")] = 1000,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Sequences per step.")] = 8,
+    seq_len: Annotated[int, typer.Option("--seq-len", min=3, help="Tokens per sequence at most.")] = 512,
+    lr: Annotated[float, typer.Option("--lr", callback=_positive(), help="Peak learning rate (AdamW, warmup then cosine decay).")] = 3e-4,
+    self_distill: Annotated[
+        int, typer.Option("--self-distill", metavar="N", min=0, help="Train on the model's own greedy continuations of the data's first N prompts (0: on the data itself).")
+    ] = 0,
+    fused: Annotated[bool, typer.Option("--fused", help="Read a low, a middle and a high layer's features (EAGLE-3) instead of the last layer's.")] = False,
+    save_every: Annotated[int, typer.Option("--save-every", min=1, help="Save a checkpoint every this many steps.")] = 200,
+    dtype: DtypeOption = "float32",
+    quiet: QuietOption = False,
+) -> None:
+    """Train an EAGLE head for a model on its own features; use it with `zgen generate --eagle DIR`."""
+    from zgen.speculative.eagle.train import StepReport, TrainConfig, train  # optax loads only for training
+
+    path = _model_path(model)
+    try:
+        config = TrainConfig(steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, self_distill=self_distill, fused=fused, save_every=save_every)
+        with Phases.on_stderr(enabled=not quiet) as phases:
+            loaded = _load(phases, model, path, dtype, None)
+        console = stderr_console()
+        columns = (TextColumn("Training"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"), TimeRemainingColumn())
+        with Progress(*columns, console=console, disable=quiet or not console.is_terminal, redirect_stdout=False) as bar:
+            task = bar.add_task("train", total=steps, status="")
+            seen: dict[str, float] = {}
+
+            def show(progress: StepReport) -> None:
+                if progress.acceptance is not None:
+                    seen["acceptance"] = progress.acceptance
+                held = f"  held-out acceptance {seen['acceptance']:.1%}" if "acceptance" in seen else ""
+                bar.update(task, completed=progress.step, status=f"loss {progress.loss:.4f}{held}")
+
+            report = train(loaded, data, out, config, show)
+    except ZgenError as err:
+        raise _fail(err) from None
+    if not quiet:
+        console.print(
+            f"{out}: step {report.steps} (from {report.first_step}), {report.tokens} tokens in {report.seconds:.1f} s, "
+            f"loss {report.loss:.4f}, held-out acceptance {report.acceptance:.1%}",
+            highlight=False, soft_wrap=True,
+        )
 
 
 if __name__ == "__main__":

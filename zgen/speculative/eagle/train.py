@@ -70,7 +70,7 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
-class Progress:
+class StepReport:
     """One report: after ``step`` of ``steps``; ``acceptance`` only on evaluation steps."""
 
     step: int
@@ -244,7 +244,7 @@ def head_loss(
 
 
 def train(
-    model: Model, data: Path, out: Path, config: TrainConfig = TrainConfig(), on_progress: Callable[[Progress], None] | None = None
+    model: Model, data: Path, out: Path, config: TrainConfig = TrainConfig(), on_progress: Callable[[StepReport], None] | None = None
 ) -> TrainReport:
     """Train (or go on training) the EAGLE head in ``out`` for ``model`` on ``data``, up to ``config.steps``."""
     out = Path(out)
@@ -314,7 +314,7 @@ def train(
         evaluating = step % config.eval_every == 0 or step == config.steps
         loss = float(loss_value)
         if on_progress is not None:
-            on_progress(Progress(step, config.steps, loss, acceptance(params) if evaluating else None))
+            on_progress(StepReport(step, config.steps, loss, acceptance(params) if evaluating else None))
         if step % config.save_every == 0 or step == config.steps:
             record = checkpoint.HeadMeta(record.fingerprint, record.target, layers, step)
             checkpoint.save(out, record, params, opt_state)
