@@ -1,0 +1,131 @@
+"""EAGLE on the GPU: train a head for SmolLM2 by self-distillation, then plain decode vs EAGLE.
+
+1. Training: the target's greedy answers to ``--self-distill`` chat prompts (built here from topic ×
+   task templates, none of them among the measured prompts) are the data; the head trains
+   ``--train-steps`` steps on them. Reported: the generation and training wall time in GPU minutes,
+   the tokens trained on, the final loss and the held-out top-1 acceptance. The head is saved in
+   ``--out``; running again with the same ``--out`` continues training from its last step (pass more
+   ``--train-steps``) or, already trained that far, only measures.
+2. Speed: tokens/s of plain greedy decoding vs EAGLE at each ``--batch`` on the chat / code / summary
+   prompts of ``benchmarks/speculative.py`` (median of ``--runs`` after a warm-up that compiles), the
+   acceptance figures, and ``same``: the greedy tokens equal plain decoding's, token for token.
+
+With random weights (the default: SmolLM2's shape) the timings are real but acceptance means nothing
+(a random model's answers are noise). For the real model pass the GGUF::
+
+    python benchmarks/eagle.py                                                   # random SmolLM2 shape
+    python benchmarks/eagle.py --model /path/SmolLM2-135M-Instruct.Q4_1.gguf     # real weights
+    python benchmarks/eagle.py --model smollm2 --train-steps 4000 --fused --out /tmp/head3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from speculative import load, prompts, timed  # noqa: E402 - the shared prompt set and timing
+
+TOPICS = (
+    "the water cycle", "black holes", "photosynthesis", "the French revolution", "compound interest", "vaccines",
+    "plate tectonics", "the internet", "sleep", "volcanoes", "electric cars", "bees", "the moon landing",
+    "inflation", "machine learning", "coffee", "the Roman empire", "recycling", "earthquakes", "chess",
+)
+TASKS = (
+    "Explain {t} to a ten-year-old.",
+    "Give three facts about {t}.",
+    "Write a short paragraph about {t}.",
+    "What are common misconceptions about {t}?",
+    "Write a Python function related to {t}, with a docstring and a comment per line.",
+    "Summarise the history of {t} in five sentences.",
+    "List the pros and cons of {t}.",
+    "Write a haiku about {t}, then explain it.",
+    "How would you teach {t} in a one-hour class?",
+    "Write a short dialogue between two students about {t}.",
+    "What questions do scientists still ask about {t}?",
+    "Describe {t} in the style of a news report.",
+    "Write a step-by-step guide related to {t}.",
+)
+
+
+def distill_file(path: Path) -> Path:
+    lines = [json.dumps({"messages": [{"role": "user", "content": task.format(t=topic)}]}) for task in TASKS for topic in TOPICS]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="built-in name, .gguf or HF directory (default: random SmolLM2 shape)")
+    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--out", type=Path, default=Path("/tmp/zgen-eagle-head"), help="the head's directory (resumed if it exists)")
+    parser.add_argument("--train-steps", type=int, default=2000)
+    parser.add_argument("--train-batch", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--self-distill", type=int, default=len(TASKS) * len(TOPICS), help="prompts whose greedy answers are the data")
+    parser.add_argument("--fused", action="store_true", help="EAGLE-3's low/middle/high feature fusion")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--num-draft-tokens", type=int, default=4)
+    parser.add_argument("--no-adaptive", action="store_true", help="fixed draft length, no fallback to plain decoding")
+    args = parser.parse_args()
+
+    import jax
+
+    from zgen import Generator, Request, SamplingConfig
+    from zgen.speculative import Eagle
+    from zgen.speculative.eagle.train import StepReport, TrainConfig, train
+
+    model = load(args)
+    data = distill_file(args.out.parent / f"{args.out.name}-prompts.jsonl")
+    config = TrainConfig(
+        steps=args.train_steps, batch_size=args.train_batch, seq_len=args.seq_len, lr=args.lr, self_distill=args.self_distill,
+        fused=args.fused, save_every=max(args.train_steps // 4, 1), eval_every=max(args.train_steps // 20, 1),
+    )
+
+    def show(step: StepReport) -> None:
+        if step.acceptance is not None:
+            print(f"  step {step.step}/{step.steps}  loss {step.loss:.4f}  held-out acceptance {step.acceptance:.1%}", flush=True)
+
+    started = time.perf_counter()
+    report = train(model, data, args.out, config, show)
+    training = dict(
+        steps=report.steps, first_step=report.first_step, tokens=report.tokens, loss=report.loss, acceptance=report.acceptance,
+        generation_gpu_minutes=report.generation_seconds / 60, training_gpu_minutes=report.seconds / 60,
+        total_gpu_minutes=(time.perf_counter() - started) / 60,
+    )
+    print(f"training: {json.dumps(training)}", flush=True)
+
+    eagle = Eagle.load(args.out, model, args.num_draft_tokens, adaptive=not args.no_adaptive)
+    sampling = SamplingConfig(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True)
+    rows: list[dict[str, Any]] = []
+    for batch in args.batch:
+        requests = [Request(p, sampling) for p in prompts(model, batch, real=args.model is not None)]
+        base_s, base = timed(Generator(model, max_batch_size=batch), requests, args.runs)
+        spec_s, spec = timed(Generator(model, max_batch_size=batch, speculative=eagle), requests, args.runs)
+        tokens = sum(len(r.token_ids) for r in base)
+        stats = [r.speculative for r in spec if r.speculative is not None]
+        drafted, accepted, passes = (sum(getattr(s, f) for s in stats) for f in ("draft_tokens", "accepted_tokens", "steps"))
+        rows.append(dict(
+            batch=batch, plain_tokens_per_s=tokens / base_s, eagle_tokens_per_s=tokens / spec_s, speedup=base_s / spec_s,
+            same=[r.token_ids for r in spec] == [r.token_ids for r in base], draft_tokens=drafted, accepted_tokens=accepted,
+            acceptance_rate=accepted / drafted if drafted else 0.0, mean_accepted_per_step=accepted / passes if passes else 0.0,
+        ))
+    result = dict(device=str(jax.devices()[0]), model=args.model or "random smollm2 shape", dtype=args.dtype, fused=args.fused,
+                  num_draft_tokens=args.num_draft_tokens, new_tokens=args.new_tokens, training=training, rows=rows)
+    print(f"{'batch':>5} {'plain tok/s':>12} {'eagle tok/s':>12} {'speedup':>8} {'accept':>7} {'acc/pass':>8} same")
+    for row in rows:
+        print(f"{row['batch']:>5} {row['plain_tokens_per_s']:>12.1f} {row['eagle_tokens_per_s']:>12.1f} {row['speedup']:>7.2f}x "
+              f"{row['acceptance_rate']:>7.2f} {row['mean_accepted_per_step']:>8.2f} {row['same']}")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

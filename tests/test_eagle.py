@@ -1,0 +1,189 @@
+"""EAGLE: exact greedy output with an untrained head on every cache layout, the head's state carried
+through passes equal to a fresh start, drafts drawn from the distribution they report, training
+(loss goes down, resumes, records its target), and the command line."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from hf_reference import save_random_checkpoint, small_configs
+from test_speculative import _assert_follows
+from zgen import Generator, SamplingConfig, load_model
+from zgen.cache.factory import paged_kv
+from zgen.cache.tensor import DenseKVState
+from zgen.cli import app
+from zgen.errors import CheckpointError, ConfigError
+from zgen.generator import Request
+from zgen.model import Model
+from zgen.runtime.sampling import SamplingFlags, SamplingParams
+from zgen.runtime.speculation import DraftInput, Proposal
+from zgen.runtime.step import ModelSpec, forward_features
+from zgen.speculative import Eagle, EagleHead
+from zgen.speculative.eagle.train import TrainConfig, train
+
+GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=20, ignore_eos=True)
+PROMPTS = ["w5 w9 w12 w5 w9 w12 w5 w9 w3", "w7 w8 w7 w8 w7", "w20 w21 w22 w23 w24 w25 w20 w21 w22 w30 w31"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory: Path = tmp_path_factory.mktemp("tiny-eagle")
+    save_random_checkpoint(small_configs()["llama_tied"], directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def tiny(checkpoint: Path) -> Model:
+    return load_model(checkpoint, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("eagle-data") / "text.txt"
+    path.write_text("\n".join(f"w{i % 7} w{(3 * i) % 11} w{i % 5} w{(i + 2) % 9}" for i in range(120)), encoding="utf-8")
+    return path
+
+
+def _other_weights(model: Model) -> Model:
+    params = {name: x * 1.5 if name == "embed" else x for name, x in model.params.items()}
+    return dataclasses.replace(model, params=params, attachments={})
+
+
+@pytest.mark.parametrize("layout,fused", [("dense", False), ("paged", False), ("dense", True)], ids=["dense", "paged", "dense-fused"])
+def test_greedy_with_an_untrained_head_equals_plain(tiny: Model, layout: str, fused: bool) -> None:
+    """Exactness does not depend on the head: a random one (drafts mostly rejected, kept drafting)."""
+    options = (paged_kv(4),) if layout == "paged" else ()
+    requests = [Request(p, GREEDY) for p in PROMPTS]
+    plain = Generator(tiny, *options).batch_generate(requests)
+    eagle = Eagle(EagleHead.init(tiny, 3, fused=fused), num_tokens=3, adaptive=False)
+    spec = Generator(tiny, *options, speculative=eagle).batch_generate(requests)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    for result, reference in zip(spec, plain, strict=True):
+        assert result.speculative is not None and result.speculative.draft_tokens > 0
+        assert result.logprobs == pytest.approx(reference.logprobs, abs=1e-4)
+
+
+def _target_features(model: Model, eagle: Eagle, history: np.ndarray) -> jax.Array:
+    c = model.config
+    b, width = history.shape
+    kv = DenseKVState.zeros(c.num_layers, b, width, c.num_kv_heads, c.head_dim, model.dtype)
+    positions = jnp.broadcast_to(jnp.arange(width)[None, :], (b, width))
+    spec = ModelSpec(model.graph, None)
+    return forward_features(spec, model.params, kv, jnp.asarray(history), positions, jnp.zeros((b, 1), jnp.int32), eagle.feature_layers)[1]
+
+
+def test_the_head_state_after_passes_and_plain_steps_is_a_fresh_start(tiny: Model) -> None:
+    """Carried through passes that keep 1 .. k+1 tokens (the features past the kept ones are the
+    rejected drafts': noise here) and plain steps (the head lagging, caught up), the head proposes
+    what a head started from scratch on the same tokens proposes: tokens and distributions."""
+    eagle = Eagle(EagleHead.init(tiny, 5), 4, adaptive=False)
+    params = eagle.device_params()
+    sampled = SamplingConfig(temperature=1.0)
+    sampling, flags = SamplingParams.from_configs([sampled], 96), SamplingFlags.from_configs([sampled], 96)
+    keys = jnp.zeros((1, 2), jnp.uint32)
+    history = np.random.default_rng(1).integers(3, 96, size=(1, 96)).astype(np.int32)
+    features = _target_features(tiny, eagle, history)
+    start = jax.jit(eagle.start)
+
+    @jax.jit
+    def propose(state: Any, length: jax.Array) -> tuple[Proposal, Any]:
+        given = DraftInput(jnp.asarray(history), length, jnp.asarray([4]), jnp.asarray([True]), keys, sampling, flags)
+        return eagle.propose(params, state, given)
+
+    observe = jax.jit(eagle.observe_features)
+    noise = jax.random.normal(jax.random.key(0), features.shape, features.dtype)
+    length = 10
+    state = start(params, jnp.asarray(history), jnp.asarray([length]))
+    for kept, plain_steps in ((1, 0), (5, 0), (3, 0), (5, 0), (2, 7), (1, 30), (4, 0)):
+        carried, state = propose(state, jnp.asarray([length]))
+        fresh, _ = propose(start(params, jnp.asarray(history), jnp.asarray([length])), jnp.asarray([length]))
+        assert carried.probs is not None and fresh.probs is not None
+        np.testing.assert_allclose(np.asarray(carried.probs), np.asarray(fresh.probs), atol=1e-5)
+        assert np.asarray(carried.tokens).tolist() == np.asarray(fresh.tokens).tolist()
+        p = length - 1
+        checked = jnp.asarray([[p + j for j in range(5)]])
+        seen = jnp.where((jnp.arange(5) < kept)[None, :, None], features[:, p : p + 5], noise[:, p : p + 5])
+        state = observe(state, seen, checked)
+        length += kept
+        state = eagle.advance(state, jnp.asarray([length - 1]))
+        for _ in range(plain_steps):  # plain decode steps: the head is not run, the features arrive
+            state = observe(state, features[:, length - 1 : length], jnp.asarray([[length - 1]]))
+            length += 1
+            state = eagle.advance(state, jnp.asarray([length - 1]))
+
+
+def test_sampled_drafts_follow_the_distribution_they_report(tiny: Model) -> None:
+    """The loop's rejection sampling keeps the target's distribution given drafts drawn from the
+    ``probs`` they report (tests/test_speculative.py shows the rule): chi-square over many rows."""
+    rows = 4000
+    eagle = Eagle(EagleHead.init(tiny, 2), 2, adaptive=False)
+    params = eagle.device_params()
+    config = SamplingConfig(temperature=0.8, top_k=4)
+    sampling, flags = SamplingParams.from_configs([config] * rows, 96), SamplingFlags.from_configs([config], 96)
+    keys = jnp.asarray(np.random.default_rng(0).integers(0, 2**32, size=(rows, 2), dtype=np.uint32))
+    history = jnp.broadcast_to(jnp.asarray([[1, 7, 9, 12, 7, 9, 0, 0]], jnp.int32), (rows, 8))
+    length = jnp.full(rows, 6, jnp.int32)
+
+    @jax.jit
+    def run() -> Proposal:
+        state = eagle.start(params, history, length)
+        given = DraftInput(history, length, jnp.full(rows, 2), jnp.ones(rows, bool), keys, sampling, flags)
+        return eagle.propose(params, state, given)[0]
+
+    proposal = run()
+    assert proposal.probs is not None
+    tokens, probs = np.asarray(proposal.tokens), np.asarray(proposal.probs)
+    np.testing.assert_allclose(probs[:, 0], probs[:1, 0].repeat(rows, 0), atol=1e-6)  # one history: one distribution
+    _assert_follows(tokens[:, 0], probs[0, 0])
+
+
+def test_training_learns_resumes_and_records_its_target(tiny: Model, tmp_path: Path) -> None:
+    """One short text (every batch the same): the loss goes down step by step."""
+    out = tmp_path / "head"
+    one = tmp_path / "one.txt"
+    one.write_text(" ".join(f"w{(5 * i) % 13}" for i in range(20)), encoding="utf-8")
+    losses: list[float] = []
+    config = TrainConfig(steps=8, batch_size=2, seq_len=24, lr=3e-3, save_every=4, eval_every=4)
+    report = train(tiny, one, out, config, lambda step: losses.append(step.loss))
+    assert report.first_step == 0 and len(losses) == 8 and report.tokens > 0
+    assert losses[-1] < losses[3] < losses[0]
+    assert 0.0 <= report.acceptance <= 1.0
+    resumed = train(tiny, one, out, dataclasses.replace(config, steps=10))
+    assert resumed.first_step == 8 and json.loads((out / "head.json").read_text())["step"] == 10
+    eagle = Eagle.load(out, tiny, 3)
+    assert eagle.num_tokens == 3 and eagle.feature_layers == (tiny.config.num_layers - 1,)
+    other = _other_weights(tiny)
+    with pytest.raises(CheckpointError, match="trained for"):
+        Eagle.load(out, other)
+    with pytest.raises(CheckpointError, match="trained for"):
+        train(other, one, out, config)
+    with pytest.raises(ConfigError, match="another model"):
+        Generator(other, speculative=eagle).generate(PROMPTS[0], GREEDY)
+    with pytest.raises(CheckpointError, match="no EAGLE head"):
+        Eagle.load(tmp_path / "nothing", tiny)
+
+
+def test_the_command_line_trains_and_drafts_with_a_head(checkpoint: Path, data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ZGEN_CACHE_DIR", str(tmp_path / "weights"))
+    monkeypatch.setenv("ZGEN_XLA_CACHE_DIR", str(tmp_path / "xla"))
+    runner = CliRunner()
+    out = tmp_path / "head"
+    trained = runner.invoke(app, ["eagle", "train", "--model", str(checkpoint), "--data", str(data), "--out", str(out), "--steps", "2", "--batch-size", "2", "--seq-len", "16", "--self-distill", "3"])
+    assert trained.exit_code == 0, trained.output
+    args = ["generate", "--model", str(checkpoint), "-p", PROMPTS[1], "-n", "12", "--ignore-eos", "--temperature", "0", "--json"]
+    plain = json.loads(runner.invoke(app, args).stdout)
+    result = runner.invoke(app, [*args, "--eagle", str(out), "--num-draft-tokens", "3"])
+    assert result.exit_code == 0, result.output
+    out_json = json.loads(result.stdout)
+    assert out_json["token_ids"] == plain["token_ids"] and out_json["speculative"]["draft_tokens"] > 0
+    refused = runner.invoke(app, [*args, "--eagle", str(out), "--jacobi"])
+    assert refused.exit_code != 0 and "choose one speculator" in refused.output
