@@ -72,7 +72,7 @@ def test_greedy_with_an_untrained_head_equals_plain(tiny: Model, layout: str, fu
         assert result.logprobs == pytest.approx(reference.logprobs, abs=1e-4)
 
 
-def _target_features(model: Model, eagle: Eagle, history: np.ndarray) -> jax.Array:
+def _target_features(model: Model, eagle: Eagle, history: np.ndarray | jax.Array) -> jax.Array:
     c = model.config
     b, width = history.shape
     kv = DenseKVState.zeros(c.num_layers, b, width, c.num_kv_heads, c.head_dim, model.dtype)
@@ -101,11 +101,16 @@ def test_the_head_state_after_passes_and_plain_steps_is_a_fresh_start(tiny: Mode
 
     observe = jax.jit(eagle.observe_features)
     noise = jax.random.normal(jax.random.key(0), features.shape, features.dtype)
+
+    def fresh_start(length: int) -> Any:  # as the loop starts: the features before the pending token
+        state = start(params, jnp.asarray(history), jnp.asarray([length]))
+        return observe(state, features[:, : length - 1], jnp.arange(length - 1)[None, :])
+
     length = 10
-    state = start(params, jnp.asarray(history), jnp.asarray([length]))
+    state = fresh_start(length)
     for kept, plain_steps in ((1, 0), (5, 0), (3, 0), (5, 0), (2, 7), (1, 30), (4, 0)):
         carried, state = propose(state, jnp.asarray([length]))
-        fresh, _ = propose(start(params, jnp.asarray(history), jnp.asarray([length])), jnp.asarray([length]))
+        fresh, _ = propose(fresh_start(length), jnp.asarray([length]))
         assert carried.probs is not None and fresh.probs is not None
         np.testing.assert_allclose(np.asarray(carried.probs), np.asarray(fresh.probs), atol=1e-5)
         assert np.asarray(carried.tokens).tolist() == np.asarray(fresh.tokens).tolist()
@@ -136,6 +141,8 @@ def test_sampled_drafts_follow_the_distribution_they_report(tiny: Model) -> None
     @jax.jit
     def run() -> Proposal:
         state = eagle.start(params, history, length)
+        known = jnp.where(jnp.arange(8)[None, :] < 5, jnp.arange(8)[None, :], -1)
+        state = eagle.observe_features(state, _target_features(tiny, eagle, history), jnp.broadcast_to(known, (rows, 8)))
         given = DraftInput(history, length, jnp.full(rows, 2), jnp.ones(rows, bool), keys, sampling, flags)
         return eagle.propose(params, state, given)[0]
 

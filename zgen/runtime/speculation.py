@@ -17,10 +17,12 @@ A :class:`Speculator` (prompt lookup, a draft model, ... : :mod:`zgen.speculativ
    ``compressed`` cache pools chunks as tokens arrive, so writing rejected drafts would change what it
    keeps: it refuses speculation (:class:`~zgen.errors.ConfigError`).
 
-A speculator that is also a :class:`FeatureObserver` (EAGLE) gets the target's features (hidden states)
-at every position each forward pass writes. A speculator that is also an :class:`Observer` sees, after each verification, the target's own draw at
+A speculator that is also an :class:`Observer` sees, after each verification, the target's own draw at
 every checked position, the ones past a rejection included (Jacobi decoding takes its next guesses
-from them); it only changes what is drafted, never what is accepted.
+from them); it only changes what is drafted, never what is accepted. One that is a
+:class:`FeatureObserver` (EAGLE) gets the target's features (hidden states) at every position each
+forward pass writes, and when the loop starts those of the tokens before each row's pending one (a
+pass over them that reads the cache without writing it).
 
 Acceptance rules, per row:
 
@@ -73,7 +75,7 @@ from zgen.model import Model
 from zgen.runtime.grammar import GrammarDrafts, allowed_tokens
 from zgen.runtime.results import SpeculativeStats
 from zgen.runtime.sampling import SamplingFlags, SamplingParams, filter_logits, sample
-from zgen.runtime.step import ModelSpec, Params, draw, forward, forward_features
+from zgen.runtime.step import ModelSpec, Params, draw, forward, forward_features, read_features
 
 __all__ = [
     "DraftControl", "DraftInput", "FeatureObserver", "Observer", "Proposal", "SpeculativeLoop", "SpeculativeStats", "Speculator", "speculative_loop",
@@ -177,6 +179,12 @@ class FeatureObserver(Protocol):
     @property
     def feature_layers(self) -> tuple[int, ...]:
         """The decoder layers whose outputs it reads (concatenated, in this order)."""
+        ...
+
+    @property
+    def feature_window(self) -> int:
+        """How many tokens before each row's pending one it wants features of when the loop starts
+        (read from the cache, which is not written)."""
         ...
 
     def observe_features(self, state: Any, features: Float[Array, "B T F"], positions: Int[Array, "B T"]) -> Any:
@@ -480,5 +488,11 @@ def speculative_loop(
         return s, kv, state
 
     state = speculator.start(draft_params, loop.history, loop.length)
+    if isinstance(speculator, FeatureObserver):  # the features of the tokens before the loop
+        at = (loop.length - 1)[:, None] - speculator.feature_window + jnp.arange(speculator.feature_window)[None, :]
+        positions = jnp.where(~loop.done[:, None] & (at >= 0), at, -1)
+        tokens = jnp.take_along_axis(loop.history, jnp.maximum(at, 0), axis=1)
+        features = read_features(model, params, kv, tokens, positions, speculator.feature_layers)
+        state = speculator.observe_features(state, features, positions)
     loop, kv, _ = jax.lax.while_loop(cond, body, (loop, kv, state))
     return loop, kv

@@ -131,13 +131,40 @@ def forward_features(
     return outputs[0], jnp.concatenate(outputs[1:], axis=-1), kv
 
 
+def read_features(
+    model: ModelSpec, params: Params, kv: KVState, tokens: Int[Array, "B T"], positions: Int[Array, "B T"], layers: tuple[int, ...]
+) -> Float[Array, "B T F"]:
+    """The features (as :func:`forward_features`) of tokens whose K/V ``kv`` already holds at
+    ``positions``: their queries attend to the cache, which is read, never written."""
+    (_, *features), _ = run_graph(
+        feature_graph(model.graph, layers), model.sliding_window, params, kv,
+        {TOKENS: tokens, POSITIONS: positions, LOGIT_ROWS: jnp.zeros((tokens.shape[0], 1), jnp.int32)}, write=False,
+    )
+    return jnp.concatenate(features, axis=-1)
+
+
 def run_graph(
-    graph: Graph, sliding_window: int | None, params: Params, kv: S, feeds: Mapping[str, jax.Array]
+    graph: Graph, sliding_window: int | None, params: Params, kv: S, feeds: Mapping[str, jax.Array], *, write: bool = True
 ) -> tuple[tuple[jax.Array, ...], S]:
-    """Any graph whose attention reads and writes ``kv`` (a draft head's, say), fed by name."""
-    ctx = _CacheContext(kv, sliding_window)
+    """Any graph whose attention reads and (``write``) writes ``kv`` (a draft head's, say), fed by name."""
+    ctx = _CacheContext(kv, sliding_window) if write else _ReadingContext(kv, sliding_window)
     outputs = graph.run(params, feeds, ctx)
     return outputs, ctx.state
+
+
+class _ReadingContext(_CacheContext[S]):
+    """Attends to the KV state without writing the fed tokens' K/V (the state holds them already)."""
+
+    def write_and_attend(
+        self,
+        layer: int,
+        q: Float[Array, "B T H D"],
+        k: Float[Array, "B T KVH D"],
+        v: Float[Array, "B T KVH D"],
+        positions: Int[Array, "B T"],
+        inv_freq: Float[Array, " half"],
+    ) -> Float[Array, "B T H D"]:
+        return self.state.attend(layer, q, positions, sliding_window=self.sliding_window)
 
 
 Pooling = Literal["mean", "last", "cls", "max"]

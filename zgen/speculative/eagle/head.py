@@ -23,6 +23,7 @@ import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +44,8 @@ FEATURES = "features"
 #: The head's output: its prediction of the next position's feature, at every row.
 PREDICTED = "eagle.predicted"
 LAYER = "eagle.layer"
+#: Head rows a row attends to (itself included): the head's context, in training and drafting alike.
+HEAD_WINDOW = 256
 FC, FUSE = "eagle.fc", "eagle.fuse"
 
 
@@ -131,8 +134,9 @@ def draft_step(
 ) -> tuple[Float[Array, "B T H"], Float[Array, "B R V"], DenseKVState]:
     """One head pass: row ``t`` reads ``features[:, t]`` (fused) and the token after it, ``tokens[:, t]``,
     at ``positions[:, t]`` (-1: padding) and writes its K/V; returns the predicted next features of
-    every row and the logits at ``read_rows``. ``params``: the head's and the shared target ones."""
-    (predicted, logits), kv = run_graph(graph, None, params, kv, {TOKENS: tokens, POSITIONS: positions, LOGIT_ROWS: read_rows, FEATURES: features})
+    every row and the logits at ``read_rows``. ``params``: the head's and the shared target ones. A
+    row attends to the :data:`HEAD_WINDOW` rows up to itself."""
+    (predicted, logits), kv = run_graph(graph, HEAD_WINDOW, params, kv, {TOKENS: tokens, POSITIONS: positions, LOGIT_ROWS: read_rows, FEATURES: features})
     return predicted, logits, kv
 
 
@@ -190,7 +194,7 @@ class EagleHead:
             self.model.attachments[key] = graph
         return graph
 
-    def joined(self, head_params: Mapping[str, jax.Array], target_params: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+    def joined(self, head_params: Mapping[str, Any], target_params: Mapping[str, Any]) -> dict[str, Any]:
         """What :func:`draft_step` reads: the head's parameters and the target ones it shares."""
         return {**{name: target_params[name] for name in shared_names(self.model.config)}, **head_params}
 

@@ -13,8 +13,9 @@ features; a row's K/V depend on that row's input only, so feeding a row again is
 target's tokens (the row's key and draw index); at temperature > 0 they carry their distribution, so
 the loop's rejection sampling keeps the target's distribution whatever the head's quality.
 
-The features of the rows' earlier tokens come from one forward pass of the target over the rows'
-tokens when the loop starts (a prefill into a scratch cache, inside the same compiled call).
+When the loop starts, it hands over the target's features of the last :data:`~.head.HEAD_WINDOW`
+tokens of each row (a pass of the target over them that reads its cache without writing it: no
+prefill, no scratch cache); the head attends to that many rows, so earlier ones are never needed.
 """
 
 from __future__ import annotations
@@ -33,9 +34,8 @@ from zgen.errors import ConfigError
 from zgen.model import Model
 from zgen.runtime.sampling import filter_logits, sample
 from zgen.runtime.speculation import DraftInput, Proposal
-from zgen.runtime.step import ModelSpec, forward_features
 from zgen.speculative.draft_model import CATCH_UP
-from zgen.speculative.eagle.head import EagleHead, draft_step, fingerprint, fuse
+from zgen.speculative.eagle.head import HEAD_WINDOW, EagleHead, draft_step, fingerprint, fuse
 from zgen.speculative.prompt_lookup import check_num_tokens
 
 
@@ -62,7 +62,6 @@ class Eagle:
         self.head = head
         self._num_tokens = check_num_tokens("Eagle", num_tokens)
         self._adaptive = adaptive
-        self._target = ModelSpec(head.model.graph, head.model.config.sliding_window)
         self._fingerprint: str | None = None
 
     @classmethod
@@ -88,6 +87,10 @@ class Eagle:
     def feature_layers(self) -> tuple[int, ...]:
         return self.head.feature_layers
 
+    @property
+    def feature_window(self) -> int:
+        return HEAD_WINDOW
+
     def cache_key(self) -> Hashable:
         # The compiled loop keeps this speculator and so the target's graph alive: the id is not reused.
         m = self.head.model
@@ -105,22 +108,16 @@ class Eagle:
             )
 
     def device_params(self) -> Any:
-        return self.head.params, self.head.model.params
+        shared = self.head.joined({}, self.head.model.params)  # the target's embedding, final norm and LM head
+        return self.head.params, shared
 
     def start(self, params: Any, history: Int[Array, "B L"], length: Int[Array, " B"]) -> EagleState:
-        head_params, target_params = params
         c = self.head.model.config
         b, width = history.shape
-        scratch = DenseKVState.zeros(c.num_layers, b, width, c.num_kv_heads, c.head_dim, self.head.model.dtype)
-        slots = jnp.broadcast_to(jnp.arange(width)[None, :], (b, width))
-        p = length - 1
-        known = jnp.where(slots < p[:, None], slots, -1)  # every token before the pending one
-        _, features, _ = forward_features(self._target, target_params, scratch, history, known, jnp.zeros((b, 1), jnp.int32), self.feature_layers)
-        state = EagleState(self.head.new_kv(b, width), features, jnp.zeros_like(p))
-        # Head rows 0 .. p - 1 read the token after them: the whole known prefix in one pass.
-        after = jnp.concatenate([history[:, 1:], jnp.zeros((b, 1), history.dtype)], axis=1)
-        kv = self._feed(head_params, target_params, state, slots, after, known)[2]
-        return EagleState(kv, features, p)
+        features = jnp.zeros((b, width, len(self.feature_layers) * c.hidden_size), self.head.model.dtype)
+        # The loop hands over the features of the HEAD_WINDOW tokens before the pending one (observe_features);
+        # the head rows before them are outside its attention window and never fed.
+        return EagleState(self.head.new_kv(b, width), features, jnp.maximum(length - 1 - HEAD_WINDOW, 0))
 
     def observe_features(self, state: EagleState, features: Float[Array, "B T F"], positions: Int[Array, "B T"]) -> EagleState:
         rows = jnp.arange(positions.shape[0])[:, None]
@@ -131,25 +128,25 @@ class Eagle:
         return replace(state, fed=jnp.minimum(state.fed, kept))
 
     def _feed(
-        self, head_params: Any, target_params: Any, state: EagleState, rows: Int[Array, "B T"], after: Int[Array, "B T"],
+        self, head_params: Any, shared: Any, state: EagleState, rows: Int[Array, "B T"], after: Int[Array, "B T"],
         positions: Int[Array, "B T"], kv: DenseKVState | None = None,
     ) -> tuple[Array, Array, DenseKVState]:
         """Head rows ``rows`` from the stored true features (``after``: the token after each row)."""
         width = state.features.shape[1]
         features = jnp.take_along_axis(state.features, jnp.clip(rows, 0, width - 1)[..., None], axis=1)
-        params = self.head.joined(head_params, target_params)
+        params = self.head.joined(head_params, shared)
         read = jnp.full((rows.shape[0], 1), rows.shape[1] - 1, jnp.int32)
         return draft_step(self.head.graph, params, state.kv if kv is None else kv, fuse(head_params, features), after, positions, read)
 
     def propose(self, params: Any, state: EagleState, draft: DraftInput) -> tuple[Proposal, EagleState]:
-        head_params, target_params = params
+        head_params, shared = params
         k = self._num_tokens
         history, active, flags, sampling = draft.history, draft.active, draft.flags, draft.sampling
         b, width = history.shape
         p = draft.length - 1
         sampled = not flags.all_greedy
         vocab = self.head.model.config.vocab_size
-        joined = self.head.joined(head_params, target_params)
+        joined = self.head.joined(head_params, shared)
 
         def token_after(rows: Array) -> Array:
             return jnp.take_along_axis(history, jnp.clip(rows + 1, 0, width - 1), axis=1)
@@ -161,14 +158,14 @@ class Eagle:
             kv, fed = carry
             rows = fed[:, None] + jnp.arange(CATCH_UP)[None, :]
             positions = jnp.where(active[:, None] & (rows < p[:, None]), rows, -1)
-            kv = self._feed(head_params, target_params, state, rows, token_after(rows), positions, kv)[2]
+            kv = self._feed(head_params, shared, state, rows, token_after(rows), positions, kv)[2]
             return kv, jnp.where(active, jnp.minimum(fed + CATCH_UP, p), fed)
 
         kv, _ = jax.lax.while_loop(lagging, catch_up, (state.kv, state.fed))
         # The last k + 1 rows (up to p - 1) from true features; the last one predicts the first draft.
         rows = p[:, None] - (k + 1) + jnp.arange(k + 1)[None, :]
         positions = jnp.where(active[:, None] & (rows >= 0), rows, -1)
-        predicted, logits, kv = self._feed(head_params, target_params, state, rows, token_after(rows), positions, kv)
+        predicted, logits, kv = self._feed(head_params, shared, state, rows, token_after(rows), positions, kv)
 
         def draw(logits: Array, position: Array) -> tuple[Array, Array | None]:
             token = sample(logits, sampling, None, draft.keys, position, flags)

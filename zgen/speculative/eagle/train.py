@@ -127,6 +127,15 @@ def _messages(item: Any, where: str) -> list[dict[str, str]] | None:
     return messages
 
 
+def _chat_ids(model: Model, messages: list[dict[str, str]], *, prompt: bool) -> list[int]:
+    """A chat's ids through the chat template (``prompt``: ending where the assistant's turn starts); a
+    model without a template reads the messages' contents, one per line."""
+    tok = model.tokenizer
+    if tok.chat_template is None:
+        return tok.encode("\n".join(str(m.get("content", "")) for m in messages))
+    return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=prompt), add_special_tokens=False)
+
+
 def training_sequences(model: Model, path: Path, seq_len: int) -> list[list[int]]:
     """Token sequences of at most ``seq_len`` ids from ``path`` (see the module docstring)."""
     tok = model.tokenizer
@@ -137,8 +146,8 @@ def training_sequences(model: Model, path: Path, seq_len: int) -> list[list[int]
             sequences += [ids[i : i + seq_len] for i in range(0, len(ids), seq_len)]
             continue
         messages = _messages(item, f"{path}:{n + 1}")
-        text = item["text"] if messages is None else tok.apply_chat_template(messages, add_generation_prompt=False)
-        sequences.append(tok.encode(text, add_special_tokens=messages is None)[:seq_len])
+        ids = tok.encode(item["text"]) if messages is None else _chat_ids(model, messages, prompt=False)
+        sequences.append(ids[:seq_len])
     sequences = [s for s in sequences if len(s) >= 3]
     if not sequences:
         raise InputError(f"{path} holds no text of 3 tokens or more to train on")
@@ -157,13 +166,10 @@ def distill_prompts(model: Model, path: Path, count: int) -> list[list[int]]:
             messages = _messages(item, f"{path}:{n + 1}")
             chats = [item["text"] if messages is None else messages]
         for chat in chats:
-            if isinstance(chat, list):
-                turns = chat[:-1] if chat and chat[-1].get("role") == "assistant" else chat
-                prompts.append(tok.encode(tok.apply_chat_template(turns, add_generation_prompt=True), add_special_tokens=False))
-            elif tok.chat_template is not None:
-                prompts.append(tok.encode(tok.apply_chat_template([{"role": "user", "content": chat}]), add_special_tokens=False))
-            else:
-                prompts.append(tok.encode(chat))
+            if isinstance(chat, str):
+                chat = [{"role": "user", "content": chat}]
+            turns = chat[:-1] if chat and chat[-1].get("role") == "assistant" else chat
+            prompts.append(_chat_ids(model, turns, prompt=True))
             if len(prompts) >= count:
                 return prompts
     if not prompts:
