@@ -166,6 +166,8 @@ def test_training_learns_resumes_and_records_its_target(tiny: Model, tmp_path: P
     assert 0.0 <= report.acceptance <= 1.0
     resumed = train(tiny, one, out, dataclasses.replace(config, steps=10))
     assert resumed.first_step == 8 and json.loads((out / "head.json").read_text())["step"] == 10
+    with pytest.raises(ConfigError, match="fused"):
+        train(tiny, one, out, dataclasses.replace(config, steps=12, fused=True))
     eagle = Eagle.load(out, tiny, 3)
     assert eagle.num_tokens == 3 and eagle.feature_layers == (tiny.config.num_layers - 1,)
     other = _other_weights(tiny)

@@ -255,9 +255,14 @@ def train(
     """Train (or go on training) the EAGLE head in ``out`` for ``model`` on ``data``, up to ``config.steps``."""
     out = Path(out)
     meta = checkpoint.read_meta(out)
+    layers = default_feature_layers(model.config, fused=config.fused)
     if meta is not None:
         checkpoint.check_target(meta, model, out)
-    layers = meta.feature_layers if meta is not None else default_feature_layers(model.config, fused=config.fused)
+        if meta.feature_layers != layers:
+            raise ConfigError(
+                f"the head in {out} reads layers {list(meta.feature_layers)}, not {list(layers)}: train it with the "
+                "same fused setting it was started with, or into another directory"
+            )
     generation_started = time.perf_counter()
     if config.self_distill:
         sequences = self_distilled(model, distill_prompts(model, Path(data), config.self_distill), config.seq_len)
