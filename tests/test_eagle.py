@@ -21,12 +21,15 @@ from zgen import Generator, SamplingConfig, load_model
 from zgen.cache.factory import paged_kv
 from zgen.cache.tensor import DenseKVState
 from zgen.cli import app
+from zgen.contexts import Context
 from zgen.errors import CheckpointError, ConfigError
 from zgen.generator import Request
 from zgen.model import Model
+from zgen.runtime.engine import Engine
 from zgen.runtime.sampling import SamplingFlags, SamplingParams
 from zgen.runtime.speculation import DraftInput, Proposal
 from zgen.runtime.step import ModelSpec, forward_features
+from zgen.runtime.stop import StopCondition
 from zgen.speculative import Eagle, EagleHead
 from zgen.speculative.eagle.train import TrainConfig, train
 
@@ -70,6 +73,23 @@ def test_greedy_with_an_untrained_head_equals_plain(tiny: Model, layout: str, fu
     for result, reference in zip(spec, plain, strict=True):
         assert result.speculative is not None and result.speculative.draft_tokens > 0
         assert result.logprobs == pytest.approx(reference.logprobs, abs=1e-4)
+
+
+def test_contexts_take_an_eagle_head(tiny: Model) -> None:
+    engine = Engine(tiny, paged_kv(4))
+    limit = StopCondition.from_sampling(GREEDY, ())
+
+    def context() -> Context:
+        ctx = Context(engine, seed=1)
+        ctx.fill(PROMPTS[2])
+        return ctx
+
+    plain = context().generate_result(None, limit)
+    eagle = Eagle(EagleHead.init(tiny, 4), num_tokens=3)
+    ctx = context()
+    out = ctx.generate_result(None, limit, speculative=eagle)
+    assert out.token_ids == plain.token_ids and out.speculative is not None and out.speculative.draft_tokens > 0
+    assert ctx.kv_len == ctx.num_tokens - 1
 
 
 def _target_features(model: Model, eagle: Eagle, history: np.ndarray | jax.Array) -> jax.Array:
