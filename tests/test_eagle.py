@@ -201,12 +201,15 @@ def test_training_learns_resumes_and_records_its_target(tiny: Model, tmp_path: P
         Eagle.load(tmp_path / "nothing", tiny)
 
 
-def test_the_command_line_trains_and_drafts_with_a_head(checkpoint: Path, data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_command_line_trains_and_drafts_with_a_head(
+    checkpoint: Path, data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("ZGEN_CACHE_DIR", str(tmp_path / "weights"))
     monkeypatch.setenv("ZGEN_XLA_CACHE_DIR", str(tmp_path / "xla"))
     runner = CliRunner()
     out = tmp_path / "head"
-    trained = runner.invoke(app, ["eagle", "train", "--model", str(checkpoint), "--data", str(data), "--out", str(out), "--steps", "2", "--batch-size", "2", "--seq-len", "16", "--self-distill", "3"])
+    train_args = ["--data", str(data), "--out", str(out), "--steps", "2", "--batch-size", "2", "--seq-len", "16", "--self-distill", "3"]
+    trained = runner.invoke(app, ["eagle", "train", "--model", str(checkpoint), *train_args])
     assert trained.exit_code == 0, trained.output
     args = ["generate", "--model", str(checkpoint), "-p", PROMPTS[1], "-n", "12", "--ignore-eos", "--temperature", "0", "--json"]
     plain = json.loads(runner.invoke(app, args).stdout)

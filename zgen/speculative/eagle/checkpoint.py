@@ -52,7 +52,8 @@ def read_meta(path: Path) -> HeadMeta | None:
         return None
     try:
         raw = json.loads(file.read_text(encoding="utf-8"))
-        meta = HeadMeta(str(raw["fingerprint"]), str(raw["target"]), tuple(int(i) for i in raw["feature_layers"]), int(raw["step"]), int(raw["format"]))
+        layers = tuple(int(i) for i in raw["feature_layers"])
+        meta = HeadMeta(str(raw["fingerprint"]), str(raw["target"]), layers, int(raw["step"]), int(raw["format"]))
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise CheckpointError(f"{file} is not an EAGLE head record ({err}): point to a directory `zgen eagle train --out` wrote") from err
     if meta.format != FORMAT:
@@ -68,7 +69,8 @@ def save(path: Path, meta: HeadMeta, params: dict[str, jax.Array], opt_state: An
     """Save a training step (the parameters and optimizer state, then the record that points at them)."""
     path.mkdir(parents=True, exist_ok=True)
     with _manager(path) as manager:
-        manager.save(meta.step, args=ocp.args.Composite(params=ocp.args.StandardSave(_stored(params)), opt_state=ocp.args.StandardSave(opt_state)))
+        saved = ocp.args.Composite(params=ocp.args.StandardSave(_stored(params)), opt_state=ocp.args.StandardSave(opt_state))
+        manager.save(meta.step, args=saved)
         manager.wait_until_finished()
     record = asdict(meta) | {"feature_layers": list(meta.feature_layers)}
     tmp = path / (META + ".tmp")

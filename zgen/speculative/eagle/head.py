@@ -136,7 +136,8 @@ def draft_step(
     at ``positions[:, t]`` (-1: padding) and writes its K/V; returns the predicted next features of
     every row and the logits at ``read_rows``. ``params``: the head's and the shared target ones. A
     row attends to the :data:`HEAD_WINDOW` rows up to itself."""
-    (predicted, logits), kv = run_graph(graph, HEAD_WINDOW, params, kv, {TOKENS: tokens, POSITIONS: positions, LOGIT_ROWS: read_rows, FEATURES: features})
+    feeds = {TOKENS: tokens, POSITIONS: positions, LOGIT_ROWS: read_rows, FEATURES: features}
+    (predicted, logits), kv = run_graph(graph, HEAD_WINDOW, params, kv, feeds)
     return predicted, logits, kv
 
 
@@ -171,7 +172,9 @@ class EagleHead:
             raise ConfigError(f"EAGLE head parameters {shapes} do not fit this model (expected {expected})")
 
     @classmethod
-    def init(cls, model: Model, key: jax.Array | int = 0, *, feature_layers: tuple[int, ...] | None = None, fused: bool = False) -> EagleHead:
+    def init(
+        cls, model: Model, key: jax.Array | int = 0, *, feature_layers: tuple[int, ...] | None = None, fused: bool = False
+    ) -> EagleHead:
         """A freshly initialized (untrained) head; ``fused``: read a low, a middle and a high layer (EAGLE-3)."""
         layers = feature_layers if feature_layers is not None else default_feature_layers(model.config, fused=fused)
         rng = jax.random.PRNGKey(key) if isinstance(key, int) else key
