@@ -52,6 +52,7 @@ class TrainConfig:
     lr: float = 3e-4
     self_distill: int = 0  # > 0: train on the target's greedy continuations of this many prompts
     fused: bool = False  # read a low, a middle and a high layer (EAGLE-3) instead of the last
+    feature_noise: float = 0.1  # uniform noise of this amplitude on the features the head reads, as EAGLE trains
     save_every: int = 200
     eval_every: int = 50
     seed: int = 0
@@ -65,6 +66,8 @@ class TrainConfig:
             raise ConfigError(f"EAGLE training seq_len must be at least 3 tokens, got {self.seq_len}")
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
             raise ConfigError(f"EAGLE training lr must be a finite positive number, got {self.lr!r}")
+        if not (isinstance(self.feature_noise, (int, float)) and math.isfinite(self.feature_noise) and self.feature_noise >= 0):
+            raise ConfigError(f"EAGLE training feature_noise must be a finite non-negative number, got {self.feature_noise!r}")
         if isinstance(self.self_distill, bool) or not isinstance(self.self_distill, int) or self.self_distill < 0:
             raise ConfigError(f"EAGLE training self_distill must be a non-negative integer, got {self.self_distill!r}")
 
@@ -223,15 +226,17 @@ def target_outputs(
 
 def head_loss(
     head: EagleHead, params: dict[str, Array], target_params: Any, tokens: Int[Array, "B T"], lengths: Int[Array, " B"],
-    logits: Float[Array, "B T V"], features: Float[Array, "B T F"],
+    logits: Float[Array, "B T V"], features: Float[Array, "B T F"], noise: Float[Array, "B T1 F"] | None = None,
 ) -> tuple[Array, Array]:
-    """EAGLE's loss over every row ``j`` with a known next token, and the top-1 agreement with the target."""
+    """EAGLE's loss over every row ``j`` with a known next token, and the top-1 agreement with the target;
+    ``noise`` is added to the features the head reads (not to those it predicts)."""
     b, t = tokens.shape
     rows = jnp.broadcast_to(jnp.arange(t - 1)[None, :], (b, t - 1))
     valid = rows < (lengths - 1)[:, None]  # row j reads the token at j + 1
     positions = jnp.where(valid, rows, -1)
     kv = head.new_kv(b, t - 1, attention="einsum")  # einsum attention: differentiable everywhere
-    inputs = fuse(params, features[:, :-1]).astype(head.model.dtype)
+    read = features[:, :-1] if noise is None else features[:, :-1] + noise.astype(features.dtype)
+    inputs = fuse(params, read).astype(head.model.dtype)
     predicted, head_logits, _ = draft_step(head.graph, head.joined(params, target_params), kv, inputs, tokens[:, 1:], positions, rows)
     target_next = jax.lax.stop_gradient(fuse(params, features[:, 1:]).astype(jnp.float32))
     regression = jnp.mean(optax.huber_loss(predicted.astype(jnp.float32), target_next, delta=1.0), axis=-1)
@@ -291,11 +296,13 @@ def train(
         return target_outputs(spec, model, target_params, layers, tokens, lengths)
 
     @jax.jit
-    def update(params: Any, opt_state: Any, target_params: Any, tokens: Array, lengths: Array) -> tuple[Any, Any, Array]:
+    def update(params: Any, opt_state: Any, target_params: Any, tokens: Array, lengths: Array, key: Array) -> tuple[Any, Any, Array]:
         logits, features = targets(target_params, tokens, lengths)
+        amplitude = config.feature_noise
+        noise = jax.random.uniform(key, features[:, 1:].shape, jnp.float32, -amplitude, amplitude)
 
         def loss_fn(params: Any) -> tuple[Array, Array]:
-            return head_loss(head, params, target_params, tokens, lengths, logits, features)
+            return head_loss(head, params, target_params, tokens, lengths, logits, features, noise)
 
         (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -320,7 +327,8 @@ def train(
     for step in range(first + 1, config.steps + 1):
         picks = np.random.default_rng((config.seed, step)).integers(0, len(pool), config.batch_size)
         tokens, lengths = _batch(pool, picks, config.seq_len)
-        params, opt_state, loss_value = update(params, opt_state, target_params, tokens, lengths)
+        key = jax.random.fold_in(jax.random.PRNGKey(config.seed), step)
+        params, opt_state, loss_value = update(params, opt_state, target_params, tokens, lengths, key)
         tokens_seen += int(lengths.sum())
         evaluating = step % config.eval_every == 0 or step == config.steps
         loss = float(loss_value)
