@@ -34,6 +34,11 @@ TOPICS = (
     "the water cycle", "black holes", "photosynthesis", "the French revolution", "compound interest", "vaccines",
     "plate tectonics", "the internet", "sleep", "volcanoes", "electric cars", "bees", "the moon landing",
     "inflation", "machine learning", "coffee", "the Roman empire", "recycling", "earthquakes", "chess",
+    "sorting algorithms", "the human heart", "climate change", "the printing press", "solar panels", "DNA",
+    "the stock market", "rainbows", "antibiotics", "the Great Wall of China", "hash tables", "gravity",
+    "the Olympic games", "bread baking", "ocean tides", "democracy", "recursion", "the immune system",
+    "renewable energy", "ancient Egypt", "binary numbers", "honey", "jazz music", "glaciers", "password security",
+    "the periodic table", "migration of birds", "public libraries", "bicycles", "the speed of light",
 )
 TASKS = (
     "Explain {t} to a ten-year-old.",
@@ -49,6 +54,9 @@ TASKS = (
     "What questions do scientists still ask about {t}?",
     "Describe {t} in the style of a news report.",
     "Write a step-by-step guide related to {t}.",
+    "Answer in one sentence: why does {t} matter?",
+    "Write a JSON object with five fields describing {t}.",
+    "Compare {t} with something from everyday life.",
 )
 
 

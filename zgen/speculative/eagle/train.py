@@ -182,7 +182,7 @@ def distill_prompts(model: Model, path: Path, count: int) -> list[list[int]]:
 
 def self_distilled(model: Model, prompts: Sequence[list[int]], seq_len: int) -> list[list[int]]:
     """Each prompt followed by the target's greedy continuation, ``seq_len`` tokens at most."""
-    engine = Engine(model, config=EngineConfig(max_batch=min(len(prompts), 32)), default_kind="tensor")
+    engine = Engine(model, config=EngineConfig(max_batch=min(len(prompts), 64)), default_kind="tensor")
     jobs = []
     try:
         for prompt in prompts:
@@ -274,6 +274,7 @@ def train(
     else:
         sequences = training_sequences(model, Path(data), config.seq_len)
     generation_seconds = time.perf_counter() - generation_started if config.self_distill else 0.0
+    sequences = [sequences[i] for i in np.random.default_rng(config.seed).permutation(len(sequences))]
     held = max(1, len(sequences) // 10) if len(sequences) > 1 else 0
     held_out, train_set = sequences[:held] or sequences, sequences[held:]
 
