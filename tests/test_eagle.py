@@ -30,7 +30,7 @@ from zgen.runtime.sampling import SamplingFlags, SamplingParams
 from zgen.runtime.speculation import DraftInput, Proposal
 from zgen.runtime.step import ModelSpec, forward_features
 from zgen.runtime.stop import StopCondition
-from zgen.speculative import Eagle, EagleHead
+from zgen.speculative import DraftModel, Eagle, EagleHead
 from zgen.speculative.eagle.train import TrainConfig, train
 
 GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=20, ignore_eos=True)
@@ -73,6 +73,25 @@ def test_greedy_with_an_untrained_head_equals_plain(tiny: Model, layout: str, fu
     for result, reference in zip(spec, plain, strict=True):
         assert result.speculative is not None and result.speculative.draft_tokens > 0
         assert result.logprobs == pytest.approx(reference.logprobs, abs=1e-4)
+
+
+def test_a_head_that_reproduces_the_target_is_always_accepted(tiny: Model) -> None:
+    """A one-layer target and a head that ignores the feature (fc = [0 | I]) and runs the target's own
+    layer: head row j sees the embeddings of tokens 1 .. j + 1 at positions shifted by one (RoPE is
+    relative), so it computes the target's hidden state at j + 1 and drafts the target's own tokens.
+    Every draft is accepted: the head's rows, tokens, positions and draw indices line up with the target's."""
+    target = DraftModel.early_exit(tiny, layers=1).model
+    hidden = target.config.hidden_size
+    layer = {name: target.params[f"layers.0.{name}"] for name in ("input_norm", "qkv", "o", "post_norm", "gate_up", "down")}
+    params = {f"eagle.layer.{name}": value for name, value in layer.items()}
+    params["eagle.fc"] = jnp.concatenate([jnp.zeros((hidden, hidden)), jnp.eye(hidden)], axis=1).astype(target.dtype)
+    eagle = Eagle(EagleHead(target, params, (0,)), num_tokens=4, adaptive=False)
+    long = dataclasses.replace(GREEDY, max_new_tokens=40)
+    plain = Generator(target).generate(PROMPTS[2], long)
+    result = Generator(target, speculative=eagle).generate(PROMPTS[2], long)
+    assert result.token_ids == plain.token_ids
+    stats = result.speculative
+    assert stats is not None and stats.acceptance_rate == 1.0 and stats.mean_accepted_per_step >= 3.0
 
 
 def test_contexts_take_an_eagle_head(tiny: Model) -> None:
