@@ -238,3 +238,17 @@ def test_the_command_line_trains_and_drafts_with_a_head(
     assert out_json["token_ids"] == plain["token_ids"] and out_json["speculative"]["draft_tokens"] > 0
     refused = runner.invoke(app, [*args, "--eagle", str(out), "--jacobi"])
     assert refused.exit_code != 0 and "choose one speculator" in refused.output
+    # zgen batch takes the head the same way: the records are the plain ones
+    source = tmp_path / "in.jsonl"
+    body = {"model": "tiny", "max_tokens": 8, "temperature": 0}
+    lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": {**body, "prompt": p}} for i, p in enumerate(PROMPTS)]
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
+    batch = ["batch", "--model", str(checkpoint), "--input", str(source), "--quiet"]
+
+    def texts(name: str, *flags: str) -> dict[str, str]:
+        done = runner.invoke(app, [*batch, "--output", str(tmp_path / name), *flags])
+        assert done.exit_code == 0, done.output
+        records = [json.loads(line) for line in (tmp_path / name).read_text().splitlines()]
+        return {r["custom_id"]: r["response"]["body"]["choices"][0]["text"] for r in records}
+
+    assert texts("eagle.jsonl", "--eagle", str(out)) == texts("plain.jsonl")
