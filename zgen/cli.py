@@ -1113,7 +1113,6 @@ def cache_clear(
         print(f"{cache.name}: removed {_count(len(entries), 'entry', 'entries')}, {decimal(freed)} ({cache.path})")
 
 
-
 # -- zgen eagle -------------------------------------------------------------------------------------
 
 
