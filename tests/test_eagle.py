@@ -220,6 +220,22 @@ def test_training_learns_resumes_and_records_its_target(tiny: Model, tmp_path: P
         Eagle.load(tmp_path / "nothing", tiny)
 
 
+def test_a_head_trained_on_the_targets_own_text_drafts_what_it_says(tiny: Model, tmp_path: Path) -> None:
+    """Training and drafting read the same rows the same way: a head trained briefly on the target's
+    greedy continuations of prompts like the one asked has its drafts accepted."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(f"w{i % 40} w{(7 * i) % 50} w{(3 * i) % 30}" for i in range(32)), encoding="utf-8")
+    out = tmp_path / "head"
+    config = TrainConfig(steps=60, batch_size=8, seq_len=32, lr=3e-3, self_distill=32, save_every=60, eval_every=60)
+    report = train(tiny, prompts, out, config)
+    assert report.acceptance > 0.5
+    ask = Request("w11 w27 w3", dataclasses.replace(GREEDY, max_new_tokens=24))
+    plain = Generator(tiny).generate(ask.prompt, ask.sampling)
+    result = Generator(tiny, speculative=Eagle.load(out, tiny, 4)).generate(ask.prompt, ask.sampling)
+    assert result.token_ids == plain.token_ids
+    assert result.speculative is not None and result.speculative.acceptance_rate > 0.5, result.speculative
+
+
 def test_the_command_line_trains_and_drafts_with_a_head(
     checkpoint: Path, data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
