@@ -21,7 +21,8 @@ directory) for real acceptance.
 
 ``jacobi`` is Jacobi (lookahead) decoding with its default fixed draft width (every pass verifies
 ``--num-draft-tokens`` guesses, default 8); ``jacobi:adaptive`` adds the adaptive draft length and
-fallback to plain decoding.
+fallback to plain decoding. ``eagle:DIR`` drafts with the EAGLE head in DIR (trained for the same
+model and weights, e.g. by ``benchmarks/eagle.py --out DIR``).
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def prompts(model: Model, batch: int, real: bool) -> list[Any]:
 
 def speculator(spec: str, model: Model, args: argparse.Namespace) -> Speculator:
     from zgen import load_model
-    from zgen.speculative import DraftModel, Jacobi, PromptLookup
+    from zgen.speculative import DraftModel, Eagle, Jacobi, PromptLookup
 
     kind, _, value = spec.partition(":")
     if kind == "prompt-lookup":
@@ -96,9 +97,11 @@ def speculator(spec: str, model: Model, args: argparse.Namespace) -> Speculator:
         return DraftModel.early_exit(model, layers=int(value or 8), num_tokens=args.num_draft_tokens or 4)
     if kind == "draft":
         return DraftModel(load_model(value, dtype=args.dtype), args.num_draft_tokens or 4)
+    if kind == "eagle" and value:
+        return Eagle.load(value, model, args.num_draft_tokens or 4)
     if kind == "jacobi" and value in ("", "adaptive"):
         return Jacobi(args.num_draft_tokens or 8, adaptive=value == "adaptive")
-    raise SystemExit(f"unknown speculator {spec!r}: prompt-lookup, early-exit:N, draft:MODEL, jacobi or jacobi:adaptive")
+    raise SystemExit(f"unknown speculator {spec!r}: prompt-lookup, early-exit:N, draft:MODEL, eagle:DIR, jacobi or jacobi:adaptive")
 
 
 def timed(generator: Generator, requests: list[Any], runs: int) -> tuple[float, list[GenerationResult]]:
