@@ -182,7 +182,7 @@ def distill_prompts(model: Model, path: Path, count: int) -> list[list[int]]:
 
 def self_distilled(model: Model, prompts: Sequence[list[int]], seq_len: int) -> list[list[int]]:
     """Each prompt followed by the target's greedy continuation, ``seq_len`` tokens at most."""
-    engine = Engine(model, config=EngineConfig(max_batch=min(len(prompts), 64)), default_kind="tensor")
+    engine = Engine(model, config=EngineConfig(max_batch=min(len(prompts), 32)), default_kind="tensor")
     jobs = []
     try:
         for prompt in prompts:
