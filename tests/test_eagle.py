@@ -243,7 +243,7 @@ def test_the_command_line_trains_and_drafts_with_a_head(
     monkeypatch.setenv("ZGEN_XLA_CACHE_DIR", str(tmp_path / "xla"))
     runner = CliRunner()
     out = tmp_path / "head"
-    train_args = ["--data", str(data), "--out", str(out), "--steps", "2", "--batch-size", "2", "--seq-len", "16", "--self-distill", "3"]
+    train_args = ["--data", str(data), "--out", str(out), "--steps", "2", "--batch-size", "2", "--seq-len", "16"]
     trained = runner.invoke(app, ["eagle", "train", "--model", str(checkpoint), *train_args])
     assert trained.exit_code == 0, trained.output
     args = ["generate", "--model", str(checkpoint), "-p", PROMPTS[1], "-n", "12", "--ignore-eos", "--temperature", "0", "--json"]
