@@ -77,6 +77,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--self-distill", type=int, default=len(TASKS) * len(TOPICS), help="prompts whose greedy answers are the data")
+    parser.add_argument("--data", type=Path, default=None, help="the prompts (.jsonl chats or .txt lines) instead of the built-in ones")
     parser.add_argument("--fused", action="store_true", help="EAGLE-3's low/middle/high feature fusion")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -92,7 +93,7 @@ def main() -> None:
     from zgen.speculative.eagle.train import StepReport, TrainConfig, train
 
     model = load(args)
-    data = distill_file(args.out.parent / f"{args.out.name}-prompts.jsonl")
+    data = args.data or distill_file(args.out.parent / f"{args.out.name}-prompts.jsonl")
     config = TrainConfig(
         steps=args.train_steps, batch_size=args.train_batch, seq_len=args.seq_len, lr=args.lr, self_distill=args.self_distill,
         fused=args.fused, save_every=max(args.train_steps // 4, 1), eval_every=max(args.train_steps // 20, 1),
