@@ -237,3 +237,47 @@ def test_end_tokens_are_allowed_only_where_the_grammar_may_end(tiny: Model) -> N
     matcher.consume(stop_id)  # ends the generation; the grammar took "a"
     with pytest.raises(GrammarError):
         GrammarMatcher(Grammar.regex("b"), tiny, (eos,)).consume(a)
+
+
+def test_decode_loop_draws_on_while_the_host_computes_the_next_masks(tiny: Model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The grammar work of a draw runs on the host while the loop goes on to the next forward pass:
+    each worker turn holds back until the loop has reached its next wait (after that forward pass),
+    which a loop that waited for the host after every draw could never do. Same tokens as without."""
+    import threading
+
+    from zgen.runtime.grammar import GrammarLoop
+
+    config = json_config(SCHEMAS["nested"], 1.0, seed=3)
+    expected = Generator(tiny).generate("hello", config)
+
+    waits = 0
+    reached = threading.Condition()
+    submitted: list[int] = []  # the waits entered when each turn was handed over
+    held, missed = [], []
+    wait, submit, advance = GrammarLoop.wait, GrammarLoop.submit, GrammarLoop._advance
+
+    def counted_wait(self: GrammarLoop, after: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        nonlocal waits
+        with reached:
+            waits += 1
+            reached.notify_all()
+        return wait(self, after)
+
+    def counted_submit(self: GrammarLoop, drawn: np.ndarray, live: np.ndarray, masks_wanted: np.ndarray) -> None:
+        with reached:
+            submitted.append(waits)
+        submit(self, drawn, live, masks_wanted)
+
+    def held_advance(self: GrammarLoop, drawn: np.ndarray, live: np.ndarray, masks_wanted: np.ndarray) -> Any:
+        with reached:
+            before = submitted.pop(0)
+            if masks_wanted.any():  # the loop goes on: it will wait again, after its next forward pass
+                (held if reached.wait_for(lambda: waits > before, timeout=20) else missed).append(before)
+        return advance(self, drawn, live, masks_wanted)
+
+    monkeypatch.setattr(GrammarLoop, "wait", counted_wait)
+    monkeypatch.setattr(GrammarLoop, "submit", counted_submit)
+    monkeypatch.setattr(GrammarLoop, "_advance", held_advance)
+    result = Generator(tiny).generate("hello", config)
+    assert result.token_ids == expected.token_ids and result.finish_reason == "stop"
+    assert not missed and len(held) >= len(result.token_ids) - 1
