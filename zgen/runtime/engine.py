@@ -67,9 +67,10 @@ from zgen.runtime.stop import StopCondition, TextStream
 from zgen.shapes import next_pow2
 
 GREEDY = SamplingConfig(temperature=0.0)
-#: Most grammar-constrained rows a decode loop takes (its host callback advances them after every
-#: draw). Measured on an NVIDIA H200: 1 row 1.7 ms/token in the loop against 5.6 stepping the engine
-#: per token; 32 rows 9.0 against 7.0 (the callback's llguidance calls run slower inside the loop).
+#: Most grammar-constrained rows a decode loop takes (a host worker advances them beside each forward
+#: pass, :class:`~zgen.runtime.grammar.GrammarLoop`). Measured on an NVIDIA H200 with the host work
+#: still serial after each draw: 1 row 1.7 ms/token in the loop against 5.6 stepping the engine per
+#: token; 32 rows 9.0 against 7.0 (``benchmarks/grammar.py``'s ``json_loop`` measures it again).
 GRAMMAR_LOOP_ROWS = 8
 
 
