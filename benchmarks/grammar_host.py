@@ -1,8 +1,9 @@
 """Why llguidance's mask work costs more inside the decode loop than in a tight loop on the host.
 
-The same work — ``--batch`` rows of ``grammar.py``'s JSON schema, each mid-way through a string (the
-state where the most tokens are allowed), their next-token masks computed by :func:`fill_masks` —
-timed under conditions that differ in one thing each (median ms per call, ``--calls`` calls):
+The same work — ``--batch`` rows of ``grammar.py``'s JSON schema, each taking the next token of its
+own valid JSON text (:func:`consume_all`), then their next-token masks (:func:`fill_masks`): one
+decode-loop turn of the host worker — timed under conditions that differ in one thing each (median
+ms per turn, ``--calls`` turns, fresh matchers for each condition):
 
 * ``hot`` — back to back, the way ``grammar.py``'s ``mask_ms`` replays them;
 * ``after_idle`` — each after the host slept ``--idle-ms`` (about a device step): llguidance's
@@ -13,8 +14,8 @@ timed under conditions that differ in one thing each (median ms per call, ``--ca
   ``while_loop``, right after device work (a matmul of the LM head's size), as the decode loop's
   callbacks run; ``*_no_device_work`` the same without the matmul;
 * ``worker_thread`` — from another Python thread (where the decode loop's worker computes them);
-* ``hot_threads_N`` — back to back, with an llguidance executor of N threads (the default has 80 %
-  of the CPUs, at most 32).
+* ``hot_threads_N`` — back to back, llguidance's own work only (no end-token bits), with an executor
+  of N threads (the default has 80 % of the CPUs, at most 32).
 
     python benchmarks/grammar_host.py                   # batch 32
     python benchmarks/grammar_host.py --batch 1 --idle-ms 0.8
@@ -35,6 +36,15 @@ from typing import Any
 from grammar import SCHEMA, tokenizer
 
 
+def valid_text(row: int, tokens: int) -> str:
+    """A JSON text valid under ``SCHEMA`` of well over ``tokens`` tokens, different for each row."""
+    items = [
+        {"id": row * 7919 + n, "name": f"item {n} of row {row}", "score": n + row / 8, "tags": ["a", "b", "c"][: n % 4]}
+        for n in range(tokens)
+    ]
+    return json.dumps(items, separators=(",", ":"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch", type=int, default=32)
@@ -52,7 +62,7 @@ def main() -> None:
 
     from zgen import Grammar, ModelConfig
     from zgen.model import random_model
-    from zgen.runtime.grammar import GrammarMatcher, fill_masks, mask_words
+    from zgen.runtime.grammar import GrammarMatcher, consume_all, fill_masks, mask_words
 
     vocab, vocab_source = tokenizer(args.tokenizer)
     config = ModelConfig.from_hf(dict(
@@ -61,27 +71,31 @@ def main() -> None:
     ))
     model = dataclasses.replace(random_model(config, dtype="float32"), tokenizer=vocab)
     grammar = Grammar.json_schema(SCHEMA, compact=True)
-    rows = []
-    for i in range(args.batch):
-        matcher = GrammarMatcher(grammar, model, model.eos_token_ids)
-        for token in vocab.encode(f'[{{"id":{i},"name":"ab'):
-            matcher.consume(token)
-        rows.append((matcher, i))
+    texts = [vocab.encode(valid_text(i, args.calls)) for i in range(args.batch)]
     masks = np.full((args.batch, mask_words(config.vocab_size)), -1, np.int32)
     durations: list[float] = []
+    rows: list[tuple[GrammarMatcher, int]] = []
+    turn = 0
 
-    def fill(*_: Any) -> np.ndarray:
+    def fresh() -> None:
+        nonlocal rows, turn
+        rows, turn = [(GrammarMatcher(grammar, model, model.eos_token_ids), i) for i in range(args.batch)], 0
+
+    def step(*_: Any) -> np.ndarray:
+        nonlocal turn
         start = time.perf_counter()
+        assert not consume_all([(m, texts[i][turn], i) for m, i in rows])
         fill_masks(rows, masks)
         durations.append(time.perf_counter() - start)
+        turn += 1
         return masks
 
     def timed(before: Callable[[], Any] = lambda: None) -> float:
-        fill()  # warm-up
+        fresh()
         durations.clear()
         for _ in range(args.calls):
             before()
-            fill()
+            step()
         return statistics.median(durations) * 1e3
 
     report: dict[str, Any] = {"device": jax.devices()[0].device_kind, "cpus": os.cpu_count(), "batch": args.batch,
@@ -95,16 +109,18 @@ def main() -> None:
     for ordered in (True, False):
         for device_work in (True, False):
             def body(carry: tuple[jax.Array, jax.Array], device_work: bool = device_work, ordered: bool = ordered) -> Any:
-                step, x = carry
+                count, x = carry
                 if device_work:
                     x = jnp.tanh(x @ head)[:, :576]
                 shape = jax.ShapeDtypeStruct(masks.shape, jnp.int32)
-                mask = io_callback(fill, shape, x[0, 0], ordered=ordered)
-                return step + 1, x + mask[:, :576].astype(x.dtype) * 0
+                mask = io_callback(step, shape, x[0, 0], ordered=ordered)
+                return count + 1, x + mask[:, :576].astype(x.dtype) * 0
 
             run = jax.jit(lambda x, body=body: jax.lax.while_loop(lambda c: c[0] < args.calls, body, (0, x)))
             x = jnp.ones((args.batch, 576), jnp.bfloat16)
+            fresh()
             jax.block_until_ready(run(x))
+            fresh()
             durations.clear()
             jax.block_until_ready(run(x))
             name = f"callback_{'ordered' if ordered else 'unordered'}{'' if device_work else '_no_device_work'}"
@@ -117,12 +133,15 @@ def main() -> None:
     threads = 1
     while threads <= min(32, os.cpu_count() or 1):
         executor = llguidance.LLExecutor(threads)
-        pairs = [(m._matcher, i) for m, i in rows]
-        fill_next_token_bitmask_par(executor, pairs, masks)
-        start = time.perf_counter()
-        for _ in range(args.calls):
+        fresh()
+        spent = []
+        for n in range(args.calls):
+            pairs = [(m._matcher, i) for m, i in rows]
+            start = time.perf_counter()
+            executor.consume_token_par([(m, texts[i][n]) for m, i in pairs])
             fill_next_token_bitmask_par(executor, pairs, masks)
-        report[f"hot_threads_{threads}"] = (time.perf_counter() - start) / args.calls * 1e3
+            spent.append(time.perf_counter() - start)
+        report[f"hot_threads_{threads}"] = statistics.median(spent) * 1e3
         threads *= 2
     print(json.dumps(report, indent=1))
 
