@@ -97,6 +97,24 @@ def test_json_schemas_batched_beside_unconstrained_rows(tiny: Model, temperature
     assert gen.engine.stats.steps - steps < len(alone.token_ids) / 2
 
 
+def test_rows_ending_apart_in_one_decode_loop(tiny: Model) -> None:
+    """Constrained rows whose grammars complete at different draws share decode loops (a host stop
+    rule ends each loop every few tokens) beside an unconstrained row: each draws what it draws alone,
+    and only the loops' steps ran (never one engine step a token)."""
+    gen = Generator(tiny, sync_interval=4)
+    configs = [json_config(schema, 1.0, seed) for seed, schema in enumerate(SCHEMAS.values())]
+    configs.append(SamplingConfig(temperature=1.0, seed=9, max_new_tokens=20, ignore_eos=True, stop=("<never>",)))
+    assert len(configs) - 1 <= GRAMMAR_LOOP_ROWS
+    steps = gen.engine.stats.steps
+    together = gen.batch_generate([Request("hello", config) for config in configs])
+    assert gen.engine.stats.steps - steps <= 1 + 20 // 4 + len(configs)  # prefill, then loops of 4 draws
+    for config, result, schema in zip(configs, together, [*SCHEMAS.values(), None], strict=True):
+        assert result.token_ids == gen.generate("hello", config).token_ids
+        if schema is not None:
+            assert result.finish_reason == "stop"
+            assert_valid(result.text, schema)
+
+
 @pytest.mark.parametrize("pattern", [r"[0-9]{3}-[a-z]{2,4}", r"(yes|no)!", r"[A-Z][a-z]{1,5}( [A-Z][a-z]{1,5}){0,2}\."])
 def test_regex_outputs_fullmatch(tiny: Model, pattern: str) -> None:
     gen = Generator(tiny)
