@@ -239,10 +239,11 @@ def main() -> None:
                     modes.enter_context(loop_rows(max(batch, GRAMMAR_LOOP_ROWS)))
                 if name == "json_serial":
                     modes.enter_context(serial_grammar_loop())
-                row[f"{name}_ms"] = per_token_s(functools.partial(generate, gen=new_generator()), args.new_tokens, args.runs) * 1e3
+                gen = new_generator()
+                row[f"{name}_ms"] = per_token_s(functools.partial(generate, gen=gen), args.new_tokens, args.runs) * 1e3
                 if not constrained:
                     continue
-                done = generate(args.new_tokens, new_generator())
+                done = generate(args.new_tokens, gen)
                 lengths = {len(r.token_ids) for r in done}
                 assert lengths == {args.new_tokens}, f"constrained rows ended early: {sorted(lengths)} tokens"
                 if in_loop:

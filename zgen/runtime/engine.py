@@ -776,7 +776,7 @@ class Engine:
 
     def _take_loop_draws(self, row: _Row, drawn: list[int], logprobs: np.ndarray, *, grammar_taken: bool = False) -> None:
         """A loop row's draws: keep their K/V (the input and all but the last draw), roll back the rest.
-        ``grammar_taken``: the loop's grammar callback already advanced the job's grammar past them."""
+        ``grammar_taken``: the loop's grammar host work already advanced the job's grammar past them."""
         job = row.job
         self.stats.decode_tokens += len(drawn)
         job.seq.kv.truncate(row.start + len(drawn))
