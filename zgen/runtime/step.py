@@ -263,8 +263,6 @@ def decode_loop(
             active, allowed = active & ~grammar_ended, allowed_tokens(mask, logits.shape[-1])
         new, logprob = draw(logits[:, 0], sampling, s.penalties, s.keys, s.position, flags, allowed)
         ends = jnp.any(new[:, None] == s.stop_ids, axis=1) | (s.step >= s.last_step)
-        if grammar is not None:
-            io_callback(grammar.submit, None, new, active, active & ~ends & (s.step + 1 < s.max_steps), ordered=True)
         s = replace(
             s,
             token=jnp.where(active, new, s.token),
@@ -275,6 +273,8 @@ def decode_loop(
             out_logprobs=s.out_logprobs.at[:, s.step].set(logprob),
             step=s.step + 1,
         )
+        if grammar is not None:  # masks only for the rows that draw again in this loop
+            io_callback(grammar.submit, None, new, active, ~s.done & cond((s, kv)), ordered=True)
         return s, kv
 
     return jax.lax.while_loop(cond, body, (loop, kv))
