@@ -22,8 +22,9 @@ of ``gpu_decode.py``). ``json_overhead`` = json / free − 1: the issue's figure
 ``mask_ms`` is llguidance alone: the host time of one step's masks for the whole batch, replayed over
 the tokens the constrained run drew, back to back (warm caches). For the decode loop's runs, a traced
 run adds ``loop_host_ms`` (the host worker's time per draw: grammars take the draw, then the next
-masks) and ``loop_blocked_ms`` (how long the loop's draw waited for it): the difference was hidden
-behind the forward pass.
+masks), ``loop_device_ms`` (from the draw's callback returning to the next draw's wait: the forward
+pass in between) and ``loop_blocked_ms`` (how long that wait blocked): overlapped, blocked ≈
+max(0, host − device); serial, the host time sits inside the draw's callback instead.
 
     python benchmarks/grammar.py                      # batch 1 and 32
     python benchmarks/grammar.py --batch 1 --new-tokens 128 --runs 3
@@ -127,22 +128,31 @@ def mask_ms(model: Any, grammar: Any, rows: list[list[int]]) -> float:
 
 
 def loop_trace(generate: Callable[[], Any]) -> dict[str, float]:
-    """Run ``generate`` with the decode loop's grammar callbacks timed: per draw, the host worker's
-    time and how long the loop's wait blocked on it (medians, ms). ``generate`` must compile its loop
+    """Run ``generate`` with the decode loop's grammar callbacks timed, per draw (medians, ms): the
+    host worker's turn, the device's time from a submit's return to the next wait (the forward pass
+    the turn may hide behind), and how long that wait blocked. ``generate`` must compile its loop
     here (a new Generator): a compiled loop keeps the callbacks it was traced with."""
     import numpy as np
 
     from zgen.runtime.grammar import GrammarLoop
 
     host: list[float] = []
+    device: list[float] = []
     blocked: list[float] = []
-    wait, advance = GrammarLoop.wait, GrammarLoop._advance
+    submitted: list[float] = []
+    wait, submit, advance = GrammarLoop.wait, GrammarLoop.submit, GrammarLoop._advance
 
     def timed_wait(self: GrammarLoop, after: np.ndarray) -> Any:
         start = time.perf_counter()
+        if submitted:
+            device.append(start - submitted.pop())
         out = wait(self, after)
         blocked.append(time.perf_counter() - start)
         return out
+
+    def timed_submit(self: GrammarLoop, *args: np.ndarray) -> None:
+        submit(self, *args)
+        submitted[:] = [time.perf_counter()]
 
     def timed_advance(self: GrammarLoop, *args: np.ndarray) -> Any:
         start = time.perf_counter()
@@ -150,14 +160,15 @@ def loop_trace(generate: Callable[[], Any]) -> dict[str, float]:
         host.append(time.perf_counter() - start)
         return out
 
-    GrammarLoop.wait, GrammarLoop._advance = timed_wait, timed_advance  # type: ignore[method-assign]
+    GrammarLoop.wait, GrammarLoop.submit, GrammarLoop._advance = timed_wait, timed_submit, timed_advance  # type: ignore[method-assign]
     try:
         generate()
     finally:
-        GrammarLoop.wait, GrammarLoop._advance = wait, advance  # type: ignore[method-assign]
-    if not host:
+        GrammarLoop.wait, GrammarLoop.submit, GrammarLoop._advance = wait, submit, advance  # type: ignore[method-assign]
+    if not device:
         return {}
-    return {"loop_host_ms": statistics.median(host) * 1e3, "loop_blocked_ms": statistics.median(blocked) * 1e3}
+    return {"loop_host_ms": statistics.median(host) * 1e3, "loop_device_ms": statistics.median(device) * 1e3,
+            "loop_blocked_ms": statistics.median(blocked) * 1e3}
 
 
 @contextlib.contextmanager
