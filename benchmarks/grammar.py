@@ -27,6 +27,9 @@ pass in between) and ``loop_blocked_ms`` (how long that wait blocked): overlappe
 max(0, host − device); serial, the host time sits inside the draw's callback instead.
 
     python benchmarks/grammar.py                      # batch 1 and 32
+    # the same against an earlier tree's zgen (no json_serial there), e.g. before the overlapped loop:
+    mkdir -p /tmp/base && git archive 0ae060c zgen | tar -x -C /tmp/base
+    PYTHONPATH=/tmp/base python benchmarks/grammar.py --modes free json json_loop
     python benchmarks/grammar.py --batch 1 --new-tokens 128 --runs 3
     python benchmarks/grammar.py --layers 2 --batch 1 4 --new-tokens 32 --runs 2   # a quick check on CPU
 """
@@ -131,10 +134,15 @@ def loop_trace(generate: Callable[[], Any]) -> dict[str, float]:
     """Run ``generate`` with the decode loop's grammar callbacks timed, per draw (medians, ms): the
     host worker's turn, the device's time from a submit's return to the next wait (the forward pass
     the turn may hide behind), and how long that wait blocked. ``generate`` must compile its loop
-    here (a new Generator): a compiled loop keeps the callbacks it was traced with."""
+    here (a new Generator): a compiled loop keeps the callbacks it was traced with. Nothing is traced
+    on a tree whose loop has no :class:`GrammarLoop` (a baseline run of this script against it)."""
     import numpy as np
 
-    from zgen.runtime.grammar import GrammarLoop
+    try:
+        from zgen.runtime.grammar import GrammarLoop
+    except ImportError:
+        generate()
+        return {}
 
     host: list[float] = []
     device: list[float] = []
