@@ -22,7 +22,6 @@ from zgen.errors import ConfigError, GrammarError, InputError
 from zgen.loading.builtin import builtin_model_path
 from zgen.loading.gguf_file import open_gguf
 from zgen.model import Model, random_model
-from zgen.runtime.engine import GRAMMAR_LOOP_ROWS
 from zgen.tokenizer import Tokenizer
 
 runner = CliRunner()
@@ -51,6 +50,14 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     },
     "number_range": {"type": "integer", "minimum": 10, "maximum": 99},
 }
+
+#: Constrained rows a decode loop takes here (below the engine's default, so small batches pass it).
+GRAMMAR_LOOP_ROWS = 8
+
+
+@pytest.fixture(autouse=True)
+def _grammar_loop_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("zgen.runtime.engine.GRAMMAR_LOOP_ROWS", GRAMMAR_LOOP_ROWS)
 
 
 @pytest.fixture(scope="module")

@@ -68,10 +68,10 @@ from zgen.shapes import next_pow2
 
 GREEDY = SamplingConfig(temperature=0.0)
 #: Most grammar-constrained rows a decode loop takes (a host worker advances them beside each forward
-#: pass, :class:`~zgen.runtime.grammar.GrammarLoop`). Measured on an NVIDIA H200 with the host work
-#: still serial after each draw: 1 row 1.7 ms/token in the loop against 5.6 stepping the engine per
-#: token; 32 rows 9.0 against 7.0 (``benchmarks/grammar.py``'s ``json_loop`` measures it again).
-GRAMMAR_LOOP_ROWS = 8
+#: pass, :class:`~zgen.runtime.grammar.GrammarLoop`); more rows step the engine token by token. On an
+#: NVIDIA H200 (SmolLM2 shape, JSON schema, ``benchmarks/grammar.py``) 32 rows take 2.12 ms/token in
+#: the loop against 4.28 with 8 in it and the rest stepped; larger batches are not measured.
+GRAMMAR_LOOP_ROWS = 32
 
 
 @dataclass(frozen=True)
