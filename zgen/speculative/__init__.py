@@ -2,7 +2,9 @@
 
 * :class:`PromptLookup` — n-gram drafts from the prompt and the generated text;
 * :class:`DraftModel` — a smaller model with the same vocabulary (``DraftModel.early_exit``: the
-  target's own first layers, its final norm and LM head), with an adaptive draft length;
+  target's own first layers, its final norm and LM head), with an adaptive draft length; drafting
+  chains, or EAGLE-2 dynamic trees (``tree=TreeShape(...)``, :mod:`zgen.speculative.tree`) that the
+  target verifies in one pass;
 * :class:`Jacobi` — Jacobi (lookahead) decoding: drafts from the target's own predictions of earlier
   passes and an n-gram pool they fill, no draft model.
 
@@ -17,5 +19,6 @@ from zgen.speculative.draft_model import DraftModel
 from zgen.speculative.host_drafter import Drafter, HostDrafter
 from zgen.speculative.jacobi import Jacobi
 from zgen.speculative.prompt_lookup import PromptLookup
+from zgen.speculative.tree import TreeShape
 
-__all__ = ["DraftModel", "Drafter", "HostDrafter", "Jacobi", "PromptLookup", "SpeculativeStats", "Speculator"]
+__all__ = ["DraftModel", "Drafter", "HostDrafter", "Jacobi", "PromptLookup", "SpeculativeStats", "Speculator", "TreeShape"]
