@@ -17,6 +17,18 @@ A :class:`Speculator` (prompt lookup, a draft model, ... : :mod:`zgen.speculativ
    ``compressed`` cache pools chunks as tokens arrive, so writing rejected drafts would change what it
    keeps: it refuses speculation (:class:`~zgen.errors.ConfigError`).
 
+**Trees.** A speculator may propose a token tree instead (:class:`Proposal` with ``parents`` and
+``depth``, ``N`` nodes; a :class:`TreeSpeculator`: EAGLE-2 trees, :mod:`zgen.speculative.tree`). The
+pass then runs the target once over ``[pending, node_1 .. node_N]``, each node at position
+``p + depth`` and attending to the context and its own ancestors only; the nodes' K/V go to scratch
+slots ``p + 1 .. p + N`` (reserved like a chain's drafts, :func:`draft_room`), and after acceptance
+the accepted path's K/V are written at ``p + 1 .. p + a`` through the cache's own ``write``
+(:mod:`zgen.runtime.tree`), so the cache holds what feeding only the kept tokens stores and the rest
+is rolled back like rejected drafts. Acceptance walks down from the root (:func:`verify_tree`); the
+adaptive length bounds the depth, and the figures count the depth drafted (``drafted``) against the
+path accepted. A chain is the tree whose parents are ``i - 1`` and takes none of this work. Rows
+under a grammar are not given tree speculators (the engine decodes them plainly).
+
 A speculator that is also an :class:`Observer` sees, after each verification, the target's own draw at
 every checked position, the ones past a rejection included (Jacobi decoding takes its next guesses
 from them); it only changes what is drafted, never what is accepted.
@@ -31,7 +43,13 @@ Acceptance rules, per row:
 * a *sampled* draft with its distribution ``q`` (a draft model at temperature > 0): speculative
   rejection sampling (Leviathan et al. 2023; Chen et al. 2023) — accept ``d_i`` with probability
   ``min(1, p(d_i) / q(d_i))``; at the first rejection draw from ``norm(max(p - q, 0))``; after a fully
-  accepted draft draw the bonus token from ``p``. The output distribution is the target's.
+  accepted draft draw the bonus token from ``p``. The output distribution is the target's;
+* a tree: from the pending token down, follow the child equal to the target's own draw at the node
+  reached (greedy rows, and deterministic trees: the multi-draft rule for point-mass drafts, which
+  gives plain decoding's tokens); a sampled tree (``probs``: the distribution each node was drawn
+  from, siblings independent draws) at a sampled row takes the recursive rejection rule over the
+  children in order (SpecInfer; Chen et al.): accept child ``c`` with ``min(1, p(c) / q(c))``, else
+  ``p <- norm(max(p - q, 0))`` and try the next; with none accepted, draw from what is left of ``p``.
 
 Randomness is counter-based like the sampler's, keyed by (row key, draw index): a request gives the
 same tokens alone or batched. The draft draws with the row's own noise (a draft that equals the
