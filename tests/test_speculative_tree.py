@@ -57,10 +57,12 @@ def _ids(results: list[Any]) -> list[list[int]]:
 )
 def test_greedy_tree_speculation_equals_plain(target: Model, options: tuple[CacheOption, ...]) -> None:
     """An early-exit draft's trees are partly accepted, along first and later children; the rejected
-    nodes' K/V never show. (q4 codes keys with their position: an ancestor seen in its scratch slot
-    is coded there, so the log-probabilities differ from plain decoding's within the format's noise.)"""
+    nodes' K/V never show. The dense cache runs with the adaptive depth (and fallback). (q4 codes keys
+    with their position: an ancestor seen in its scratch slot is coded there, so the log-probabilities
+    differ from plain decoding's within the format's noise.)"""
     plain = Generator(target, *options).batch_generate(_requests())
-    speculator = DraftModel.early_exit(target, layers=1, num_tokens=4, adaptive=False, tree=TreeShape(width=3, size=10))
+    tree = TreeShape(width=3, size=10)
+    speculator = DraftModel.early_exit(target, layers=1, num_tokens=4, adaptive=not options, tree=tree)
     spec = Generator(target, *options, speculative=speculator).batch_generate(_requests())
     assert _ids(spec) == _ids(plain)
     for result, reference in zip(spec, plain, strict=True):
