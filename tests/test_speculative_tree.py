@@ -17,12 +17,15 @@ from zgen import Generator, Grammar, SamplingConfig
 from zgen.cache.factory import CacheOption, kv_dtype, paged_kv
 from zgen.cache.tensor import DenseKVState
 from zgen.config import ModelConfig
+from zgen.contexts import Context
 from zgen.errors import ConfigError
 from zgen.generator import Request
 from zgen.model import Model, random_model
+from zgen.runtime.engine import Engine
 from zgen.runtime.sampling import SamplingFlags, SamplingParams, filter_logits
 from zgen.runtime.speculation import Proposal, verify_tree
 from zgen.runtime.step import ModelSpec, Params, forward
+from zgen.runtime.stop import StopCondition
 from zgen.runtime.tree import ancestors, commit_path, forward_tree, tree_attention_mask
 from zgen.speculative import DraftModel, TreeShape
 from zgen.speculative.tree import Expansion, build_tree
@@ -221,3 +224,21 @@ def test_a_tree_drafter_leaves_rows_under_a_grammar_to_plain_decoding(tiny: Mode
     speculator = DraftModel(tiny, 3, adaptive=False, tree=TreeShape(width=2, size=4))
     result = Generator(tiny, speculative=speculator).generate("abc abc", sampling)
     assert result.token_ids == plain.token_ids and result.speculative is None
+
+
+def test_contexts_with_masked_tokens_speculate_with_trees(target: Model) -> None:
+    """A context hides tokens from attention (a token mask cutting through a page, on a masked paged
+    state): tree passes keep the mask, and the output is plain decoding's."""
+    engine = Engine(target, paged_kv(4))
+    limit = StopCondition.from_sampling(GREEDY, ())
+
+    def context() -> Context:
+        ctx = Context(engine, seed=1)
+        ctx.fill_tokens(PROMPTS[2])
+        ctx.mask_token_range(2, 5)
+        return ctx
+
+    plain = context().generate_result(None, limit)
+    speculator = DraftModel.early_exit(target, layers=1, num_tokens=3, adaptive=False, tree=TreeShape(width=2, size=6))
+    result = context().generate_result(None, limit, speculative=speculator)
+    assert result.token_ids == plain.token_ids and result.speculative is not None and result.speculative.steps > 0
