@@ -392,7 +392,6 @@ def verify_tree(
     """
     assert proposal.parents is not None and proposal.depth is not None, "verify_tree takes a tree proposal"
     b, m, v = logits.shape
-    n = m - 1
     tokens = proposal.tokens
     parent = proposal.parents + 1  # the entry of each node's parent
     draw_index = position[:, None] + jnp.concatenate([jnp.zeros((b, 1), jnp.int32), proposal.depth], axis=1)
@@ -448,7 +447,7 @@ def verify_tree(
 
 def _try_children(
     children: Bool[Array, "B N"], target: Float[Array, "B V"], tokens: Int[Array, "B N"], probs: Float[Array, "B N V"], coins: Float[Array, "B N"]
-) -> tuple[Float[Array, "B V"], Bool[Array, "B"], Int[Array, " B"]]:
+) -> tuple[Float[Array, "B V"], Bool[Array, " B"], Int[Array, " B"]]:
     """Recursive rejection sampling over each row's ``children`` in order: accept node ``i`` with
     probability ``min(1, p(t_i) / q_i(t_i))``, else ``p <- norm(max(p - q_i, 0))``. Returns what is left
     of ``p``, whether a child was accepted, and which."""

@@ -4,8 +4,10 @@ The draft keeps its own dense K/V for the rows of a loop (made and prefilled fro
 when the loop starts, inside the same compiled call), and tracks how far each row's K/V is valid:
 after a pass whose drafts were all accepted, the last draft was never fed to the draft model, so the
 next pass feeds it together with the new pending token (the classic off-by-one after acceptance);
-after a rejection the K/V past the kept tokens are stale and overwritten. A row that decoded plainly
-for a while (adaptive fallback) catches up in chunks before it drafts again.
+after a rejection the K/V past the kept tokens are stale and overwritten. After a tree pass only the
+pending token's K/V are in place (the nodes sat in scratch slots), so the next pass feeds the accepted
+path with the new pending token. A row that decoded plainly for a while (adaptive fallback) catches up
+in chunks before it drafts again.
 """
 
 from __future__ import annotations
@@ -47,6 +49,11 @@ class DraftModel:
     ``adaptive``: grow the draft after full acceptance, shrink it after rejections, and decode plainly
     while fewer than 40 % of the drafts are accepted (probing again later); see
     :mod:`zgen.runtime.speculation`.
+
+    ``tree``: draft EAGLE-2 dynamic trees of ``num_tokens`` depths instead of chains
+    (:mod:`zgen.speculative.tree`), verified in one target pass. The nodes are fed through this
+    model's own cache in scratch slots past the pending token, each attending to its ancestors; the
+    accepted path is fed again at its own positions on the next pass.
     """
 
     def __init__(self, model: Model, num_tokens: int = 4, *, adaptive: bool = True, tree: TreeShape | None = None) -> None:
@@ -208,14 +215,14 @@ class DraftModel:
         assert self.tree is not None
         active, p = draft.active, draft.length - 1
         width = self.tree.width
-        nodes = self.tree.expansions(self._num_tokens)
-        scratch = p[:, None] + 1 + jnp.arange(nodes)[None, :]
-        depth_of = p[:, None] + 1 + jnp.arange(nodes)[None, :] // width  # positions of the fed nodes
+        fed_nodes = jnp.arange(self.tree.expansions(self._num_tokens))[None, :]
+        scratch = p[:, None] + 1 + fed_nodes
+        placed = p[:, None] + 1 + fed_nodes // width  # the positions of the fed nodes (width of them per depth)
 
         def expand(kv: DenseKVState, nodes: Expansion) -> tuple[Array, DenseKVState]:
             positions = jnp.where(active[:, None], jnp.broadcast_to(p[:, None] + nodes.depth, nodes.tokens.shape), -1)
             slots = jnp.where(active[:, None], scratch[:, nodes.first : nodes.first + width], -1)
-            visible = tree_attention_mask(positions, p + 1, scratch, depth_of, nodes.sees, kv.capacity, self.spec.sliding_window)
+            visible = tree_attention_mask(positions, p + 1, scratch, placed, nodes.sees, kv.capacity, self.spec.sliding_window)
             reads = jnp.broadcast_to(jnp.arange(width)[None, :], nodes.tokens.shape)
             out, kv, _ = forward_tree(self.spec, params, kv, nodes.tokens, positions, slots, visible, reads)
             return jax.nn.log_softmax(out, axis=-1), kv
