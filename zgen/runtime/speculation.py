@@ -94,8 +94,9 @@ from zgen.runtime.step import ModelSpec, Params, draw, forward
 from zgen.runtime.tree import ancestors, commit_path, forward_tree, tree_attention_mask
 
 __all__ = [
-    "DraftControl", "DraftInput", "Observer", "Proposal", "SpeculativeLoop", "SpeculativeStats", "Speculator", "TreeSpeculator",
-    "draft_room", "draws_at", "speculative_loop", "target_draws", "verify", "verify_tree",
+    "DraftControl", "DraftInput", "Observer", "Proposal", "SpeculativeLoop", "SpeculativeStats", "Speculator", "speculative_loop",
+    "target_draws", "verify",
+    "TreeSpeculator", "draft_room", "draws_at", "verify_tree",
 ]
 
 #: Most tokens one pass may draft (a draft longer than this only costs verification work).
