@@ -460,8 +460,9 @@ class Engine:
         if not decode and self.config.prefill_apart and self.kv.pages:
             candidates = [job for job in candidates if not job.loopable()]
         speculator = self._speculator(candidates) if decode else None
-        extra = 0 if speculator is None else draft_room(speculator)
-        steps = self._loop_steps(candidates, waiting=len(jobs) > len(candidates), per_step=extra + 1) if decode else 1
+        extra = 0 if speculator is None else draft_room(speculator)  # written past a pass's pending token
+        per_step = 1 if speculator is None else speculator.num_tokens + 1  # tokens one pass may keep
+        steps = self._loop_steps(candidates, waiting=len(jobs) > len(candidates), per_step=per_step) if decode else 1
         rows: list[_Row] = []
         blocked: list[tuple[Job, PoolExhaustedError]] = []
         preempted: set[int] = set()
