@@ -17,6 +17,12 @@ position) cannot hold the nodes where they belong. A tree pass therefore
    bit for bit, what writing only the accepted tokens would have stored, in every cache kind and KV
    format; the scratch slots past them are stale like a chain's rejected drafts.
 
+What the pass computes matches a chain pass over the accepted path exactly for every format that
+stores a token independently of its position (fp32, bf16, fp16, fp8). The coded formats (q4, q3) code
+a key with its position, so an ancestor seen in its scratch slot is coded there: the logits and the
+K/V the pass computes differ from plain decoding's within the format's own noise (greedy output is
+tested equal).
+
 Attention with the mask runs in XLA over the layer's stored keys (:func:`attend_visible`: the dense
 buffers as they are, paged pools through their dequantized view, a masked paged state with its own
 page and token masks). The paged kernels (``zgen.pallas.paged_attention``) and the dense flash
