@@ -61,7 +61,7 @@ from zgen.runtime.results import FinishReason
 from zgen.runtime.runner import runner_for
 from zgen.runtime.sampling import PenaltyState, SamplingConfig, SamplingFlags, SamplingParams, penalty_state, row_key_data
 from zgen.runtime.sequence import Sequence
-from zgen.runtime.speculation import DraftControl, SpeculativeLoop, SpeculativeStats, Speculator
+from zgen.runtime.speculation import DraftControl, SpeculativeLoop, SpeculativeStats, Speculator, TreeSpeculator, draft_room
 from zgen.runtime.step import DecodeLoop, MixedBatch
 from zgen.runtime.stop import StopCondition, TextStream
 from zgen.shapes import next_pow2
@@ -460,8 +460,9 @@ class Engine:
         if not decode and self.config.prefill_apart and self.kv.pages:
             candidates = [job for job in candidates if not job.loopable()]
         speculator = self._speculator(candidates) if decode else None
-        extra = 0 if speculator is None else speculator.num_tokens
-        steps = self._loop_steps(candidates, waiting=len(jobs) > len(candidates), per_step=extra + 1) if decode else 1
+        extra = 0 if speculator is None else draft_room(speculator)  # written past a pass's pending token
+        per_step = 1 if speculator is None else speculator.num_tokens + 1  # tokens one pass may keep
+        steps = self._loop_steps(candidates, waiting=len(jobs) > len(candidates), per_step=per_step) if decode else 1
         rows: list[_Row] = []
         blocked: list[tuple[Job, PoolExhaustedError]] = []
         preempted: set[int] = set()
@@ -528,7 +529,8 @@ class Engine:
         """The speculator a decode step runs with: the one every job asked for (same cache key), with
         no penalties (they depend on each drawn token) and no LoRA adapters (the speculative loop runs
         the base model); otherwise the step decodes plainly, which gives the same tokens. Grammar rows
-        speculate too: the loop checks their drafts against the grammar (see :mod:`zgen.runtime.speculation`)."""
+        speculate too: the loop checks their drafts against the grammar (see :mod:`zgen.runtime.speculation`),
+        chains of them only (a tree speculator decodes them plainly)."""
         first = jobs[0].request.speculative
         if first is None:
             return None
@@ -537,6 +539,8 @@ class Engine:
             spec = job.request.speculative
             if spec is None or spec.cache_key() != key or job.sampling.uses_penalties or job.adapters:
                 return None
+            if job.grammar is not None and isinstance(spec, TreeSpeculator) and spec.tree_size is not None:
+                return None  # grammar masks follow chains of drafts
         return first
 
     def _loop_steps(self, jobs: list[Job], *, waiting: bool, per_step: int = 1) -> int:
