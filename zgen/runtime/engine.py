@@ -964,12 +964,21 @@ class Engine:
             self.check_speculator(request.speculative)
 
     def check_speculator(self, speculator: Speculator) -> None:
-        """Refuse a speculator this engine cannot run (another vocabulary, or the compressed cache,
-        whose chunk pooling cannot take back rejected drafts) with a typed error."""
+        """Refuse a speculator this engine cannot run (another vocabulary; the compressed cache, whose
+        chunk pooling cannot take back rejected drafts; token trees on a format that codes keys with their
+        positions) with a typed error."""
         if self.kv.kind == "compressed":
             raise ConfigError(
                 "speculative decoding writes drafts it may reject, and the compressed cache pools chunks as "
                 "tokens arrive, so it cannot roll them back exactly; use the tensor, flat, paged or tiered cache"
+            )
+        size = speculator.tree_size if isinstance(speculator, TreeSpeculator) else None
+        storage = self.cache_options.kv_dtype or kv_dtype_of(self.model.dtype)
+        if size is not None and kv_format(storage, self.model.config.head_dim).coded:
+            raise ConfigError(
+                f"token trees need a KV format that stores a key apart from its position, and {storage!r} codes keys "
+                "with their positions (a tree pass would differ from plain decoding within that format's noise); "
+                "draft a chain (no tree=) on q4/q3, or use fp8, bf16, fp16 or fp32 pages for trees"
             )
         if speculator not in self._speculators:
             speculator.check_target(self.model)

@@ -19,9 +19,9 @@ position) cannot hold the nodes where they belong. A tree pass therefore
 
 What the pass computes matches a chain pass over the accepted path exactly for every format that
 stores a token independently of its position (fp32, bf16, fp16, fp8). The coded formats (q4, q3) code
-a key with its position, so an ancestor seen in its scratch slot is coded there: the logits and the
-K/V the pass computes differ from plain decoding's within the format's own noise (greedy output is
-tested equal).
+a key with its position, so an ancestor seen in its scratch slot would be coded there and the pass
+would differ from plain decoding within the format's noise: the engine refuses trees on them
+(:class:`~zgen.errors.ConfigError`; chains speculate on every format).
 
 Attention with the mask runs in XLA over the layer's stored keys (:func:`attend_visible`: the dense
 buffers as they are, paged pools through their dequantized view, a masked paged state with its own
