@@ -3,7 +3,10 @@
 Decode: tokens/s of a 128-token greedy continuation (EOS ignored), prefill excluded.
 Prefill: tokens/s of one 512-token prompt. Each number is the median of several runs after warm-up.
 
-    python benchmarks/cpu_decode.py [--runs 5] [--new-tokens 128]
+    python benchmarks/cpu_decode.py [--runs 5] [--new-tokens 128] [--dense-attention xla]
+
+``--dense-attention`` picks the tensor cache's attention (default "auto": the exact einsum on CPU;
+"xla" is the blocked online-softmax path, which skips key blocks no query can see).
 
 ``--kv-formats``: instead, every KV storage format of zgen side by side (no HF): the dense ("tensor")
 cache in fp32, bf16 and fp16 and the paged cache (default 512 MB pool) in every format, each answering
@@ -29,7 +32,7 @@ import torch
 import transformers
 
 from zgen import Generator, SamplingConfig, load_model
-from zgen.cache.factory import CacheOption, cache_kind, kv_dtype
+from zgen.cache.factory import CacheOption, cache_kind, dense_attention, kv_dtype
 from zgen.loading.builtin import builtin_model_path
 from zgen.model import Model
 
@@ -84,6 +87,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prefill-tokens", type=int, default=512)
     parser.add_argument("--kv-formats", action="store_true", help="every KV format side by side instead (no HF)")
+    parser.add_argument("--dense-attention", default="auto", choices=["auto", "einsum", "xla"])
     args = parser.parse_args()
     n_new, n_prompt = args.new_tokens, args.prefill_tokens
 
@@ -97,7 +101,7 @@ def main() -> None:
             print(f"{row['cache']:<22} {row['decode_ms_per_token']:>13.2f} {row['decode_vs_default']:>9.2f} "
                   f"{row['answer_ms']:>9.1f} {row['answer_vs_default']:>9.2f}  {row['same_tokens']}")
         return
-    gen = Generator(model)
+    gen = Generator(model, dense_attention(args.dense_attention))
     rng = np.random.default_rng(0)
     prompt = rng.integers(100, model.config.vocab_size, size=n_prompt).tolist()
     short = prompt[:16]
