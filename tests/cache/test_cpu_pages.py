@@ -1,4 +1,5 @@
-"""Page pools on CPU: bfloat16 and fp8 leaves live in integer containers and every write is in place."""
+"""KV storage on CPU: bfloat16 and fp8 leaves of page pools and bfloat16 dense buffers live in integer
+containers, and every write is in place."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 from zgen.cache.formats import empty_pages, kv_format
 from zgen.cache.paged_state import PagedKVState
+from zgen.cache.tensor import DenseKVState, causal_attention
 from zgen.pallas.paged_attention.layouts import BitPages, as_bits, dequantize, float_pages, hadamard
 
 KVH, PAGES, PS, D, H = 2, 37, 4, 32, 4
@@ -100,3 +102,27 @@ def test_a_decode_step_updates_the_pool_in_place(kv_dtype: str, pages_per_seq: i
 def test_as_bits_leaves_wide_layouts_alone() -> None:
     pages = jnp.zeros((KVH, PAGES, PS, D), jnp.float32)
     assert as_bits(pages) is pages
+
+
+def test_dense_bf16_buffers_are_written_in_place_and_read_as_bf16() -> None:
+    state = DenseKVState.zeros(1, 2, 64, KVH, D, jnp.bfloat16)
+    assert state.k[0].dtype == jnp.uint16
+    rng = np.random.default_rng(1)
+    k = jnp.asarray(rng.normal(size=(2, 3, KVH, D)), jnp.float32)
+    positions = jnp.array([[0, 1, 2], [5, 6, -1]], jnp.int32)
+    write = jax.jit(lambda s, x: s.write(0, x, -x, positions), donate_argnums=(0,))
+    hlo = write.lower(state, k).compile().as_text()
+    assert "input_output_alias" in hlo and f"f32[2,64,{KVH},{D}]" not in hlo  # no widened copy of the buffer
+    written = write(state, k)
+    view = written.layer_view(0)
+    assert view.k.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(view.k[0, :3]), np.asarray(k[0].astype(jnp.bfloat16)))
+    np.testing.assert_array_equal(np.asarray(view.v[1, 5:7]), np.asarray((-k[1, :2]).astype(jnp.bfloat16)))
+    assert not np.asarray(view.k[1, 7:]).any()  # the padding token at -1 was dropped
+    row = written.stored(0, 1, 7)
+    np.testing.assert_array_equal(np.asarray(row.k[0]), np.asarray(view.k[1, :7]))
+    q = jnp.asarray(rng.normal(size=(2, 1, H, D)), jnp.float32)
+    at = jnp.array([[2], [6]], jnp.int32)
+    got = written.attend(0, q, at, sliding_window=None)
+    want = causal_attention(q, view.k, view.v, at, sliding_window=None)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
