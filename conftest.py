@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
-import jax
-import pytest
+# Tests compile hundreds of small executables and run each a few times: XLA:CPU's backend at
+# optimization level 0 compiles them in about half the time, and the suite spends most of its time
+# compiling. Fast-math stays off at either level (the exactness tests pass at both); benchmarks and the
+# CLI keep the default level.
+# Set before jax creates its CPU client (subprocesses the tests start inherit it).
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+
+import jax  # noqa: E402 - after XLA_FLAGS
+import pytest  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -22,7 +22,6 @@ from zgen.errors import ConfigError, GrammarError, InputError
 from zgen.loading.builtin import builtin_model_path
 from zgen.loading.gguf_file import open_gguf
 from zgen.model import Model, random_model
-from zgen.runtime.engine import GRAMMAR_LOOP_ROWS
 from zgen.tokenizer import Tokenizer
 
 runner = CliRunner()
@@ -51,6 +50,14 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     },
     "number_range": {"type": "integer", "minimum": 10, "maximum": 99},
 }
+
+#: Constrained rows a decode loop takes here (below the engine's default, so small batches pass it).
+GRAMMAR_LOOP_ROWS = 8
+
+
+@pytest.fixture(autouse=True)
+def _grammar_loop_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("zgen.runtime.engine.GRAMMAR_LOOP_ROWS", GRAMMAR_LOOP_ROWS)
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +102,24 @@ def test_json_schemas_batched_beside_unconstrained_rows(tiny: Model, temperature
     alone = gen.generate("hello", requests[1].sampling)
     assert alone.token_ids == constrained[0].token_ids
     assert gen.engine.stats.steps - steps < len(alone.token_ids) / 2
+
+
+def test_rows_ending_apart_in_one_decode_loop(tiny: Model) -> None:
+    """Constrained rows whose grammars complete at different draws share decode loops (a host stop
+    rule ends each loop every few tokens) beside an unconstrained row: each draws what it draws alone,
+    and only the loops' steps ran (never one engine step a token)."""
+    gen = Generator(tiny, sync_interval=4)
+    configs = [json_config(schema, 1.0, seed) for seed, schema in enumerate(SCHEMAS.values())]
+    configs.append(SamplingConfig(temperature=1.0, seed=9, max_new_tokens=20, ignore_eos=True, stop=("<never>",)))
+    assert len(configs) - 1 <= GRAMMAR_LOOP_ROWS
+    steps = gen.engine.stats.steps
+    together = gen.batch_generate([Request("hello", config) for config in configs])
+    assert gen.engine.stats.steps - steps <= 1 + 20 // 4 + len(configs)  # prefill, then loops of 4 draws
+    for config, result, schema in zip(configs, together, [*SCHEMAS.values(), None], strict=True):
+        assert result.token_ids == gen.generate("hello", config).token_ids
+        if schema is not None:
+            assert result.finish_reason == "stop"
+            assert_valid(result.text, schema)
 
 
 @pytest.mark.parametrize("pattern", [r"[0-9]{3}-[a-z]{2,4}", r"(yes|no)!", r"[A-Z][a-z]{1,5}( [A-Z][a-z]{1,5}){0,2}\."])
@@ -237,3 +262,47 @@ def test_end_tokens_are_allowed_only_where_the_grammar_may_end(tiny: Model) -> N
     matcher.consume(stop_id)  # ends the generation; the grammar took "a"
     with pytest.raises(GrammarError):
         GrammarMatcher(Grammar.regex("b"), tiny, (eos,)).consume(a)
+
+
+def test_decode_loop_draws_on_while_the_host_computes_the_next_masks(tiny: Model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The grammar work of a draw runs on the host while the loop goes on to the next forward pass:
+    each worker turn holds back until the loop has reached its next wait (after that forward pass),
+    which a loop that waited for the host after every draw could never do. Same tokens as without."""
+    import threading
+
+    from zgen.runtime.grammar import GrammarLoop
+
+    config = json_config(SCHEMAS["nested"], 1.0, seed=3)
+    expected = Generator(tiny).generate("hello", config)
+
+    waits = 0
+    reached = threading.Condition()
+    submitted: list[int] = []  # the waits entered when each turn was handed over
+    held, missed = [], []
+    wait, submit, advance = GrammarLoop.wait, GrammarLoop.submit, GrammarLoop._advance
+
+    def counted_wait(self: GrammarLoop, after: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        nonlocal waits
+        with reached:
+            waits += 1
+            reached.notify_all()
+        return wait(self, after)
+
+    def counted_submit(self: GrammarLoop, drawn: np.ndarray, live: np.ndarray, masks_wanted: np.ndarray) -> None:
+        with reached:
+            submitted.append(waits)
+        submit(self, drawn, live, masks_wanted)
+
+    def held_advance(self: GrammarLoop, drawn: np.ndarray, live: np.ndarray, masks_wanted: np.ndarray) -> Any:
+        with reached:
+            before = submitted.pop(0)
+            if masks_wanted.any():  # the loop goes on: it will wait again, after its next forward pass
+                (held if reached.wait_for(lambda: waits > before, timeout=20) else missed).append(before)
+        return advance(self, drawn, live, masks_wanted)
+
+    monkeypatch.setattr(GrammarLoop, "wait", counted_wait)
+    monkeypatch.setattr(GrammarLoop, "submit", counted_submit)
+    monkeypatch.setattr(GrammarLoop, "_advance", held_advance)
+    result = Generator(tiny).generate("hello", config)
+    assert result.token_ids == expected.token_ids and result.finish_reason == "stop"
+    assert not missed and len(held) >= len(result.token_ids) - 1

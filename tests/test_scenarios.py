@@ -5,6 +5,8 @@ Every scenario builds its request once — prompt ids, a ``SamplingConfig``, opt
 ``Context`` filled with the prompt and ``generate_result`` / concurrent ``generate_result_async``.
 Both must give the same tokens, text, log-probs and finish reason, and both must match the independent
 reference where one exists (HF transformers on CPU, float32; numpy penalties over the model's logits).
+The model is a two-layer random Llama with SmolLM2's tokenizer (real text, quick to compile); the real
+SmolLM2 runs where its behaviour matters (ending its answer with EOS) and in tests/test_parity_smollm2.py.
 """
 
 from __future__ import annotations
@@ -69,13 +71,13 @@ def _contexts(model: Model, *options: CacheOption) -> _FrontEnd:
 
 
 @pytest.fixture(scope="module")
-def front_ends(smollm2: Model) -> list[_FrontEnd]:
-    return [_generator(smollm2), _contexts(smollm2)]
+def front_ends(small_chat: Model) -> list[_FrontEnd]:
+    return [_generator(small_chat), _contexts(small_chat)]
 
 
 @pytest.fixture(scope="module")
-def ids(smollm2: Model) -> list[list[int]]:
-    gen = Generator(smollm2)
+def ids(small_chat: Model) -> list[list[int]]:
+    gen = Generator(small_chat)
     return [gen.encode_prompt(p) for p in PROMPTS]
 
 
@@ -90,10 +92,10 @@ def _same(results: Sequence[GenerationResult]) -> GenerationResult:
     return first
 
 
-def test_greedy_and_logprobs_equal_hf(front_ends: list[_FrontEnd], ids: list[list[int]], hf_smollm2: Any) -> None:
+def test_greedy_and_logprobs_equal_hf(front_ends: list[_FrontEnd], ids: list[list[int]], small_chat_checkpoint: tuple[Any, Any]) -> None:
     sampling = SamplingConfig(temperature=0.0, max_new_tokens=12, ignore_eos=True)
     result = _same([f.run(ids[0], sampling, None) for f in front_ends])
-    ref_tokens, ref_logprobs = hf_teacher_forced(hf_smollm2, ids[0], result.token_ids)
+    ref_tokens, ref_logprobs = hf_teacher_forced(small_chat_checkpoint[1], ids[0], result.token_ids)
     assert result.token_ids == ref_tokens and len(result.token_ids) == 12
     np.testing.assert_allclose(result.logprobs, ref_logprobs, atol=1e-3)
     assert result.finish_reason == "length" and result.usage.completion_tokens == 12
@@ -116,12 +118,12 @@ def _penalized_greedy_picks(generator: Generator, prompt: list[int], sampling: S
     return picks
 
 
-def test_penalties_work_through_every_front_end(front_ends: list[_FrontEnd], ids: list[list[int]], smollm2: Model) -> None:
+def test_penalties_work_through_every_front_end(front_ends: list[_FrontEnd], ids: list[list[int]], small_chat: Model) -> None:
     sampling = SamplingConfig(
         temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.4, max_new_tokens=10, ignore_eos=True
     )
     result = _same([f.run(ids[1], sampling, None) for f in front_ends])
-    assert result.token_ids == _penalized_greedy_picks(Generator(smollm2), ids[1], sampling, result.token_ids)
+    assert result.token_ids == _penalized_greedy_picks(Generator(small_chat), ids[1], sampling, result.token_ids)
     plain = front_ends[0].run(ids[1], SamplingConfig(temperature=0.0, max_new_tokens=10, ignore_eos=True), None)
     assert plain.token_ids != result.token_ids  # the penalties changed something to check
 
@@ -135,7 +137,7 @@ def test_seeded_sampling_is_the_same_everywhere(front_ends: list[_FrontEnd], ids
     assert named.token_ids == result.token_ids  # Sampler names configs; it is not a second vocabulary
 
 
-def test_stop_strings_and_sequences_end_the_text_the_same_way(front_ends: list[_FrontEnd], ids: list[list[int]], smollm2: Model) -> None:
+def test_stop_strings_and_sequences_end_the_text_the_same_way(front_ends: list[_FrontEnd], ids: list[list[int]], small_chat: Model) -> None:
     free = front_ends[0].run(ids[1], SamplingConfig(temperature=0.0, max_new_tokens=20, ignore_eos=True), None)
     cut = free.text.index("\n", 2) if "\n" in free.text[2:] else len(free.text) // 2
     target = free.text[cut : cut + 2]
@@ -144,13 +146,14 @@ def test_stop_strings_and_sequences_end_the_text_the_same_way(front_ends: list[_
     sequence = free.token_ids[4:6]
     by_tokens = _same([f.run(ids[1], SamplingConfig(temperature=0.0, max_new_tokens=20, ignore_eos=True), stop.ends_with(sequence)) for f in front_ends])
     assert by_tokens.token_ids == free.token_ids[:6] and by_tokens.finish_reason == "stop"
-    assert by_tokens.text == smollm2.tokenizer.decode(free.token_ids[:4], skip_special_tokens=True)
+    assert by_tokens.text == small_chat.tokenizer.decode(free.token_ids[:4], skip_special_tokens=True)
     by_text = _same([f.run(ids[1], SamplingConfig(temperature=0.0, max_new_tokens=20, ignore_eos=True), stop.ends_with_text(target)) for f in front_ends])
     assert by_text.text == by_string.text and by_text.token_ids == by_string.token_ids
 
 
-def test_eos_stops_and_is_left_out_of_the_text(front_ends: list[_FrontEnd], smollm2: Model) -> None:
+def test_eos_stops_and_is_left_out_of_the_text(smollm2: Model) -> None:
     chat = Generator(smollm2).encode_prompt([{"role": "user", "content": "Say hi."}])
+    front_ends = [_generator(smollm2), _contexts(smollm2)]
     result = _same([f.run(chat, SamplingConfig(temperature=0.0, max_new_tokens=40), None) for f in front_ends])
     assert result.finish_reason == "stop" and result.token_ids[-1] in smollm2.eos_token_ids
     assert "<|im_end|>" not in result.text
@@ -168,13 +171,13 @@ def test_a_batch_of_mixed_configs_equals_each_request_alone(front_ends: list[_Fr
         _same([alone[i], *(results[i] for results in together)])
 
 
-def test_more_requests_than_rows_finish_with_rows_reused(smollm2: Model, ids: list[list[int]]) -> None:
+def test_more_requests_than_rows_finish_with_rows_reused(small_chat: Model, ids: list[list[int]]) -> None:
     """Continuous batching: 5 requests on 2 rows; short ones free their row for the next at once."""
-    gen = Generator(smollm2, max_batch_size=2)
+    gen = Generator(small_chat, max_batch_size=2)
     configs = [SamplingConfig(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in (3, 12, 4, 5, 2)]
     prompts = [ids[i % 3] for i in range(5)]
     together = gen.batch_generate([Request(p, c) for p, c in zip(prompts, configs, strict=True)])
-    alone = [Generator(smollm2).generate(p, c) for p, c in zip(prompts, configs, strict=True)]
+    alone = [Generator(small_chat).generate(p, c) for p, c in zip(prompts, configs, strict=True)]
     assert [r.token_ids for r in together] == [r.token_ids for r in alone]
     assert gen.engine.kv.pages is False and gen.engine.stats.rows < 5 * 12  # rows were not held to the longest
 
@@ -183,10 +186,10 @@ SYSTEM = " ".join(f"Rule {i}: answer briefly and only about metals." for i in ra
 
 
 @pytest.mark.parametrize("front", ["generator", "context"])
-def test_a_shared_prefix_is_served_from_the_prefix_cache(smollm2: Model, front: str) -> None:
+def test_a_shared_prefix_is_served_from_the_prefix_cache(small_chat: Model, front: str) -> None:
     make = _generator if front == "generator" else _contexts
-    runner = make(smollm2, paged_kv(64), prefix_cache(512))
-    tokenizer = smollm2.tokenizer
+    runner = make(small_chat, paged_kv(64), prefix_cache(512))
+    tokenizer = small_chat.tokenizer
     first = tokenizer.encode(SYSTEM + " Is gold soft?")
     second = tokenizer.encode(SYSTEM + " Does iron rust?")
     sampling = SamplingConfig(temperature=0.0, max_new_tokens=5, ignore_eos=True)
@@ -195,7 +198,7 @@ def test_a_shared_prefix_is_served_from_the_prefix_cache(smollm2: Model, front: 
     shared = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
     assert cold.usage.cached_prompt_tokens == 0
     assert shared - 16 < warm.usage.cached_prompt_tokens <= shared  # whole pages of the shared prefix
-    assert warm.token_ids == Generator(smollm2).generate(second, sampling).token_ids
+    assert warm.token_ids == Generator(small_chat).generate(second, sampling).token_ids
 
 
 GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=8, ignore_eos=True)
@@ -208,18 +211,18 @@ LOSSLESS = {
 
 
 @pytest.mark.parametrize("kind", list(LOSSLESS))
-def test_every_cache_kind_each_front_end_accepts(smollm2: Model, ids: list[list[int]], kind: str) -> None:
-    want = Generator(smollm2).generate(ids[2], GREEDY).token_ids
-    assert _generator(smollm2, *LOSSLESS[kind]).run(ids[2], GREEDY, None).token_ids == want
+def test_every_cache_kind_each_front_end_accepts(small_chat: Model, ids: list[list[int]], kind: str) -> None:
+    want = Generator(small_chat).generate(ids[2], GREEDY).token_ids
+    assert _generator(small_chat, *LOSSLESS[kind]).run(ids[2], GREEDY, None).token_ids == want
     if kind in ("paged", "tiered"):
-        assert _contexts(smollm2, *LOSSLESS[kind]).run(ids[2], GREEDY, None).token_ids == want
+        assert _contexts(small_chat, *LOSSLESS[kind]).run(ids[2], GREEDY, None).token_ids == want
     else:
         with pytest.raises(ConfigError, match="contexts need a paged KV cache"):
-            _contexts(smollm2, *LOSSLESS[kind]).run(ids[2], GREEDY, None)
+            _contexts(small_chat, *LOSSLESS[kind]).run(ids[2], GREEDY, None)
 
 
 # fp8 pages end to end: tests/contexts/test_engine_pool.py and the conformance suite (a small model).
 @pytest.mark.parametrize("options", [(cache_kind("compressed"),), (kv_dtype("q4"),)], ids=["compressed", "q4"])
-def test_lossy_caches_generate_through_the_generator(smollm2: Model, ids: list[list[int]], options: tuple[CacheOption, ...]) -> None:
-    result = _generator(smollm2, *options).run(ids[0], GREEDY, None)
+def test_lossy_caches_generate_through_the_generator(small_chat: Model, ids: list[list[int]], options: tuple[CacheOption, ...]) -> None:
+    result = _generator(small_chat, *options).run(ids[0], GREEDY, None)
     assert len(result.token_ids) == 8 and result.text

@@ -18,7 +18,6 @@ from zgen import Context, Engine, Generator, Grammar, Request, SamplingConfig
 from zgen.cache.factory import paged_kv
 from zgen.errors import GrammarError, InputError
 from zgen.model import Model
-from zgen.runtime.engine import GRAMMAR_LOOP_ROWS
 from zgen.runtime.grammar import allowed_tokens
 from zgen.runtime.sampling import SamplingFlags, SamplingParams, filter_logits
 from zgen.runtime.speculation import Proposal, verify
@@ -29,6 +28,14 @@ REGEXES = {  # prompts that repeat what the grammar asks for: prompt lookup draf
     r"(yes|no)!": "yes! yes! yes!",
     r"[0-9]{3}-[a-z]{2,4}": "go",
 }
+
+#: Constrained rows a decode loop takes here (below the engine's default, so small batches pass it).
+GRAMMAR_LOOP_ROWS = 8
+
+
+@pytest.fixture(autouse=True)
+def _grammar_loop_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("zgen.runtime.engine.GRAMMAR_LOOP_ROWS", GRAMMAR_LOOP_ROWS)
 
 
 def _requests(temperature: float) -> list[Request]:

@@ -1,4 +1,7 @@
-"""Contexts and the engine on SmolLM2 (float32): parity, forks, sharing, persistence, masking, batching."""
+"""Contexts and the engine (float32): parity, forks, sharing, persistence, masking, batching.
+
+The model is a two-layer random Llama with SmolLM2's tokenizer and chat template (see tests/conftest.py),
+checked against HF's own model of the same weights; the real SmolLM2 ends a chat turn with EOS."""
 
 from __future__ import annotations
 
@@ -27,8 +30,13 @@ PROMPT = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
-def engine(smollm2: Model) -> Engine:
-    return Engine(smollm2, paged_kv(96), config=EngineConfig(steps_per_sync=8))
+def engine(small_chat: Model) -> Engine:
+    return Engine(small_chat, paged_kv(96), config=EngineConfig(steps_per_sync=8))
+
+
+@pytest.fixture(scope="module")
+def hf_small_chat(small_chat_checkpoint: tuple[Path, Any]) -> Any:
+    return small_chat_checkpoint[1]
 
 
 @pytest.fixture(autouse=True)
@@ -43,11 +51,11 @@ def _context(engine: Engine, text: str = PROMPT, **kw: Any) -> Context:
     return ctx
 
 
-def test_generate_equals_hf_greedy(engine: Engine, hf_smollm2: Any) -> None:
+def test_generate_equals_hf_greedy(engine: Engine, hf_small_chat: Any) -> None:
     ctx = _context(engine)
     prompt = ctx.token_ids
     result = ctx.generate_result(Sampler.greedy(), stop.max_len(16))
-    expected, logprobs = hf_greedy(hf_smollm2, prompt, 16, eos=[engine.model.tokenizer.eos_ids[0]])
+    expected, logprobs = hf_greedy(hf_small_chat, prompt, 16, eos=[engine.model.tokenizer.eos_ids[0]])
     assert result.token_ids == expected[: len(result.token_ids)] and len(result.token_ids) == 16
     np.testing.assert_allclose(result.logprobs, logprobs, atol=1e-3)
     assert result.finish_reason == "length"
@@ -68,7 +76,8 @@ def test_chat_turns_render_the_template_and_generate_like_the_generator(engine: 
     assert ctx.messages[-1]["role"] == "assistant"
 
 
-def test_a_reply_generated_in_pieces_is_one_turn(engine: Engine) -> None:
+def test_a_reply_generated_in_pieces_is_one_turn(smollm2: Model) -> None:
+    engine = Engine(smollm2, paged_kv(32), config=EngineConfig(steps_per_sync=8))
     ctx = Context(engine)
     ctx.fill_user("Say hi.")
     eos = stop.ends_with_any(engine.model.eos_token_ids)
@@ -118,19 +127,20 @@ def test_forks_share_the_prefix_pages(engine: Engine) -> None:
 _REOPEN = """
 import json, sys
 from zgen import Context, Sampler, load_model, stop
-ctx = Context.open(load_model("smollm2", dtype="float32"), "story")
+ctx = Context.open(load_model(sys.argv[1], dtype="float32"), "story")
 print(json.dumps(ctx.generate_result(Sampler.greedy(), stop.max_len(8)).token_ids))
 """
 
 
-def test_save_then_open_in_a_new_process_continues_exactly(engine: Engine, store_dir: Path) -> None:
+def test_save_then_open_in_a_new_process_continues_exactly(engine: Engine, store_dir: Path, small_chat_checkpoint: tuple[Path, Any]) -> None:
     ctx = _context(engine, "A recipe for pancakes: first,")
     ctx.generate(Sampler.greedy(), stop.max_len(4))
     ctx.mask_token_range(1, 3)  # masks travel with the snapshot
     ctx.save("story")
     expected = ctx.generate_result(Sampler.greedy(), stop.max_len(8)).token_ids
     env = {**os.environ, "ZGEN_STORE_DIR": str(store_dir), "PYTHONPATH": str(Path(__file__).parents[2])}
-    out = subprocess.run([sys.executable, "-c", _REOPEN], env=env, capture_output=True, text=True, check=True)
+    reopen = [sys.executable, "-c", _REOPEN, str(small_chat_checkpoint[0])]
+    out = subprocess.run(reopen, env=env, capture_output=True, text=True, check=True)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == expected
     again = Context.open(engine, "story")
     assert again.generate_result(Sampler.greedy(), stop.max_len(8)).token_ids == expected
@@ -267,13 +277,13 @@ def test_decode_step_dist_is_the_next_token_distribution(engine: Engine) -> None
     assert int(dist.ids[0]) == ctx.generate_result(Sampler.greedy(), stop.max_len(1)).token_ids[0]
 
 
-def test_forward_pass_samples_at_chosen_indices(engine: Engine, hf_smollm2: Any) -> None:
+def test_forward_pass_samples_at_chosen_indices(engine: Engine, hf_small_chat: Any) -> None:
     ctx = _context(engine, "One, two, three,")
     continuation = engine.model.tokenizer.encode(" four, five", add_special_tokens=False)
     prompt = ctx.token_ids
     last = len(ctx.pending_ids) - 1  # indices count over the fed tokens: pending ones, then inputs
     out = ctx.forward().input_tokens(continuation).sample(range(last, last + len(continuation) + 1), Sampler.greedy()).execute()
-    hf_choices = hf_logits(hf_smollm2, prompt + continuation)[len(prompt) - 1 :].argmax(-1)
+    hf_choices = hf_logits(hf_small_chat, prompt + continuation)[len(prompt) - 1 :].argmax(-1)
     assert out.tokens == hf_choices.tolist()
     assert ctx.token_ids == prompt + continuation and ctx.kv_len == len(ctx.token_ids)
     with pytest.raises(InputError, match="outside"):

@@ -49,28 +49,29 @@ from zgen.cache.base import KVManager, KVState, StepRow
 from zgen.cache.factory import CacheOption, make_kv, resolve
 from zgen.cache.formats import kv_dtype_of, kv_format
 from zgen.cache.paged_manager import PagedKVManager
-from zgen.errors import AdapterError, CacheError, ConfigError, GrammarError, InputError, PoolExhaustedError, PromptTooLongError, TokenIdError, ZgenError
+from zgen.errors import AdapterError, CacheError, ConfigError, InputError, PoolExhaustedError, PromptTooLongError, TokenIdError, ZgenError
 from zgen.lora.adapter import LoraAdapter, check_adapter
 from zgen.model import Model
 from zgen.pallas.paged_attention.layouts import KeyCalibration
 from zgen.runtime.adapters import AdapterBanks
 from zgen.runtime.calibration import key_calibration as model_key_calibration
-from zgen.runtime.grammar import GrammarDrafts, GrammarMatcher, consume_all, fill_masks, mask_words
+from zgen.runtime.grammar import GrammarDrafts, GrammarLoop, GrammarMatcher, fill_masks, mask_words
 from zgen.runtime.metrics import EngineMetrics, MetricsCollector
 from zgen.runtime.results import FinishReason
 from zgen.runtime.runner import runner_for
 from zgen.runtime.sampling import PenaltyState, SamplingConfig, SamplingFlags, SamplingParams, penalty_state, row_key_data
 from zgen.runtime.sequence import Sequence
-from zgen.runtime.speculation import DraftControl, SpeculativeLoop, SpeculativeStats, Speculator
+from zgen.runtime.speculation import DraftControl, SpeculativeLoop, SpeculativeStats, Speculator, TreeSpeculator, draft_room
 from zgen.runtime.step import DecodeLoop, MixedBatch
 from zgen.runtime.stop import StopCondition, TextStream
 from zgen.shapes import next_pow2
 
 GREEDY = SamplingConfig(temperature=0.0)
-#: Most grammar-constrained rows a decode loop takes (its host callback advances them after every
-#: draw). Measured on an NVIDIA H200: 1 row 1.7 ms/token in the loop against 5.6 stepping the engine
-#: per token; 32 rows 9.0 against 7.0 (the callback's llguidance calls run slower inside the loop).
-GRAMMAR_LOOP_ROWS = 8
+#: Most grammar-constrained rows a decode loop takes (a host worker advances them beside each forward
+#: pass, :class:`~zgen.runtime.grammar.GrammarLoop`); more rows step the engine token by token. On an
+#: NVIDIA H200 (SmolLM2 shape, JSON schema, ``benchmarks/grammar.py``) 32 rows take 2.12 ms/token in
+#: the loop against 4.28 with 8 in it and the rest stepped; larger batches are not measured.
+GRAMMAR_LOOP_ROWS = 32
 
 
 @dataclass(frozen=True)
@@ -266,8 +267,7 @@ class Engine:
         self._sequences: weakref.WeakSet[Sequence] = weakref.WeakSet()  # every live sequence (preemption victims)
         self._banks = AdapterBanks(model.config, model.dtype)  # LoRA banks of the steps' adapter mixes
         self._last_params: tuple[list[SamplingConfig], SamplingParams] | None = None  # reused while a batch decodes
-        self._loop_grammars: list[tuple[GrammarMatcher, int]] = []  # the running decode loop's constrained rows
-        self._loop_failures: dict[int, GrammarError] = {}  # ... and the rows whose grammar failed in it
+        self._loop_grammars = GrammarLoop(model.config.vocab_size)  # the decode loops' constrained rows
         self._draft_grammars = GrammarDrafts(model.config.vocab_size)  # the speculative loops' constrained rows
         self._speculators: weakref.WeakSet[Speculator] = weakref.WeakSet()  # checked against this model
 
@@ -460,8 +460,9 @@ class Engine:
         if not decode and self.config.prefill_apart and self.kv.pages:
             candidates = [job for job in candidates if not job.loopable()]
         speculator = self._speculator(candidates) if decode else None
-        extra = 0 if speculator is None else speculator.num_tokens
-        steps = self._loop_steps(candidates, waiting=len(jobs) > len(candidates), per_step=extra + 1) if decode else 1
+        extra = 0 if speculator is None else draft_room(speculator)  # written past a pass's pending token
+        per_step = 1 if speculator is None else speculator.num_tokens + 1  # tokens one pass may keep
+        steps = self._loop_steps(candidates, waiting=len(jobs) > len(candidates), per_step=per_step) if decode else 1
         rows: list[_Row] = []
         blocked: list[tuple[Job, PoolExhaustedError]] = []
         preempted: set[int] = set()
@@ -528,7 +529,8 @@ class Engine:
         """The speculator a decode step runs with: the one every job asked for (same cache key), with
         no penalties (they depend on each drawn token) and no LoRA adapters (the speculative loop runs
         the base model); otherwise the step decodes plainly, which gives the same tokens. Grammar rows
-        speculate too: the loop checks their drafts against the grammar (see :mod:`zgen.runtime.speculation`)."""
+        speculate too: the loop checks their drafts against the grammar (see :mod:`zgen.runtime.speculation`),
+        chains of them only (a tree speculator decodes them plainly)."""
         first = jobs[0].request.speculative
         if first is None:
             return None
@@ -537,6 +539,8 @@ class Engine:
             spec = job.request.speculative
             if spec is None or spec.cache_key() != key or job.sampling.uses_penalties or job.adapters:
                 return None
+            if job.grammar is not None and isinstance(spec, TreeSpeculator) and spec.tree_size is not None:
+                return None  # grammar masks follow chains of drafts
         return first
 
     def _loop_steps(self, jobs: list[Job], *, waiting: bool, per_step: int = 1) -> int:
@@ -747,27 +751,23 @@ class Engine:
         params, flags, keys, penalties = self._sampling(rows, index, width)
         slots, bank = self._banks.for_rows([row.job.adapters for row in rows], index, width)
         constrained = [(row.job.grammar, i) for row, i in zip(rows, index, strict=True) if row.job.grammar is not None]
-        token_mask = None
-        if constrained:
-            token_mask = np.full((width, mask_words(self.model.config.vocab_size)), -1, np.int32)
-            self._loop_grammars, self._loop_failures = constrained, fill_masks(constrained, token_mask)
-            done[list(self._loop_failures)] = True
+        grammar = self._loop_grammars if constrained else None
+        if grammar is not None:
+            done[list(grammar.start(constrained, width))] = True
         host: dict[str, Any] = dict(  # numpy: the compiled call sends them with its arguments, at no extra cost
             token=token, position=position, done=done, last_step=last_step, stop_ids=stop_ids, keys=keys,
             out_tokens=np.full((width, steps), -1, np.int32), out_logprobs=np.zeros((width, steps), np.float32),
             step=np.int32(0), max_steps=np.int32(steps),
             # the loop leaves once more than done_at_start rows are done: after `finishes` of them
             exit_on_finish=np.bool_(exit_on_finish), done_at_start=np.int32(done.sum() + finishes - 1),
-            token_mask=token_mask,
         )
         loop = DecodeLoop(**host, penalties=penalties, adapter_slots=slots)
-        grammar = self._grammar_step if constrained else None
         try:
             loop, state = self.runner.decode(state, loop, params, flags=flags, adapters=bank, grammar=grammar)
-        finally:
-            self._loop_grammars, failures, self._loop_failures = [], self._loop_failures, {}
-        self.kv.absorb(state)
-        out, logprobs, iterations = jax.device_get((loop.out_tokens, loop.out_logprobs, loop.step))
+            self.kv.absorb(state)
+            out, logprobs, iterations = jax.device_get((loop.out_tokens, loop.out_logprobs, loop.step))
+        finally:  # the loop has run (its results are here): the grammars' last turn is all that may be left
+            failures = {} if grammar is None else grammar.finish()
         self.stats.steps += 1
         self.stats.forward_passes += int(iterations)
         self.stats.rows += len(rows)
@@ -778,22 +778,9 @@ class Engine:
             drawn = _row_draws(out[i, : min(row.count, int(iterations))].tolist(), ids)
             self._take_loop_draws(row, drawn, logprobs[i], grammar_taken=row.job.grammar is not None)
 
-    def _grammar_step(self, drawn: np.ndarray, active: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The decode loop's host callback (:data:`~zgen.runtime.step.GrammarStep`): each constrained
-        row's grammar takes its draw, then gives the mask of what may follow (llguidance's threads)."""
-        masks = np.full((len(drawn), mask_words(self.model.config.vocab_size)), -1, np.int32)
-        complete = np.zeros(len(drawn), bool)
-        draws = [(m, int(drawn[i]), i) for m, i in self._loop_grammars if active[i] and i not in self._loop_failures]
-        self._loop_failures.update(consume_all(draws))
-        going = [(m, i) for m, _, i in draws if i not in self._loop_failures and not m.complete]
-        self._loop_failures.update(fill_masks(going, masks))
-        for m, _, i in draws:  # the row ends here (a failed one fails after the loop)
-            complete[i] = m.complete or i in self._loop_failures
-        return masks, complete
-
     def _take_loop_draws(self, row: _Row, drawn: list[int], logprobs: np.ndarray, *, grammar_taken: bool = False) -> None:
         """A loop row's draws: keep their K/V (the input and all but the last draw), roll back the rest.
-        ``grammar_taken``: the loop's grammar callback already advanced the job's grammar past them."""
+        ``grammar_taken``: the loop's grammar host work already advanced the job's grammar past them."""
         job = row.job
         self.stats.decode_tokens += len(drawn)
         job.seq.kv.truncate(row.start + len(drawn))
@@ -977,12 +964,21 @@ class Engine:
             self.check_speculator(request.speculative)
 
     def check_speculator(self, speculator: Speculator) -> None:
-        """Refuse a speculator this engine cannot run (another vocabulary, or the compressed cache,
-        whose chunk pooling cannot take back rejected drafts) with a typed error."""
+        """Refuse a speculator this engine cannot run (another vocabulary; the compressed cache, whose
+        chunk pooling cannot take back rejected drafts; token trees on a format that codes keys with their
+        positions) with a typed error."""
         if self.kv.kind == "compressed":
             raise ConfigError(
                 "speculative decoding writes drafts it may reject, and the compressed cache pools chunks as "
                 "tokens arrive, so it cannot roll them back exactly; use the tensor, flat, paged or tiered cache"
+            )
+        size = speculator.tree_size if isinstance(speculator, TreeSpeculator) else None
+        storage = self.cache_options.kv_dtype or kv_dtype_of(self.model.dtype)
+        if size is not None and kv_format(storage, self.model.config.head_dim).coded:
+            raise ConfigError(
+                f"token trees need a KV format that stores a key apart from its position, and {storage!r} codes keys "
+                "with their positions (a tree pass would differ from plain decoding within that format's noise); "
+                "draft a chain (no tree=) on q4/q3, or use fp8, bf16, fp16 or fp32 pages for trees"
             )
         if speculator not in self._speculators:
             speculator.check_target(self.model)

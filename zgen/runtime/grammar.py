@@ -10,7 +10,10 @@ noise and its filters stay the one sampler's. EOS is allowed only where the gram
 grammar can take nothing more the generation stops there (finish reason ``"stop"``).
 
 The masks of one step are computed on the host by llguidance's thread pool
-(:func:`fill_masks`, the GIL released) while the device runs that step's forward pass.
+(:func:`fill_masks`, the GIL released) while the device runs that step's forward pass: in an engine
+step the forward is dispatched first; in the on-device decode loop a host worker
+(:class:`GrammarLoop`) takes each draw and computes the next masks while the loop runs the next
+forward pass.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -33,7 +37,7 @@ if TYPE_CHECKING:
 
 GrammarKind = Literal["json_schema", "regex", "lark"]
 
-__all__ = ["Grammar", "GrammarDrafts", "GrammarMatcher", "allowed_tokens", "fill_masks", "mask_words"]
+__all__ = ["Grammar", "GrammarDrafts", "GrammarLoop", "GrammarMatcher", "allowed_tokens", "fill_masks", "mask_words"]
 
 
 def _llguidance() -> Any:
@@ -126,6 +130,42 @@ def grammar_tokenizer(model: Model) -> llguidance.LLTokenizer:
     return attached(model, "grammar_tokenizer", make)
 
 
+def _word_bits(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids as mask words and, per word, the bits of those ids in it (``int32``)."""
+    words, inverse = np.unique(ids // 32, return_inverse=True)
+    bits = np.zeros(len(words), np.int32)
+    np.bitwise_or.at(bits, inverse, np.left_shift(np.int32(1), (ids % 32).astype(np.int32)))
+    return words, bits
+
+
+class _EndTokens:
+    """A generation's end in mask bits: the tokenizer's EOS bits are dropped from every mask and, in
+    rows where one was allowed (the grammar may end there), the generation's stop ids are allowed."""
+
+    def __init__(self, eos: tuple[int, ...], stop_ids: tuple[int, ...]) -> None:
+        eos_ids = np.asarray(eos, np.int64)
+        self.eos_words, self.eos_shifts = eos_ids // 32, (eos_ids % 32).astype(np.int32)
+        self.clear_words, self.clear_bits = _word_bits(eos_ids)
+        self.stop_words, self.stop_bits = _word_bits(np.asarray(stop_ids, np.int64))
+
+    @staticmethod
+    @functools.cache
+    def of(eos: tuple[int, ...], stop_ids: tuple[int, ...]) -> _EndTokens:
+        return _EndTokens(eos, stop_ids)
+
+    def apply(self, masks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Swap the end bits of every row of ``masks [n, W]`` in place. Returns per row whether the
+        generation may end there, and whether the row allows any token at all."""
+        may_end = np.asarray(((masks[:, self.eos_words] >> self.eos_shifts) & 1).any(axis=1))
+        masks[:, self.clear_words] &= ~self.clear_bits
+        if self.stop_words.size:
+            masks[np.ix_(np.flatnonzero(may_end), self.stop_words)] |= self.stop_bits
+        return may_end, np.asarray(masks.any(axis=1))
+
+
+_NOTHING_ALLOWED = "the grammar allows no next token, and this generation has no stop token to end it"
+
+
 class GrammarMatcher:
     """One generation's grammar state: the tokens it allows next, and the tokens it took.
 
@@ -139,9 +179,8 @@ class GrammarMatcher:
         self._matcher = _llguidance().LLMatcher(tokenizer, grammar.definition, log_level=0)
         if self._matcher.is_error():
             raise GrammarError(f"the {grammar.kind.replace('_', ' ')} grammar cannot be used: {self._matcher.get_error()}")
-        self._eos = np.asarray(tokenizer.eos_tokens, np.int64)
-        self._stop_ids = np.asarray(sorted(set(stop_ids)), np.int64)
-        self._vocab = model.config.vocab_size
+        self._stop_ids = frozenset(int(i) for i in stop_ids)
+        self._end = _EndTokens.of(tuple(tokenizer.eos_tokens), tuple(sorted(self._stop_ids)))
         self._may_end = False
 
     @property
@@ -161,22 +200,21 @@ class GrammarMatcher:
     def _refused(self, token: int) -> GrammarError:
         return GrammarError(f"token {token} is not allowed by the grammar here: {self._matcher.get_error()}")
 
+    def _failed(self) -> GrammarError | None:
+        return GrammarError(f"the grammar failed: {self._matcher.get_error()}") if self._matcher.is_error() else None
+
     def _fix_end(self, row: np.ndarray) -> None:
         """Swap the tokenizer's EOS bits for this generation's stop ids; check something is allowed."""
-        if self._matcher.is_error():
-            raise GrammarError(f"the grammar failed: {self._matcher.get_error()}")
+        if failed := self._failed():
+            raise failed
         self._may_end = self._end_bits(row)
 
     def _end_bits(self, row: np.ndarray) -> bool:
         """:meth:`_fix_end` on a mask of any state (one along a draft): whether the generation may end there."""
-        words, bits = self._eos // 32, (self._eos % 32).astype(np.int32)
-        may_end = bool(np.any((row[words] >> bits) & 1))
-        np.bitwise_and.at(row, words, ~(np.int32(1) << bits))
-        if may_end and self._stop_ids.size:
-            np.bitwise_or.at(row, self._stop_ids // 32, np.int32(1) << (self._stop_ids % 32).astype(np.int32))
-        if not row.any():
-            raise GrammarError("the grammar allows no next token, and this generation has no stop token to end it")
-        return may_end
+        may_end, allowed = self._end.apply(row[None])
+        if not allowed[0]:
+            raise GrammarError(_NOTHING_ALLOWED)
+        return bool(may_end[0])
 
 
 @functools.cache
@@ -197,19 +235,99 @@ def consume_all(draws: Sequence[tuple[GrammarMatcher, int, int]]) -> dict[int, G
 
 def fill_masks(matchers: Sequence[tuple[GrammarMatcher, int]], masks: np.ndarray) -> dict[int, GrammarError]:
     """Write each matcher's next-token mask into row ``i`` of ``masks`` (int32 ``[B, W]``), in
-    parallel on llguidance's threads. Returns the rows whose grammar failed, with why."""
+    parallel on llguidance's threads, then swap their end bits (all rows with the same end tokens at
+    once: per row, that work cost more than llguidance's). Returns the rows whose grammar failed, with why."""
     from llguidance.numpy import fill_next_token_bitmask_par
 
     if not matchers:
         return {}  # llguidance refuses an empty batch
     fill_next_token_bitmask_par(_executor(), [(m._matcher, i) for m, i in matchers], masks)
     failed: dict[int, GrammarError] = {}
+    alike: dict[int, list[tuple[GrammarMatcher, int]]] = {}
     for matcher, i in matchers:
-        try:
-            matcher._fix_end(masks[i])
-        except GrammarError as err:
-            failed[i] = err
+        if error := matcher._failed():
+            failed[i] = error
+        else:
+            alike.setdefault(id(matcher._end), []).append((matcher, i))
+    for group in alike.values():
+        rows = np.asarray([i for _, i in group])
+        block = masks[rows]
+        may_end, allowed = group[0][0]._end.apply(block)
+        masks[rows] = block
+        for (matcher, i), end, ok in zip(group, may_end.tolist(), allowed.tolist(), strict=True):
+            matcher._may_end = end
+            if not ok:
+                failed[i] = GrammarError(_NOTHING_ALLOWED)
     return failed
+
+
+@functools.cache
+def _worker() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="zgen-grammar")
+
+
+class GrammarLoop:
+    """The constrained rows of a decode loop (:func:`~zgen.runtime.step.decode_loop`) and its two host
+    callbacks per iteration, which let the host work overlap the device's:
+
+    * :meth:`submit` — right after a draw: hands the drawn tokens to a host worker and returns at once.
+      The worker's grammars take them, then llguidance computes what may follow, while the device
+      runs the next forward pass (which needs no mask);
+    * :meth:`wait` — after that forward pass, right before its draw: the masks, once the worker has
+      them, and the rows whose grammar completed (or failed) with the previous draw. Such a row draws
+      nothing more: the loop ends it there, one iteration after the draw that completed it.
+
+    The first draw's masks are computed before the loop (:meth:`start`); after it, :meth:`finish`
+    waits for the worker's last turn (the grammars then hold every kept token). One object serves an
+    engine's loops, so the compiled loop that calls it stays the same.
+    """
+
+    def __init__(self, vocab_size: int) -> None:
+        self.words = mask_words(vocab_size)
+        self.rows: list[tuple[GrammarMatcher, int]] = []
+        self.failures: dict[int, GrammarError] = {}
+        self._pending: Future[tuple[np.ndarray, np.ndarray]] | None = None
+
+    def start(self, rows: Sequence[tuple[GrammarMatcher, int]], width: int) -> dict[int, GrammarError]:
+        """The next loop's constrained rows (``(matcher, row index)`` of ``width``) and their first
+        masks. Returns the rows whose grammar failed already (they must not run)."""
+        masks = np.full((width, self.words), -1, np.int32)
+        self.rows, self.failures = list(rows), fill_masks(rows, masks)
+        self._pending = Future()
+        self._pending.set_result((masks, np.zeros(width, bool)))
+        return dict(self.failures)
+
+    def finish(self) -> dict[int, GrammarError]:
+        """After the loop: wait for the worker, then the rows whose grammar failed in the loop, with why."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()  # raises only a bug (grammars' refusals are failures): the step fails
+        failures = self.failures
+        self.rows, self.failures = [], {}
+        return failures
+
+    def submit(self, drawn: np.ndarray, live: np.ndarray, masks_wanted: np.ndarray) -> None:
+        """Callback after a draw: the grammars of the ``live`` rows take their ``drawn`` tokens, then
+        the rows in ``masks_wanted`` (those that draw again in this loop) get their next masks."""
+        self._pending = _worker().submit(self._advance, np.array(drawn), np.array(live), np.array(masks_wanted))
+
+    def wait(self, after: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Callback before a draw: ``(masks [B, W], grammar ended [B])`` of the last :meth:`submit`.
+        ``after`` is any value of the forward pass, so that XLA schedules this wait after it."""
+        assert self._pending is not None, "a grammar loop waited with nothing submitted"
+        return self._pending.result()
+
+    def _advance(self, drawn: np.ndarray, live: np.ndarray, masks_wanted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The worker's turn: :meth:`submit`'s work, and :meth:`wait`'s answer."""
+        masks = np.full((len(drawn), self.words), -1, np.int32)
+        ended = np.zeros(len(drawn), bool)
+        draws = [(m, int(drawn[i]), i) for m, i in self.rows if live[i] and i not in self.failures]
+        self.failures.update(consume_all(draws))
+        going = [(m, i) for m, _, i in draws if masks_wanted[i] and i not in self.failures and not m.complete]
+        self.failures.update(fill_masks(going, masks))
+        for m, _, i in draws:  # the row ends here (a failed one fails after the loop)
+            ended[i] = m.complete or i in self.failures
+        return masks, ended
 
 
 class GrammarDrafts:

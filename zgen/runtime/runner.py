@@ -22,11 +22,11 @@ from zgen.graph.decoder import hidden_state_graph
 from zgen.lora.bank import LoraBank
 from zgen.lora.graph import inject_lora
 from zgen.model import Model, attached
-from zgen.runtime.grammar import GrammarDrafts
+from zgen.runtime.grammar import GrammarDrafts, GrammarLoop
 from zgen.runtime.sampling import SamplingFlags, SamplingParams
 from zgen.runtime.speculation import SpeculativeLoop, Speculator, speculative_loop
 from zgen.runtime.step import (
-    DecodeLoop, GrammarStep, MixedBatch, MixedOutput, ModelSpec, Pooling, decode_loop, draw_reads, forward, hidden_states, mixed_step,
+    DecodeLoop, MixedBatch, MixedOutput, ModelSpec, Pooling, decode_loop, draw_reads, forward, hidden_states, mixed_step,
     pool_hidden,
 )
 
@@ -105,7 +105,7 @@ class Runner:
 
     def decode(
         self, kv: S, loop: DecodeLoop, sampling: SamplingParams, *, flags: SamplingFlags,
-        adapters: LoraBank | None = None, grammar: GrammarStep | None = None,
+        adapters: LoraBank | None = None, grammar: GrammarLoop | None = None,
     ) -> tuple[DecodeLoop, S]:
         """The decode loop (:func:`~zgen.runtime.step.decode_loop`); ``grammar`` is compiled in (one
         executable per engine that constrains its loops)."""
@@ -179,7 +179,7 @@ class Runner:
 
     def _decode(
         self, params: Any, kv: S, loop: DecodeLoop, sampling: SamplingParams, *, flags: SamplingFlags,
-        grammar: GrammarStep | None,
+        grammar: GrammarLoop | None,
     ) -> tuple[DecodeLoop, S]:
         return decode_loop(self.spec, params, kv, loop, sampling, flags=flags, grammar=grammar)
 

@@ -17,6 +17,18 @@ A :class:`Speculator` (prompt lookup, a draft model, ... : :mod:`zgen.speculativ
    ``compressed`` cache pools chunks as tokens arrive, so writing rejected drafts would change what it
    keeps: it refuses speculation (:class:`~zgen.errors.ConfigError`).
 
+**Trees.** A speculator may propose a token tree instead (:class:`Proposal` with ``parents`` and
+``depth``, ``N`` nodes; a :class:`TreeSpeculator`: EAGLE-2 trees, :mod:`zgen.speculative.tree`). The
+pass then runs the target once over ``[pending, node_1 .. node_N]``, each node at position
+``p + depth`` and attending to the context and its own ancestors only; the nodes' K/V go to scratch
+slots ``p + 1 .. p + N`` (reserved like a chain's drafts, :func:`draft_room`), and after acceptance
+the accepted path's K/V are written at ``p + 1 .. p + a`` through the cache's own ``write``
+(:mod:`zgen.runtime.tree`), so the cache holds what feeding only the kept tokens stores and the rest
+is rolled back like rejected drafts. Acceptance walks down from the root (:func:`verify_tree`); the
+adaptive length bounds the depth, and the figures count the depth drafted (``drafted``) against the
+path accepted. A chain is the tree whose parents are ``i - 1`` and takes none of this work. Rows
+under a grammar are not given tree speculators (the engine decodes them plainly).
+
 A speculator that is also an :class:`Observer` sees, after each verification, the target's own draw at
 every checked position, the ones past a rejection included (Jacobi decoding takes its next guesses
 from them); it only changes what is drafted, never what is accepted.
@@ -31,7 +43,13 @@ Acceptance rules, per row:
 * a *sampled* draft with its distribution ``q`` (a draft model at temperature > 0): speculative
   rejection sampling (Leviathan et al. 2023; Chen et al. 2023) — accept ``d_i`` with probability
   ``min(1, p(d_i) / q(d_i))``; at the first rejection draw from ``norm(max(p - q, 0))``; after a fully
-  accepted draft draw the bonus token from ``p``. The output distribution is the target's.
+  accepted draft draw the bonus token from ``p``. The output distribution is the target's;
+* a tree: from the pending token down, follow the child equal to the target's own draw at the node
+  reached (greedy rows, and deterministic trees: the multi-draft rule for point-mass drafts, which
+  gives plain decoding's tokens); a sampled tree (``probs``: the distribution each node was drawn
+  from, siblings independent draws) at a sampled row takes the recursive rejection rule over the
+  children in order (SpecInfer; Chen et al.): accept child ``c`` with ``min(1, p(c) / q(c))``, else
+  ``p <- norm(max(p - q, 0))`` and try the next; with none accepted, draw from what is left of ``p``.
 
 Randomness is counter-based like the sampler's, keyed by (row key, draw index): a request gives the
 same tokens alone or batched. The draft draws with the row's own noise (a draft that equals the
@@ -57,7 +75,7 @@ row keeps, and cuts the row at the token that completes its grammar.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, runtime_checkable
 
@@ -73,10 +91,12 @@ from zgen.runtime.grammar import GrammarDrafts, allowed_tokens
 from zgen.runtime.results import SpeculativeStats
 from zgen.runtime.sampling import SamplingFlags, SamplingParams, filter_logits, sample
 from zgen.runtime.step import ModelSpec, Params, draw, forward
+from zgen.runtime.tree import ancestors, commit_path, forward_tree, tree_attention_mask
 
 __all__ = [
     "DraftControl", "DraftInput", "Observer", "Proposal", "SpeculativeLoop", "SpeculativeStats", "Speculator", "speculative_loop",
     "target_draws", "verify",
+    "TreeSpeculator", "draft_room", "draws_at", "verify_tree",
 ]
 
 #: Most tokens one pass may draft (a draft longer than this only costs verification work).
@@ -109,11 +129,18 @@ class DraftInput:
 @dataclass(frozen=True)
 class Proposal:
     """Drafted tokens ``[B, k]`` (``count`` valid per row) and, for sampled drafts, the distribution
-    each was drawn from (``None``: deterministic drafts, accepted by exact match)."""
+    each was drawn from (``None``: deterministic drafts, accepted by exact match).
+
+    A *tree* of ``N`` nodes (``N`` static) sets ``parents`` (each node's parent node, ``-1``: the
+    pending token; parents come before their children) and ``depth`` (1 for the pending token's
+    children); ``count`` nodes are valid (a prefix). A chain leaves both ``None``: it is the tree whose
+    parents are ``i - 1``, verified without any tree work."""
 
     tokens: Int[Array, "B K"]
     count: Int[Array, " B"]
     probs: Float[Array, "B K V"] | None
+    parents: Int[Array, "B K"] | None = None
+    depth: Int[Array, "B K"] | None = None
 
 
 @runtime_checkable
@@ -153,6 +180,21 @@ class Speculator(Protocol):
     def advance(self, state: Any, kept: Int[Array, " B"]) -> Any:
         """After a pass: each row's first ``kept`` positions are final (the next pending token is at ``kept``)."""
         ...
+
+
+@runtime_checkable
+class TreeSpeculator(Speculator, Protocol):
+    """A speculator that may propose trees (:class:`Proposal` with ``parents``): ``num_tokens`` is then
+    their greatest depth, and ``tree_size`` (``None``: it drafts chains) their static node count."""
+
+    @property
+    def tree_size(self) -> int | None: ...
+
+
+def draft_room(speculator: Speculator) -> int:
+    """Positions past a row's pending token one pass may write: a chain's length, a tree's nodes."""
+    size = speculator.tree_size if isinstance(speculator, TreeSpeculator) else None
+    return speculator.num_tokens if size is None else max(size, speculator.num_tokens)
 
 
 @runtime_checkable
@@ -251,9 +293,16 @@ def target_draws(
 ) -> Int[Array, "B T"]:
     """The target's own token at each of positions ``position + 1 .. position + T`` (logits read at
     ``position .. position + T - 1``): the runtime's sampler with the row's key and draw index."""
+    return draws_at(logits, position[:, None] + jnp.arange(logits.shape[1])[None, :], sampling, keys, flags)
+
+
+def draws_at(
+    logits: Float[Array, "B T V"], draw_index: Int[Array, "B T"], sampling: SamplingParams, keys: UInt32[Array, "B 2"], flags: SamplingFlags
+) -> Int[Array, "B T"]:
+    """The runtime's sampler at every read, each with the row's key and its draw index (the position
+    of the token whose logits it reads)."""
     b, t, v = logits.shape
     rep_sampling = jax.tree_util.tree_map(lambda x: jnp.repeat(x, t, axis=0), sampling)
-    draw_index = position[:, None] + jnp.arange(t)[None, :]
     return sample(logits.reshape(b * t, v), rep_sampling, None, jnp.repeat(keys, t, axis=0), draw_index.reshape(-1), flags).reshape(b, t)
 
 
@@ -314,6 +363,122 @@ def verify(
     tokens = jnp.where(j < accepted[:, None], padded, jnp.where(j == accepted[:, None], last[:, None], 0)).astype(jnp.int32)
     logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), tokens[..., None], axis=-1)[..., 0]
     return tokens, logprobs, accepted
+
+
+def verify_tree(
+    logits: Float[Array, "B M V"],
+    proposal: Proposal,
+    valid: Bool[Array, "B N"],
+    position: Int[Array, " B"],
+    max_depth: int,
+    sampling: SamplingParams,
+    keys: UInt32[Array, "B 2"],
+    flags: SamplingFlags,
+) -> tuple[Int[Array, "B T"], Float[Array, "B T"], Int[Array, " B"], Int[Array, "B D"]]:
+    """Accept a path down each row's tree (``proposal.parents``) against the target's logits at its
+    ``M = N + 1`` entries (entry 0: the pending token at ``position``; entry ``i + 1``: node ``i``, read
+    at ``position + depth``). ``valid``: the nodes to consider (closed under ancestors).
+
+    From the root, at each entry: a greedy row, or any row of a deterministic tree (``probs is None``),
+    follows the child equal to the target's own draw there (the multi-draft rule for point-mass drafts:
+    the output is plain decoding's, token for token); a sampled row of a sampled tree tries the children
+    in order, accepting child ``c`` with probability ``min(1, p(c) / q_c(c))`` and otherwise going on
+    with ``p <- norm(max(p - q_c, 0))`` (recursive rejection sampling: exact when siblings are
+    independent draws of ``q``); when none is accepted it draws from what is left of ``p``.
+
+    Returns the tokens the pass produces (``T = max_depth + 1``: the accepted path, then the target's
+    correction or bonus token; ``accepted + 1`` valid per row), their log-probabilities under the raw
+    target logits, how many nodes each row accepted, and the entries of the accepted path (the first
+    ``accepted`` of ``D = max_depth`` valid).
+    """
+    assert proposal.parents is not None and proposal.depth is not None, "verify_tree takes a tree proposal"
+    b, m, v = logits.shape
+    tokens = proposal.tokens
+    parent = proposal.parents + 1  # the entry of each node's parent
+    draw_index = position[:, None] + jnp.concatenate([jnp.zeros((b, 1), jnp.int32), proposal.depth], axis=1)
+    own = draws_at(logits, draw_index, sampling, keys, flags)
+    rows = jnp.arange(b)
+    cur = jnp.zeros(b, jnp.int32)  # the entry the path has reached
+    alive = jnp.ones(b, bool)
+    accepted = jnp.zeros(b, jnp.int32)
+    path = []
+    residual, tried = jnp.zeros((b, v), jnp.float32), jnp.zeros(b, bool)  # what is left of p where a row stopped
+    draft_probs = None if flags.all_greedy else proposal.probs
+    sampled_row = sampling.temperature > 0
+    try_children: Callable[[Array, Array], tuple[Array, Array, Array]] | None = None
+    if draft_probs is not None:
+        repeat = lambda x: jnp.repeat(x, m, axis=0)  # noqa: E731 - one row per read
+        flat = filter_logits(logits.reshape(b * m, v), jax.tree_util.tree_map(repeat, sampling), None, flags)
+        target_probs = jax.nn.softmax(flat, axis=-1).reshape(b, m, v)
+        coins = _node_noise(salted_keys(keys, SALT_ACCEPT), draw_index[:, 1:] - 1, jax.random.uniform)  # read at the parent
+
+        def rejection(children: Array, cur: Array) -> tuple[Array, Array, Array]:
+            return _try_children(children, target_probs[rows, cur], tokens, draft_probs, coins)
+
+        try_children = rejection
+    for _ in range(max_depth):
+        children = valid & (parent == cur[:, None]) & alive[:, None]
+        match = children & (tokens == own[rows, cur][:, None])
+        found, child = jnp.any(match, axis=1), jnp.argmax(match, axis=1).astype(jnp.int32)
+        if try_children is not None:
+            left, decided, chosen = try_children(children, cur)
+            found, child = jnp.where(sampled_row, decided, found), jnp.where(sampled_row, chosen, child)
+            stops = alive & ~found
+            residual = jnp.where(stops[:, None], left, residual)
+            tried = jnp.where(stops & sampled_row, jnp.any(children, axis=1), tried)
+        path.append(jnp.where(found, child + 1, 0))
+        cur = jnp.where(found, child + 1, cur)
+        accepted += found.astype(jnp.int32)
+        alive &= found
+    last = own[rows, cur]
+    if draft_probs is not None:
+        gumbel = _noise(salted_keys(keys, SALT_RESIDUAL), (position + accepted)[:, None], lambda key: jax.random.gumbel(key, (v,)))
+        corrected = jnp.argmax(jnp.log(residual) + gumbel[:, 0], axis=-1).astype(jnp.int32)
+        last = jnp.where(tried, corrected, last)
+    entries = jnp.stack(path, axis=1) if path else jnp.zeros((b, 0), jnp.int32)
+    j = jnp.arange(max_depth + 1)[None, :]
+    path_tokens = jnp.take_along_axis(tokens, jnp.maximum(entries - 1, 0), axis=1)
+    padded = jnp.concatenate([path_tokens, jnp.zeros((b, 1), tokens.dtype)], axis=1)
+    produced = jnp.where(j < accepted[:, None], padded, jnp.where(j == accepted[:, None], last[:, None], 0)).astype(jnp.int32)
+    read = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), entries], axis=1)  # token j is read at the j-th entry of the path
+    log_probs = jax.nn.log_softmax(jnp.take_along_axis(logits, read[..., None], axis=1).astype(jnp.float32), axis=-1)
+    logprobs = jnp.take_along_axis(log_probs, produced[..., None], axis=-1)[..., 0]
+    return produced, logprobs, accepted, entries
+
+
+def _try_children(
+    children: Bool[Array, "B N"], target: Float[Array, "B V"], tokens: Int[Array, "B N"], probs: Float[Array, "B N V"], coins: Float[Array, "B N"]
+) -> tuple[Float[Array, "B V"], Bool[Array, " B"], Int[Array, " B"]]:
+    """Recursive rejection sampling over each row's ``children`` in order: accept node ``i`` with
+    probability ``min(1, p(t_i) / q_i(t_i))``, else ``p <- norm(max(p - q_i, 0))``. Returns what is left
+    of ``p``, whether a child was accepted, and which."""
+    rows = jnp.arange(tokens.shape[0])
+    q_token = jnp.take_along_axis(probs, tokens[..., None], axis=-1)[..., 0]
+
+    def step(carry: tuple[Array, Array, Array], node: tuple[Array, ...]) -> tuple[tuple[Array, Array, Array], None]:
+        left, decided, chosen = carry
+        trying, token, q, q_tok, coin, i = node
+        trying &= ~decided
+        take = trying & (coin * q_tok < left[rows, token])
+        rest = jnp.maximum(left - q, 0.0)
+        mass = jnp.sum(rest, axis=-1, keepdims=True)
+        rest = jnp.where(mass > 0, rest / jnp.where(mass > 0, mass, 1.0), left)  # p == q: nothing left to correct
+        left = jnp.where((trying & ~take)[:, None], rest, left)
+        return (left, decided | take, jnp.where(take, i, chosen)), None
+
+    by_node = (children.T, tokens.T, jnp.moveaxis(probs, 1, 0), q_token.T, coins.T, jnp.arange(tokens.shape[1], dtype=jnp.int32))
+    start = (target, jnp.zeros(rows.shape, bool), jnp.zeros(rows.shape, jnp.int32))
+    (left, decided, chosen), _ = jax.lax.scan(step, start, by_node)
+    return left, decided, chosen
+
+
+def _node_noise(keys: UInt32[Array, "B 2"], index: Int[Array, "B N"], draw: Any) -> Array:
+    """``draw(fold_in(fold_in(key_b, index[b, n]), n))``: noise of its own for every node, siblings
+    (which share an index) included."""
+    typed = jax.random.wrap_key_data(keys, impl="threefry2x32")
+    nodes = jnp.arange(index.shape[1], dtype=jnp.uint32)
+    per_node = jax.vmap(lambda key, i, node: draw(jax.random.fold_in(jax.random.fold_in(key, i), node)), (None, 0, 0))
+    return jax.vmap(per_node, (0, 0, None))(typed, index.astype(jnp.uint32), nodes)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -386,7 +551,17 @@ def speculative_loop(
 
         # Only rows that draft pay for drafting, and a pass with nothing to check is a plain decode step.
         proposal, state = jax.lax.cond(jnp.any(want > 0), propose, nothing, state)
-        count = jnp.minimum(proposal.count, want)
+        tree = proposal.parents is not None
+        assert not (tree and grammar is not None), "the engine runs rows under a grammar without tree drafts"
+        valid: Array | None = None
+        if tree:  # nodes up to ``want`` deep whose scratch slots the row reserved; count: the depth drafted
+            assert proposal.depth is not None
+            nodes = jnp.arange(proposal.tokens.shape[1])[None, :]
+            reserved = (nodes < proposal.count[:, None]) & (nodes < (s.limit - 1 - p)[:, None])
+            kept = active[:, None] & reserved & (proposal.depth <= want[:, None])
+            count, valid = jnp.max(jnp.where(kept, proposal.depth, 0), axis=1, initial=0), kept
+        else:
+            count = jnp.minimum(proposal.count, want)
         masks = None
         if grammar is not None:  # the constrained rows' masks along their drafts (host)
             shape = jax.ShapeDtypeStruct((count.shape[0], k + 1, grammar.words), jnp.int32)
@@ -419,7 +594,24 @@ def speculative_loop(
             logprobs = jnp.zeros((token.shape[0], k + 1), jnp.float32).at[:, 0].set(logprob)
             return kv, state, produced, logprobs, jnp.zeros_like(p)
 
-        kv, state, produced, logprobs, accepted = jax.lax.cond(jnp.any(count > 0), check, plain, kv, state)
+        def check_tree(kv: KVState, state: Any) -> tuple[KVState, Any, Array, Array, Array]:
+            assert proposal.parents is not None and proposal.depth is not None and valid is not None
+            entries = proposal.tokens.shape[1] + 1
+            tokens = jnp.concatenate([pending[:, None], proposal.tokens], axis=1)
+            present = jnp.concatenate([active[:, None], valid], axis=1)
+            depth = jnp.concatenate([jnp.zeros_like(p)[:, None], proposal.depth], axis=1)
+            positions = jnp.where(present, p[:, None] + depth, -1)
+            slots = jnp.where(present, p[:, None] + jnp.arange(entries)[None, :], -1)
+            sees = ancestors(proposal.parents, k) & present[:, None, :]
+            visible = tree_attention_mask(positions, p, slots, positions, sees, kv.capacity, model.sliding_window)
+            reads = jnp.broadcast_to(jnp.arange(entries)[None, :], tokens.shape)
+            logits, kv, written = forward_tree(model, params, kv, tokens, positions, slots, visible, reads)
+            produced, logprobs, accepted, path = verify_tree(logits, proposal, valid, p, k, sampling, s.keys, flags)
+            offsets = jnp.arange(1, k + 1)[None, :]
+            kv = commit_path(kv, written, path, jnp.where(offsets <= accepted[:, None], p[:, None] + offsets, -1))
+            return kv, state, produced, logprobs, accepted
+
+        kv, state, produced, logprobs, accepted = jax.lax.cond(jnp.any(count > 0), check_tree if tree else check, plain, kv, state)
         # Keep up to the first stop id and within the budget; inactive rows keep nothing.
         j = jnp.arange(k + 1)[None, :]
         made = jnp.where(j <= accepted[:, None], 1, 0)

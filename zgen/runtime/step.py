@@ -11,8 +11,8 @@ Every token zgen produces goes through these pure functions (compiled by :mod:`z
 * :func:`decode_loop` — feed each row's token, draw the next, feed it back ... as one
   ``lax.while_loop`` on the device, until every row stopped, a row finished while another request
   waits for its slot, or the loop has run its steps: N tokens for one host round trip. Rows under a
-  grammar draw within a token mask that a host callback advances after every draw (the only host
-  work per token; the rest of the engine's per-step work is skipped).
+  grammar draw within a token mask computed on the host while the device runs the forward pass
+  before that draw (two host callbacks per iteration; the rest of the engine's per-step work is skipped).
 
 The draw index of a sample is the position of the token whose logits it reads, so a row samples the
 same tokens alone or batched, through either step, and whichever front end asked.
@@ -20,13 +20,12 @@ same tokens alone or batched, through either step, and whichever front end asked
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Generic, Literal, TypeVar, cast, get_args
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import io_callback
 from jaxtyping import Array, Bool, Float, Int, UInt32
 
@@ -35,7 +34,7 @@ from zgen.graph.core import ForwardContext, Graph
 from zgen.graph.decoder import LOGIT_ROWS, POSITIONS, TOKENS
 from zgen.graph.nodes import rotary
 from zgen.lora.graph import ADAPTER_SLOTS
-from zgen.runtime.grammar import allowed_tokens
+from zgen.runtime.grammar import GrammarLoop, allowed_tokens
 from zgen.runtime.sampling import PenaltyState, SamplingFlags, SamplingParams, filter_logits, sample, update_penalty_state
 
 Params = Mapping[str, jax.Array]
@@ -230,25 +229,22 @@ class DecodeLoop:
     exit_on_finish: Bool[Array, ""]  # leave as soon as a row finishes (another request waits for a slot)
     done_at_start: Int[Array, ""]  # rows done when the loop began
     adapter_slots: Int[Array, " B"] | None = None  # each row's LoRA bank slot (0: none), when any row has one
-    token_mask: Int[Array, "B W"] | None = None  # each row's allowed next tokens (packed bits), under a grammar
-
-
-#: ``(drawn [B], active [B]) -> (next token masks [B, W], grammar complete [B])``, run on the host after
-#: every draw of a constrained loop: the grammars take the drawn tokens and say what may follow.
-GrammarStep = Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]
 
 
 def decode_loop(
     model: ModelSpec, params: Params, kv: S, loop: DecodeLoop, sampling: SamplingParams, *, flags: SamplingFlags,
-    grammar: GrammarStep | None = None,
+    grammar: GrammarLoop | None = None,
 ) -> tuple[DecodeLoop, S]:
     """Feed, draw, feed back ... on the device (see the module docstring).
 
     A row that finished keeps feeding its last token at its next position: that writes into its own
     reserved room past what it keeps (rolled back after the loop), so the body needs no masking of
     the fed tokens; rows outside the loop sit at position -1, which writes nothing. With ``grammar``
-    (and ``loop.token_mask`` for the first draw), every draw is limited to the row's mask and a row
-    whose grammar is complete ends."""
+    every draw is limited to the row's mask: the draw hands its tokens to the host
+    (:meth:`~zgen.runtime.grammar.GrammarLoop.submit`, which returns at once), the next forward pass
+    runs while the host computes the masks, and the draw after it waits for them
+    (:meth:`~zgen.runtime.grammar.GrammarLoop.wait`). A row whose grammar completed with a draw is
+    told so at the next wait: it keeps nothing of that iteration and ends."""
 
     def cond(carry: tuple[DecodeLoop, S]) -> Array:
         s = carry[0]
@@ -257,30 +253,28 @@ def decode_loop(
 
     def body(carry: tuple[DecodeLoop, S]) -> tuple[DecodeLoop, S]:
         s, kv = carry
-        active = ~s.done
         logits, kv = forward(
             model, params, kv, s.token[:, None], s.position[:, None], jnp.zeros_like(s.token)[:, None], s.adapter_slots
         )
-        vocab = logits.shape[-1]
-        allowed = None if s.token_mask is None else allowed_tokens(s.token_mask, vocab)
+        active, allowed = ~s.done, None
+        if grammar is not None:
+            shapes = (jax.ShapeDtypeStruct((s.token.shape[0], grammar.words), jnp.int32), jax.ShapeDtypeStruct(active.shape, jnp.bool_))
+            mask, grammar_ended = io_callback(grammar.wait, shapes, logits[0, 0, 0], ordered=True)
+            active, allowed = active & ~grammar_ended, allowed_tokens(mask, logits.shape[-1])
         new, logprob = draw(logits[:, 0], sampling, s.penalties, s.keys, s.position, flags, allowed)
         ends = jnp.any(new[:, None] == s.stop_ids, axis=1) | (s.step >= s.last_step)
-        mask = s.token_mask
-        if grammar is not None and mask is not None:
-            shapes = (jax.ShapeDtypeStruct(mask.shape, mask.dtype), jax.ShapeDtypeStruct(active.shape, jnp.bool_))
-            mask, complete = io_callback(grammar, shapes, new, active, ordered=True)
-            ends = ends | complete
         s = replace(
             s,
             token=jnp.where(active, new, s.token),
             position=jnp.where(active, s.position + 1, s.position),
-            done=s.done | ends,
+            done=s.done | ends | ~active,
             penalties=None if s.penalties is None else update_penalty_state(s.penalties, new, active),
             out_tokens=s.out_tokens.at[:, s.step].set(jnp.where(active, new, -1)),
             out_logprobs=s.out_logprobs.at[:, s.step].set(logprob),
             step=s.step + 1,
-            token_mask=mask,
         )
+        if grammar is not None:  # masks only for the rows that draw again in this loop
+            io_callback(grammar.submit, None, new, active, ~s.done & cond((s, kv)), ordered=True)
         return s, kv
 
     return jax.lax.while_loop(cond, body, (loop, kv))

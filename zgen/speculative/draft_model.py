@@ -4,8 +4,10 @@ The draft keeps its own dense K/V for the rows of a loop (made and prefilled fro
 when the loop starts, inside the same compiled call), and tracks how far each row's K/V is valid:
 after a pass whose drafts were all accepted, the last draft was never fed to the draft model, so the
 next pass feeds it together with the new pending token (the classic off-by-one after acceptance);
-after a rejection the K/V past the kept tokens are stale and overwritten. A row that decoded plainly
-for a while (adaptive fallback) catches up in chunks before it drafts again.
+after a rejection the K/V past the kept tokens are stale and overwritten. After a tree pass only the
+pending token's K/V are in place (the nodes sat in scratch slots), so the next pass feeds the accepted
+path with the new pending token. A row that decoded plainly for a while (adaptive fallback) catches up
+in chunks before it drafts again.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Int
+from jaxtyping import Array, Float, Int
 
 from zgen.cache.tensor import DenseKVState
 from zgen.errors import ConfigError
@@ -25,8 +27,10 @@ from zgen.model import LoadTimings, Model
 from zgen.runtime.sampling import filter_logits, sample
 from zgen.runtime.speculation import PROBE_AFTER, DraftInput, Proposal
 from zgen.runtime.step import ModelSpec, forward
+from zgen.runtime.tree import forward_tree, tree_attention_mask
 from zgen.shapes import next_pow2
 from zgen.speculative.prompt_lookup import check_num_tokens
+from zgen.speculative.tree import Expansion, TreeShape, build_tree
 
 #: Tokens a lagging row feeds per catch-up forward pass (a row falls behind only while it decodes plainly).
 CATCH_UP = next_pow2(PROBE_AFTER + 2)
@@ -45,20 +49,32 @@ class DraftModel:
     ``adaptive``: grow the draft after full acceptance, shrink it after rejections, and decode plainly
     while fewer than 40 % of the drafts are accepted (probing again later); see
     :mod:`zgen.runtime.speculation`.
+
+    ``tree``: draft EAGLE-2 dynamic trees of ``num_tokens`` depths instead of chains
+    (:mod:`zgen.speculative.tree`), verified in one target pass. The nodes are fed through this
+    model's own cache in scratch slots past the pending token, each attending to its ancestors; the
+    accepted path is fed again at its own positions on the next pass.
     """
 
-    def __init__(self, model: Model, num_tokens: int = 4, *, adaptive: bool = True) -> None:
+    def __init__(self, model: Model, num_tokens: int = 4, *, adaptive: bool = True, tree: TreeShape | None = None) -> None:
         if not isinstance(model, Model):
             raise ConfigError(f"DraftModel takes a loaded zgen Model, got {type(model).__name__}")
         if not isinstance(adaptive, bool):
             raise ConfigError(f"DraftModel adaptive must be a bool, got {adaptive!r}")
+        if tree is not None and not isinstance(tree, TreeShape):
+            raise ConfigError(f"DraftModel tree must be a TreeShape (or None for chains), got {tree!r}")
         self.model = model
         self._num_tokens = check_num_tokens("DraftModel", num_tokens)
         self._adaptive = adaptive
+        if tree is not None:
+            tree.check(self._num_tokens)
+        self.tree = tree
         self.spec = ModelSpec(model.graph, model.config.sliding_window)
 
     @classmethod
-    def early_exit(cls, model: Model, layers: int, num_tokens: int = 4, *, adaptive: bool = True) -> DraftModel:
+    def early_exit(
+        cls, model: Model, layers: int, num_tokens: int = 4, *, adaptive: bool = True, tree: TreeShape | None = None
+    ) -> DraftModel:
         """A self-speculative draft: ``model``'s first ``layers`` decoder layers, then its own final norm
         and LM head (the weights are shared, not copied).
 
@@ -74,10 +90,11 @@ class DraftModel:
         params = {name: model.params[name] for name in graph.param_shapes()}
         timings = LoadTimings("early-exit", 0.0, 0.0)
         draft = Model(config, model.tokenizer, graph, params, model.dtype, model.source, timings)
-        return cls(draft, num_tokens, adaptive=adaptive)
+        return cls(draft, num_tokens, adaptive=adaptive, tree=tree)
 
     def __repr__(self) -> str:
-        return f"DraftModel({self.model.config.num_layers} layers, num_tokens={self._num_tokens}, adaptive={self._adaptive})"
+        tree = "" if self.tree is None else f", tree={self.tree}"
+        return f"DraftModel({self.model.config.num_layers} layers, num_tokens={self._num_tokens}, adaptive={self._adaptive}{tree})"
 
     @property
     def num_tokens(self) -> int:
@@ -87,10 +104,15 @@ class DraftModel:
     def adaptive(self) -> bool:
         return self._adaptive
 
+    @property
+    def tree_size(self) -> int | None:
+        """Nodes of each drafted tree (``None``: chains of ``num_tokens``)."""
+        return None if self.tree is None else self.tree.size
+
     def cache_key(self) -> Hashable:
         # Drafts over one graph object (weights are arguments) share a compiled loop; the compiled loop
         # keeps this draft, and so its graph, alive, so the id is never reused for another graph.
-        return ("draft-model", id(self.model.graph), str(self.model.dtype), self._num_tokens, self._adaptive)
+        return ("draft-model", id(self.model.graph), str(self.model.dtype), self._num_tokens, self._adaptive, self.tree)
 
     def check_target(self, model: Model) -> None:
         mine, theirs = self.model.tokenizer, model.tokenizer
@@ -107,7 +129,8 @@ class DraftModel:
     def start(self, params: Any, history: Int[Array, "B L"], length: Int[Array, " B"]) -> DraftState:
         c = self.model.config
         b, width = history.shape
-        kv = DenseKVState.zeros(c.num_layers, b, width, c.num_kv_heads, c.head_dim, self.model.dtype)
+        scratch = 0 if self.tree is None else self.tree.expansions(self._num_tokens)  # the nodes a tree build feeds
+        kv = DenseKVState.zeros(c.num_layers, b, width + scratch, c.num_kv_heads, c.head_dim, self.model.dtype)
         slots = jnp.arange(width)[None, :]
         positions = jnp.where(slots < (length - 1)[:, None], slots, -1)  # all but the pending token
         _, kv = forward(self.spec, params, kv, history, positions, jnp.zeros((b, 1), jnp.int32))
@@ -129,8 +152,12 @@ class DraftModel:
             logits, kv = forward(self.spec, params, kv, tokens, positions, read)
             return logits[:, 0], kv
 
+        # The last feed ends at the pending token: after a chain pass the token before it may be unfed
+        # (all drafts accepted); after a tree pass the whole accepted path is (nodes sat in scratch slots).
+        tail = 2 if self.tree is None else k + 1
+
         def lagging(carry: tuple[DenseKVState, Array]) -> Array:
-            return jnp.any(active & (carry[1] < p - 1))
+            return jnp.any(active & (carry[1] < p - tail + 1))
 
         def catch_up(carry: tuple[DenseKVState, Array]) -> tuple[DenseKVState, Array]:
             kv, fed = carry
@@ -140,11 +167,11 @@ class DraftModel:
             return kv, jnp.where(active, jnp.minimum(fed + CATCH_UP, p), fed)
 
         kv, fed = jax.lax.while_loop(lagging, catch_up, (state.kv, state.fed))
-        # First pass: the token before the pending one if it was never fed (all drafts accepted), then the pending one.
-        before = jnp.take_along_axis(history, jnp.maximum(p - 1, 0)[:, None], axis=1)
-        pending = jnp.take_along_axis(history, p[:, None], axis=1)
-        positions = jnp.stack([jnp.where(active & (fed == p - 1), p - 1, -1), jnp.where(active, p, -1)], axis=1)
-        logits, kv = feed(kv, jnp.concatenate([before, pending], axis=1), positions)
+        at = p[:, None] - tail + 1 + jnp.arange(tail)[None, :]
+        positions = jnp.where(active[:, None] & (at >= fed[:, None]), at, -1)
+        logits, kv = feed(kv, jnp.take_along_axis(history, jnp.maximum(at, 0), axis=1), positions)
+        if self.tree is not None:
+            return self._propose_tree(params, kv, fed, draft, logits)
 
         def draw(logits: Array, position: Array) -> tuple[Array, Array | None]:
             token = sample(logits, sampling, None, draft.keys, position, flags)
@@ -178,3 +205,28 @@ class DraftModel:
         fed = jnp.where(active, p + jnp.maximum(jnp.minimum(draft.num_tokens, steps), 1), fed)
         count = jnp.where(active, draft.num_tokens, 0)
         return Proposal(tokens, count, probs), DraftState(kv, fed)
+
+    def _propose_tree(
+        self, params: Any, kv: DenseKVState, fed: Int[Array, " B"], draft: DraftInput, logits: Float[Array, "B V"]
+    ) -> tuple[Proposal, DraftState]:
+        """EAGLE-2's dynamic tree (:func:`~zgen.speculative.tree.build_tree`) from this model's
+        distributions; the nodes it feeds sit in scratch slots past the pending token, each seeing its
+        ancestors only, and are fed again (the accepted ones) at their own positions next pass."""
+        assert self.tree is not None
+        active, p = draft.active, draft.length - 1
+        width = self.tree.width
+        fed_nodes = jnp.arange(self.tree.expansions(self._num_tokens))[None, :]
+        scratch = p[:, None] + 1 + fed_nodes
+        placed = p[:, None] + 1 + fed_nodes // width  # the positions of the fed nodes (width of them per depth)
+
+        def expand(kv: DenseKVState, nodes: Expansion) -> tuple[Array, DenseKVState]:
+            positions = jnp.where(active[:, None], jnp.broadcast_to(p[:, None] + nodes.depth, nodes.tokens.shape), -1)
+            slots = jnp.where(active[:, None], scratch[:, nodes.first : nodes.first + width], -1)
+            visible = tree_attention_mask(positions, p + 1, scratch, placed, nodes.sees, kv.capacity, self.spec.sliding_window)
+            reads = jnp.broadcast_to(jnp.arange(width)[None, :], nodes.tokens.shape)
+            out, kv, _ = forward_tree(self.spec, params, kv, nodes.tokens, positions, slots, visible, reads)
+            return jax.nn.log_softmax(out, axis=-1), kv
+
+        proposal, kv = build_tree(jax.nn.log_softmax(logits, axis=-1), expand, kv, self.tree, self._num_tokens)
+        proposal = replace(proposal, count=jnp.where(active, proposal.count, 0))
+        return proposal, DraftState(kv, jnp.where(active, p + 1, fed))
