@@ -46,7 +46,7 @@ from zgen.cache.paged import PagedKVCache
 from zgen.cache.paged_manager import PagedKVManager
 from zgen.cache.tensor import causal_attention
 from zgen.errors import CacheError, PoolExhaustedError
-from zgen.pallas.paged_attention.layouts import Q3_LEVELS, KeyCalibration
+from zgen.pallas.paged_attention.layouts import Q3_LEVELS, KeyCalibration, float_pages
 
 LAYERS, BATCH, KVH, HEADS, D, PS, MAX_LEN, BLOCKS = 2, 2, 2, 4, 16, 4, 24, 15
 MAX_CACHES = 4
@@ -342,7 +342,7 @@ class PagedCacheMachine(RuleBasedStateMachine):
         n = e.cache.seq_len
         table = np.maximum(e.cache.block_table, 0)
         out = []
-        for pages in (self.store.k[layer], self.store.v[layer]):
+        for pages in (float_pages(self.store.k[layer]), float_pages(self.store.v[layer])):
             gathered = {}
             for name in ("scale", "zero"):
                 if not hasattr(pages, name):

@@ -14,6 +14,7 @@ from zgen.cache.block_pool import BlockPool
 from zgen.cache.page_store import PagedConfig, PageStore
 from zgen.cache.tiered import TieredConfig, TieredKVManager, warm_error_bound
 from zgen.errors import CacheError, ConfigError
+from zgen.pallas.paged_attention.layouts import KVPages, float_pages, stored_like
 
 PS = 4
 POOL_BLOCKS = 6
@@ -33,7 +34,10 @@ def _randomize_pages(store: PageStore, seed: int, scale: float = 1.0) -> None:
             return jax.numpy.asarray(rng.integers(0, 256, leaf.shape, np.uint8))
         return jax.numpy.asarray(rng.normal(size=leaf.shape) * scale, leaf.dtype)
 
-    store.k, store.v = jax.tree_util.tree_map(fill, store.k), jax.tree_util.tree_map(fill, store.v)
+    def randomize(pages: KVPages) -> KVPages:  # float leaves filled as floats, however the pool stores them
+        return stored_like(pages, jax.tree_util.tree_map(fill, float_pages(pages)))
+
+    store.k, store.v = tuple(map(randomize, store.k)), tuple(map(randomize, store.v))
 
 
 def _pages_of(manager: TieredKVManager, blocks: list[int]) -> list[np.ndarray]:

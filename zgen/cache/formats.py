@@ -34,7 +34,17 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from zgen.errors import ConfigError
-from zgen.pallas.paged_attention.layouts import Fp8Pages, KVPages, Q3Pages, Q4Pages, quantize_fp8, quantize_q3, quantize_q4
+from zgen.pallas.common import platform
+from zgen.pallas.paged_attention.layouts import (
+    Fp8Pages,
+    KVPages,
+    Q3Pages,
+    Q4Pages,
+    as_bits,
+    quantize_fp8,
+    quantize_q3,
+    quantize_q4,
+)
 
 Q4_GROUP = 32
 Q3_GROUP = 16
@@ -167,8 +177,14 @@ def kv_dtype_of(dtype: jnp.dtype) -> str:
 
 
 def empty_pages(kv_dtype: str, kv_heads: int, num_pages: int, page_size: int, head_dim: int) -> KVPages:
-    """Zeroed pages ``[kv_heads, num_pages, page_size, ...]`` in the storage format ``kv_dtype``."""
-    return kv_format(kv_dtype, head_dim).empty((kv_heads, num_pages, page_size), head_dim)
+    """Zeroed pages ``[kv_heads, num_pages, page_size, ...]`` in the storage format ``kv_dtype``.
+
+    On CPU their bfloat16 and fp8 leaves are kept in integer containers
+    (:class:`~zgen.pallas.paged_attention.layouts.BitPages`): XLA:CPU copies the whole pool on every
+    write to such a float array, and writes an integer one in place.
+    """
+    pages = kv_format(kv_dtype, head_dim).empty((kv_heads, num_pages, page_size), head_dim)
+    return as_bits(pages) if platform() == "cpu" else pages
 
 
 def bytes_per_token_per_layer(kv_dtype: str, kv_heads: int, head_dim: int, page_size: int = 16) -> int:

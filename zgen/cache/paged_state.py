@@ -43,7 +43,16 @@ from zgen.cache.formats import empty_pages, kv_format
 from zgen.cache.tensor import masked_attention
 from zgen.errors import ConfigError
 from zgen.pallas import paged_attention
-from zgen.pallas.paged_attention.layouts import KeyCalibration, KVPages, dequantize, hadamard, head_dim_of, take_pages
+from zgen.pallas.paged_attention.layouts import (
+    KeyCalibration,
+    KVPages,
+    dequantize,
+    float_pages,
+    hadamard,
+    head_dim_of,
+    stored_like,
+    take_pages,
+)
 from zgen.shapes import cdiv
 
 
@@ -56,12 +65,11 @@ def _page_size(pages: KVPages) -> int:
 
 
 def _scatter_tokens(pages: KVPages, new: KVPages, page: Array, offset: Array) -> KVPages:
-    """Store token leaves ``[B, T, KVH, ...]`` at ``(page, offset)`` ``[B, T]``; out-of-range pages drop.
+    """Store token leaves ``[B, T, KVH, ...]`` (a float layout) at ``(page, offset)`` ``[B, T]``; out-of-range pages drop.
 
-    FP8 leaves are scattered as uint8: XLA on CPU widens an fp8 scatter to f32 and back, copying the
-    whole pool on every write, which made fp8 decode ~60x slower than fp16 there (0.58 against 34 tok/s
-    on SmolLM2); as uint8 it runs at ~5 tok/s. (The same bitcast slows fp16 and bf16 down, so only fp8
-    takes it.)
+    On CPU the pool's bfloat16 and fp8 leaves are integer containers (see
+    :func:`~zgen.cache.formats.empty_pages`, written in place) and the tokens are bitcast to match.
+    Float8 leaves of pools made elsewhere are scattered through a uint8 view (the same bits).
     """
 
     def scatter(leaf: Array, val: Array) -> Array:
@@ -72,7 +80,7 @@ def _scatter_tokens(pages: KVPages, new: KVPages, page: Array, offset: Array) ->
         stored = as_bytes.at[:, page, offset].set(jax.lax.bitcast_convert_type(val, jnp.uint8), mode="drop")
         return jax.lax.bitcast_convert_type(stored, leaf.dtype)
 
-    return jax.tree_util.tree_map(scatter, pages, new)
+    return jax.tree_util.tree_map(scatter, pages, stored_like(pages, new))
 
 
 def _gather_dense(pages: KVPages, block_tables: Array, dtype: Any | None) -> Array:
@@ -82,7 +90,7 @@ def _gather_dense(pages: KVPages, block_tables: Array, dtype: Any | None) -> Arr
     (float32 if None).
     """
     num_pages = _num_pages(pages)
-    gathered = take_pages(pages, jnp.clip(block_tables, 0, num_pages - 1))  # [KVH, B, pps, ps, ...]
+    gathered = float_pages(take_pages(pages, jnp.clip(block_tables, 0, num_pages - 1)))  # [KVH, B, pps, ps, ...]
     if isinstance(gathered, jax.Array):
         dense = gathered if dtype is None else gathered.astype(dtype)
     else:

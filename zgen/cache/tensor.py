@@ -25,6 +25,7 @@ from zgen.cache.base import LayerKV, replace_layer
 from zgen.numerics import matmul_precision
 from zgen.pallas import flash_attention
 from zgen.pallas.common import platform
+from zgen.pallas.paged_attention.layouts import BIT_CONTAINERS
 
 # How DenseKVState.attend computes attention: "einsum" is causal_attention; "reference", "xla" and
 # "triton" force that zgen.pallas.flash_attention implementation (Triton runs interpreted on CPU);
@@ -70,6 +71,26 @@ def causal_attention(
     return masked_attention(q, k, v, visible)
 
 
+def _stored_dtype(dtype: jnp.dtype) -> jnp.dtype:
+    """The dtype a buffer of ``dtype`` is kept in: on CPU bfloat16 in uint16 (XLA:CPU computes on
+    bfloat16 in f32, so writing one token converted the whole buffer to f32 and back, 0.6 ms per
+    write at 8192 slots; an integer buffer is written in place)."""
+    dtype = jnp.dtype(dtype)
+    return BIT_CONTAINERS.get(dtype, dtype) if platform() == "cpu" else dtype
+
+
+def _floats(buffer: Array) -> Array:
+    """A buffer as its float values (a uint16 buffer holds bfloat16 bits: KV buffers hold no integers)."""
+    return jax.lax.bitcast_convert_type(buffer, jnp.bfloat16) if buffer.dtype == jnp.uint16 else buffer
+
+
+def _stored(values: Array, buffer: Array) -> Array:
+    """``values`` in ``buffer``'s storage dtype."""
+    if buffer.dtype == jnp.uint16:
+        return jax.lax.bitcast_convert_type(values.astype(jnp.bfloat16), jnp.uint16)
+    return values.astype(buffer.dtype)
+
+
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class DenseKVState:
@@ -95,9 +116,10 @@ class DenseKVState:
         attention: DenseAttention = "auto",
     ) -> DenseKVState:
         shape = (batch, capacity, kv_heads, head_dim)
+        stored = _stored_dtype(dtype)
         return cls(
-            tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
-            tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+            tuple(jnp.zeros(shape, stored) for _ in range(num_layers)),
+            tuple(jnp.zeros(shape, stored) for _ in range(num_layers)),
             attention,
         )
 
@@ -115,8 +137,8 @@ class DenseKVState:
         rows = jnp.arange(positions.shape[0])[:, None]
         # Padding tokens at position -1 are dropped like those past the end (jnp would wrap -1 to the last slot).
         slots = jnp.where(positions >= 0, positions, self.capacity)
-        new_k = self.k[layer].at[rows, slots].set(k.astype(self.k[layer].dtype), mode="drop")
-        new_v = self.v[layer].at[rows, slots].set(v.astype(self.v[layer].dtype), mode="drop")
+        new_k = self.k[layer].at[rows, slots].set(_stored(k, self.k[layer]), mode="drop")
+        new_v = self.v[layer].at[rows, slots].set(_stored(v, self.v[layer]), mode="drop")
         return replace(
             self,
             k=replace_layer(self.k, layer, new_k),
@@ -136,18 +158,17 @@ class DenseKVState:
         path = self.attention
         if path == "auto":
             path = "triton" if platform() == "gpu" else "einsum"
+        k, v = _floats(self.k[layer]), _floats(self.v[layer])
         if path == "einsum":
-            return causal_attention(q, self.k[layer], self.v[layer], positions, sliding_window=sliding_window)
-        return flash_attention(
-            q, self.k[layer], self.v[layer], q_positions=positions, sliding_window=sliding_window, implementation=path
-        )
+            return causal_attention(q, k, v, positions, sliding_window=sliding_window)
+        return flash_attention(q, k, v, q_positions=positions, sliding_window=sliding_window, implementation=path)
 
     def layer_view(self, layer: int) -> LayerKV:
-        return LayerKV(self.k[layer], self.v[layer])
+        return LayerKV(_floats(self.k[layer]), _floats(self.v[layer]))
 
     def stored(self, layer: int, row: int, length: int) -> LayerKV:
         """One row's first ``length`` slots of ``layer``, ``[1, length, kv_heads, head_dim]``."""
-        return LayerKV(self.k[layer][row : row + 1, :length], self.v[layer][row : row + 1, :length])
+        return LayerKV(_floats(self.k[layer][row : row + 1, :length]), _floats(self.v[layer][row : row + 1, :length]))
 
     def grown(self, batch: int, capacity: int) -> DenseKVState:
         """The same contents in buffers of ``batch`` rows and ``capacity`` slots (zero-padded)."""

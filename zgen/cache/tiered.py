@@ -49,11 +49,12 @@ import numpy as np
 from jaxtyping import Array, Float
 
 from zgen.cache.base import KVHandle
+from zgen.cache.formats import kv_format
 from zgen.cache.page_store import PageStore
 from zgen.cache.paged_manager import PagedKVManager
 from zgen.cache.radix import block_hashes
 from zgen.errors import CacheError, ConfigError
-from zgen.pallas.paged_attention.layouts import KVPages
+from zgen.pallas.paged_attention.layouts import KVPages, float_pages, stored_like, take_pages
 from zgen.shapes import next_pow2
 
 Tier = Literal["hot", "warm", "cold"]
@@ -523,8 +524,7 @@ class TieredKVManager(PagedKVManager):
 
     def __init__(self, store: PageStore, tiers: TieredConfig, *, max_len: int, max_prefix_blocks: int | None = None) -> None:
         super().__init__(store, max_len=max_len, prefix_cache=True, max_prefix_blocks=max_prefix_blocks)
-        float_pages = isinstance(store.k[0], jax.Array)  # quantized formats are pytrees of packed parts
-        if not float_pages and tiers.warm_format != "exact":
+        if not kv_format(store.config.kv_dtype).plain and tiers.warm_format != "exact":
             raise ConfigError(
                 f"warm_format {tiers.warm_format!r} would quantize the bytes of kv_dtype {store.config.kv_dtype!r} pages; "
                 "use TieredConfig(warm_format='exact') with a quantized kv_dtype"
@@ -603,16 +603,18 @@ def _demote(store: PageStore, tiers: TieredKVStore, evicted: list[tuple[bytes, i
 
 
 def _payload(pages: KVPages, blocks: Array) -> Array:
-    leaves = [jnp.moveaxis(jnp.take(leaf, blocks, axis=1), 1, 0) for leaf in jax.tree_util.tree_leaves(pages)]
-    if isinstance(pages, jax.Array):
+    taken = float_pages(take_pages(pages, blocks))  # a CPU pool's integer containers: back to floats
+    leaves = [jnp.moveaxis(leaf, 1, 0) for leaf in jax.tree_util.tree_leaves(taken)]
+    if isinstance(taken, jax.Array):
         return leaves[0]
     return jnp.concatenate([jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(*x.shape[:3], -1) for x in leaves], -1)
 
 
 def _fill(pages: KVPages, payload: Array, blocks: Array) -> KVPages:
-    leaves, treedef = jax.tree_util.tree_flatten(pages)
-    if isinstance(pages, jax.Array):
-        values = [payload.astype(pages.dtype)]
+    layout = jax.eval_shape(float_pages, pages)
+    leaves, treedef = jax.tree_util.tree_flatten(layout)
+    if isinstance(layout, jax.ShapeDtypeStruct):
+        values = [payload.astype(layout.dtype)]
     else:
         values, offset = [], 0
         for leaf in leaves:
@@ -621,8 +623,8 @@ def _fill(pages: KVPages, payload: Array, blocks: Array) -> KVPages:
             raw = payload[..., offset : offset + width].reshape(*payload.shape[:3], *trailing, *((itemsize,) if itemsize > 1 else ()))
             values.append(jax.lax.bitcast_convert_type(raw, leaf.dtype))
             offset += width
-    filled = [leaf.at[:, blocks].set(jnp.moveaxis(x, 0, 1), mode="drop") for leaf, x in zip(leaves, values, strict=True)]
-    return jax.tree_util.tree_unflatten(treedef, filled)
+    new = stored_like(pages, jax.tree_util.tree_unflatten(treedef, [jnp.moveaxis(x, 0, 1) for x in values]))
+    return jax.tree_util.tree_map(lambda leaf, x: leaf.at[:, blocks].set(x, mode="drop"), pages, new)
 
 
 @jax.jit

@@ -62,7 +62,7 @@ from zgen.cache.paged import PagedKVCache
 from zgen.errors import AdapterError, InputError, SnapshotError, TokenIdError
 from zgen.lora.adapter import LoraAdapter, adapter_fingerprint, load_adapter
 from zgen.model import Model
-from zgen.pallas.paged_attention.layouts import KVPages, take_pages
+from zgen.pallas.paged_attention.layouts import KVPages, float_pages, stored_like, take_pages
 from zgen.runtime.engine import Engine
 from zgen.runtime.sequence import Sequence
 
@@ -187,7 +187,8 @@ def save_state(engine: Engine, state: ImportedKVState, name: str) -> Path:
     store = _store(engine)
 
     def pick(pages: tuple[KVPages, ...]) -> list[list[np.ndarray]]:
-        return [[np.asarray(leaf) for leaf in jax.tree_util.tree_leaves(take_pages(p, index))] for p in pages]
+        # Float leaves as every platform stores them (a CPU pool keeps some in integer containers).
+        return [[np.asarray(leaf) for leaf in jax.tree_util.tree_leaves(float_pages(take_pages(p, index)))] for p in pages]
 
     k, v = pick(store.k), pick(store.v)
     meta: dict[str, Any] = {
@@ -441,7 +442,7 @@ def _check_pages(engine: Engine, name: str, k_data: Any, v_data: Any, count: int
     store = _store(engine)
     expected = [
         (tuple(leaf.shape[:1]) + (count,) + tuple(leaf.shape[2:]), leaf.dtype)
-        for leaf in jax.tree_util.tree_leaves(store.k[0])
+        for leaf in jax.tree_util.tree_leaves(jax.eval_shape(float_pages, store.k[0]))
     ]
     for data in (k_data, v_data):
         if not isinstance(data, list) or len(data) != store.config.num_layers:
@@ -518,7 +519,7 @@ def _fsync_tree(root: Path) -> None:
 
 
 def _as_pages(like: tuple[KVPages, ...], data: list[list[np.ndarray]]) -> tuple[KVPages, ...]:
-    treedef = jax.tree_util.tree_structure(like[0])
+    treedef = jax.tree_util.tree_structure(jax.eval_shape(float_pages, like[0]))
     return tuple(jax.tree_util.tree_unflatten(treedef, [jnp.asarray(x) for x in layer]) for layer in data)
 
 
@@ -526,10 +527,10 @@ def _as_pages(like: tuple[KVPages, ...], data: list[list[np.ndarray]]) -> tuple[
 def _put_pages(
     k: tuple[KVPages, ...], v: tuple[KVPages, ...], blocks: jax.Array, k_new: tuple[KVPages, ...], v_new: tuple[KVPages, ...]
 ) -> tuple[tuple[KVPages, ...], tuple[KVPages, ...]]:
-    def put(leaf: jax.Array, new: jax.Array) -> jax.Array:
-        return leaf.at[:, blocks].set(new.astype(leaf.dtype))
+    def put(pages: KVPages, new: KVPages) -> KVPages:
+        return jax.tree_util.tree_map(lambda leaf, x: leaf.at[:, blocks].set(x.astype(leaf.dtype)), pages, stored_like(pages, new))
 
-    return jax.tree_util.tree_map(put, k, k_new), jax.tree_util.tree_map(put, v, v_new)
+    return tuple(map(put, k, k_new)), tuple(map(put, v, v_new))
 
 
 # -- export / import ------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from jaxtyping import Array, Bool, Float, Int
 from zgen.errors import ConfigError, InputError
 from zgen.pallas.common import Implementation, check_implementation, interpret_pallas, platform, resolve_scale
 from zgen.pallas.paged_attention.common import visible_pages
-from zgen.pallas.paged_attention.layouts import KeyCalibration, KVPages, head_dim_of, leading_shape
+from zgen.pallas.paged_attention.layouts import KeyCalibration, KVPages, float_pages, head_dim_of, leading_shape
 
 
 def _layout(pages: KVPages) -> type:
@@ -168,6 +168,9 @@ def paged_attention(
     # Invisible table entries may be stale or -1: point them at page 0 so no backend reads out of bounds.
     tables = jnp.where(pages, block_tables, 0).astype(jnp.int32)
     fn = _backend(impl, k_pages, page_mask is not None, sliding_window, coded_keys, num_queries)
+    if impl not in ("reference", "xla"):
+        # The kernels read float leaves; the XLA paths bitcast only the pages they gather.
+        k_pages, v_pages = float_pages(k_pages), float_pages(v_pages)
     # Only backends that can read coded keys get the argument, so the others keep their signatures.
     key_coding: dict[str, Any] = {} if key_calibration is None else {"key_calibration": key_calibration}
     return fn(
