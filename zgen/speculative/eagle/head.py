@@ -201,9 +201,10 @@ class EagleHead:
         """What :func:`draft_step` reads: the head's parameters and the target ones it shares."""
         return {**{name: target_params[name] for name in shared_names(self.model.config)}, **head_params}
 
-    def new_kv(self, batch: int, capacity: int, attention: DenseAttention = "auto") -> DenseKVState:
+    def new_kv(self, batch: int, capacity: int, attention: DenseAttention = "auto", dtype: jnp.dtype | None = None) -> DenseKVState:
+        """The head's K/V buffers (``dtype``: the model's unless given)."""
         c = self.model.config
-        return DenseKVState.zeros(1, batch, capacity, c.num_kv_heads, c.head_dim, self.model.dtype, attention)
+        return DenseKVState.zeros(1, batch, capacity, c.num_kv_heads, c.head_dim, dtype or self.model.dtype, attention)
 
 
 def head_param_shapes(config: ModelConfig, feature_layers: tuple[int, ...]) -> dict[str, tuple[int, ...]]:

@@ -234,7 +234,8 @@ def head_loss(
     rows = jnp.broadcast_to(jnp.arange(t - 1)[None, :], (b, t - 1))
     valid = rows < (lengths - 1)[:, None]  # row j reads the token at j + 1
     positions = jnp.where(valid, rows, -1)
-    kv = head.new_kv(b, t - 1, attention="einsum")  # einsum attention: differentiable everywhere
+    # einsum attention and float32 buffers: differentiable everywhere (CPU keeps bfloat16 buffers as integers)
+    kv = head.new_kv(b, t - 1, attention="einsum", dtype=jnp.dtype(jnp.float32))
     read = features[:, :-1] if noise is None else features[:, :-1] + noise.astype(features.dtype)
     inputs = fuse(params, read).astype(head.model.dtype)
     predicted, head_logits, _ = draft_step(head.graph, head.joined(params, target_params), kv, inputs, tokens[:, 1:], positions, rows)
