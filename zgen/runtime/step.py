@@ -83,14 +83,13 @@ def forward(
     """Run the model over ``tokens`` at ``positions``, writing their K/V; float32 logits at ``read_rows``
     (indices into T). With ``adapter_slots`` the graph is the LoRA-injected one (:mod:`zgen.lora.graph`)
     and ``params`` carry the adapter bank."""
-    ctx = _CacheContext(kv, model.sliding_window)
     feeds = {TOKENS: tokens, POSITIONS: positions, LOGIT_ROWS: read_rows}
     graph = model.graph
     if adapter_slots is not None:
         assert model.lora_graph is not None, "adapter slots given to a model spec without a LoRA graph"
         feeds[ADAPTER_SLOTS], graph = adapter_slots, model.lora_graph
-    (logits,) = graph.run(params, feeds, ctx)
-    return logits, ctx.state
+    (logits,), kv = run_graph(graph, model.sliding_window, params, kv, feeds)
+    return logits, kv
 
 
 def hidden_states(
@@ -105,12 +104,11 @@ def hidden_states(
     """Run a graph cut after the final norm (:func:`~zgen.graph.decoder.hidden_state_graph`) over
     ``tokens`` at ``positions`` (-1: padding), writing their K/V; the hidden states of every token.
     ``adapter_slots`` feed a LoRA-injected graph, as in :func:`forward`."""
-    ctx = _CacheContext(kv, sliding_window)
     feeds = {TOKENS: tokens, POSITIONS: positions}
     if adapter_slots is not None:
         feeds[ADAPTER_SLOTS] = adapter_slots
-    (hidden,) = graph.run(params, feeds, ctx)
-    return hidden, ctx.state
+    (hidden,), kv = run_graph(graph, sliding_window, params, kv, feeds)
+    return hidden, kv
 
 
 def forward_features(
