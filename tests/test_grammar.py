@@ -318,3 +318,67 @@ def test_host_computes_each_draws_masks_while_the_forward_pass_before_it_runs(
     # After the last draw: its turn alone, or (the loop not knowing yet that the row ended) one more
     # forward pass beside it, whose K/V write is rolled back.
     assert events[3 * draws :] in (["turn"], ["forward", "turn while its forward runs"]), events
+
+
+def test_a_grammar_failing_in_the_loop_fails_its_job_alone(tiny: Model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A grammar that breaks mid-generation (llguidance refusing a drawn token) fails its own job, whose
+    sequence goes back to what it was; the rows beside it draw what they draw alone, and the engine goes on."""
+    import zgen.runtime.constrained as constrained
+    from zgen.runtime.engine import ForwardRequest
+    from zgen.runtime.grammar import GrammarMatcher
+    from zgen.runtime.stop import StopCondition
+
+    configs = [
+        json_config(SCHEMAS["nested"], 1.0, seed=3),
+        json_config(SCHEMAS["object_required"], 0.0),
+        SamplingConfig(temperature=1.0, seed=9, max_new_tokens=16, ignore_eos=True),
+    ]
+    gen = Generator(tiny)
+    expected = [gen.generate("hello", config).token_ids for config in configs]
+
+    doomed: list[GrammarMatcher] = []
+    taken = 0
+    consume_all = constrained.consume_all
+
+    def refusing(draws: list[tuple[GrammarMatcher, int, int]]) -> dict[int, GrammarError]:
+        nonlocal taken
+        refused = consume_all(draws)
+        for matcher, _, i in draws:
+            if doomed and matcher is doomed[0]:
+                taken += 1
+                if taken == 3:
+                    refused[i] = GrammarError("refused here")
+        return refused
+
+    monkeypatch.setattr(constrained, "consume_all", refusing)
+    engine = gen.engine
+    ids = tiny.tokenizer.encode("hello")
+    seqs = [engine.new_sequence(ids, seed=0) for _ in configs]
+    jobs = [
+        engine.submit(seq, ForwardRequest(end=len(ids), sample_at=(len(ids) - 1,), sampling=config,
+                                          generate=StopCondition.from_sampling(config, tiny.eos_token_ids)))
+        for seq, config in zip(seqs, configs, strict=True)
+    ]
+    assert jobs[0].grammar is not None
+    doomed.append(jobs[0].grammar)
+    with pytest.raises(GrammarError, match="refused here"):
+        engine.wait(jobs[0])
+    assert seqs[0].tokens == ids and seqs[0].kv_len == 0  # as it was at submission
+    assert [engine.wait(job).tokens for job in jobs[1:]] == expected[1:]
+    assert gen.generate("hello", configs[0]).token_ids == expected[0]  # (no longer refused: `taken` is past 3)
+
+
+def test_constrained_loops_compile_once(tiny: Model) -> None:
+    """The host-driven loop calls two executables per token, compiled once per shape: a second
+    constrained generation of the same budget and sampling kind compiles no loop step again."""
+    gen = Generator(tiny)
+
+    def loop_steps() -> set[Any]:
+        return {key for key in gen.engine.runner._executables if key[0] in ("decode_feed", "decode_draw")}
+
+    first = gen.generate("hello", json_config(SCHEMAS["nested"], 1.0, seed=1))
+    compiled = loop_steps()
+    assert {key[0] for key in compiled} == {"decode_feed", "decode_draw"}
+    second = gen.generate("hi there", json_config(SCHEMAS["object_required"], 1.0, seed=2))
+    assert first.finish_reason == second.finish_reason == "stop"
+    assert loop_steps() == compiled
