@@ -23,10 +23,10 @@ mode adds, per token (medians, ms): ``host_ms``, the host's turn (the grammars t
 the next masks), and ``fetch_ms``, how long the host then waited for the next draw's tokens: the
 device's time left after the host's turn (overlapped, ≈ max(0, forward − host) + draw).
 
-    python benchmarks/grammar.py --batch 1 32 --new-tokens 128 --runs 5 --modes free json json_serial
-    # the same against an earlier tree's zgen (the callback loop before 2026-11-27: free and json only):
+    python benchmarks/grammar.py --batch 1 32 64 --new-tokens 128 --runs 5 --modes free json json_serial
+    # the same against an earlier tree's zgen (d7b4a73: the callback loop, at most 32 rows in it; free and json only):
     mkdir -p /tmp/base && git archive d7b4a73 zgen | tar -x -C /tmp/base
-    PYTHONPATH=/tmp/base python benchmarks/grammar.py --batch 1 32 --new-tokens 128 --runs 5 --modes free json
+    PYTHONPATH=/tmp/base python benchmarks/grammar.py --batch 1 32 64 --new-tokens 128 --runs 5 --modes free json
     python benchmarks/grammar.py --layers 2 --batch 1 4 --new-tokens 32 --runs 2   # a quick check on CPU
 """
 

@@ -90,12 +90,12 @@ def constrained_decode(
     live_steps = np.asarray(loop.last_step)[~done]
     # Draws past every row's last allowed one, or past max_steps, are never made: no forward is dispatched for them.
     limit = np.int32(min(int(loop.max_steps), int(live_steps.max()) + 1 if live_steps.size else 0))
+    if limit == 0:
+        return loop, kv, {}
     exit_on_finish, done_at_start = np.bool_(loop.exit_on_finish), np.int32(loop.done_at_start)
     host = ConstrainedRows(rows, done.shape[0], runner.model.config.vocab_size)
     steps = runner.decode_steps(kv, loop, sampling, flags=flags, adapters=adapters)
-    loop = jax.device_put(loop)
-    if limit == 0:
-        return loop, kv, {}
+    loop = jax.device_put(loop)  # once: the first forward pass and draw share it
     logits, kv = steps.feed(kv, loop)
     masks = host.first_masks()  # while the first forward pass runs
     done_at_start += np.int32(np.count_nonzero(host.ended & ~done))  # rows failed already: they draw nothing
