@@ -382,3 +382,20 @@ def test_constrained_loops_compile_once(tiny: Model) -> None:
     second = gen.generate("hi there", json_config(SCHEMAS["object_required"], 1.0, seed=2))
     assert first.finish_reason == second.finish_reason == "stop"
     assert loop_steps() == compiled
+
+
+def test_a_context_goes_on_exactly_after_a_constrained_reply(tiny: Model) -> None:
+    """The loop may have fed a reply's last token before it knew the grammar was complete: the
+    context keeps exactly the reply's tokens, and goes on as a fresh context fed the same tokens."""
+    from zgen import stop
+
+    engine = Engine(tiny, paged_kv(8))
+    ctx = Context(engine, seed=4)
+    ctx.fill("hello there")
+    prompt = list(ctx.token_ids)
+    reply = ctx.generate_result(json_config(SCHEMAS["nested"], 1.0, seed=3))
+    assert reply.finish_reason == "stop"
+    assert ctx.token_ids == prompt + reply.token_ids
+    fresh = Context(engine)
+    fresh.fill_tokens(ctx.token_ids)
+    assert ctx.generate_result(Sampler.greedy(), stop.max_len(12)).token_ids == fresh.generate_result(Sampler.greedy(), stop.max_len(12)).token_ids
