@@ -399,3 +399,16 @@ def test_a_context_goes_on_exactly_after_a_constrained_reply(tiny: Model) -> Non
     fresh = Context(engine)
     fresh.fill_tokens(ctx.token_ids)
     assert ctx.generate_result(Sampler.greedy(), stop.max_len(12)).token_ids == fresh.generate_result(Sampler.greedy(), stop.max_len(12)).token_ids
+
+
+def test_per_token_streams_of_constrained_rows(tiny: Model) -> None:
+    """A constrained stream with ``per_token`` gets each token as it is drawn (one host-driven draw
+    per engine step), the same tokens as without, and a text that matches its schema."""
+    gen = Generator(tiny)
+    config = json_config(SCHEMAS["object_required"], 1.0, seed=2)
+    whole = gen.generate("hello", config)
+    steps = gen.engine.stats.steps
+    pieces = list(gen.generate_stream("hello", config, per_token=True))
+    assert "".join(pieces) == whole.text
+    assert_valid(whole.text, SCHEMAS["object_required"])
+    assert gen.engine.stats.steps - steps >= len(whole.token_ids)  # a step (and a chance to deliver) per token
