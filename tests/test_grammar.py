@@ -412,3 +412,15 @@ def test_per_token_streams_of_constrained_rows(tiny: Model) -> None:
     assert "".join(pieces) == whole.text
     assert_valid(whole.text, SCHEMAS["object_required"])
     assert gen.engine.stats.steps - steps >= len(whole.token_ids)  # a step (and a chance to deliver) per token
+
+
+def test_forty_constrained_rows_decode_in_one_loop(tiny: Model) -> None:
+    """No limit on the constrained rows of a decode loop: 40 of them prefill in one step and decode
+    in one host-driven loop (not a step per token), each matching its pattern, as they do alone."""
+    pattern = r"[a-c]{2}-[0-9]{2,3}"
+    configs = [SamplingConfig(temperature=1.0, seed=seed, max_new_tokens=12, grammar=Grammar.regex(pattern)) for seed in range(40)]
+    gen = Generator(tiny, max_batch_size=64)
+    results = gen.batch_generate([Request("go", config) for config in configs])
+    assert gen.engine.stats.steps <= 3  # a prefill step, then the loop (cut where a row finishes, at most once more)
+    assert all(re.fullmatch(pattern, r.text) and r.finish_reason == "stop" for r in results), [r.text for r in results]
+    assert gen.generate("go", configs[7]).token_ids == results[7].token_ids
