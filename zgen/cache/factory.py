@@ -41,6 +41,7 @@ from zgen.cache.tensor import DenseAttention, DenseKVState
 from zgen.cache.tiered import TieredConfig, TieredKVManager
 from zgen.config import ModelConfig
 from zgen.errors import ConfigError
+from zgen.pallas.common import IMPLEMENTATIONS
 from zgen.pallas.paged_attention.layouts import KeyCalibration
 from zgen.shapes import next_pow2
 
@@ -65,6 +66,7 @@ class CacheOptions:
     prefix_cache_blocks: int | None = None  # paged, tiered: radix prefix cache of at most this many blocks
     tiered: TieredConfig | None = None  # tiered: the host RAM and disk levels; None: DEFAULT_TIERED_CONFIG
     attention: DenseAttention = "auto"  # tensor, flat: which attention implementation the rows use
+    paged_attention: str | None = None  # paged, tiered: the paged_attention implementation; None: the platform's best
 
     def __post_init__(self) -> None:
         if self.kind is not None and self.kind not in CACHE_KINDS:
@@ -86,6 +88,10 @@ class CacheOptions:
             raise ConfigError(f"prefix_cache capacity_blocks must be an integer >= 0, got {blocks!r}")
         if self.attention not in get_args(DenseAttention):
             raise ConfigError(f"unknown dense attention {self.attention!r}; choose one of {', '.join(get_args(DenseAttention))}")
+        if self.paged_attention is not None and self.paged_attention not in IMPLEMENTATIONS:
+            raise ConfigError(
+                f"unknown paged attention implementation {self.paged_attention!r}; choose one of {', '.join(IMPLEMENTATIONS)} or None"
+            )
         kind = self.resolved_kind
         if self.prefix_cache_blocks is not None and kind not in PAGED_KINDS:
             raise ConfigError(
@@ -121,10 +127,15 @@ def cache_kind(kind: str) -> CacheOption:
     return lambda o: replace(o, kind=kind, tiered=o.tiered if kind == "tiered" else None)
 
 
-def paged_kv(max_memory_mb: float = DEFAULT_PAGED_MEMORY_MB, page_size: int = 16) -> CacheOption:
-    """Fixed-size blocks from a pool sized by a memory budget (the tiered cache's pool, if it was chosen)."""
+def paged_kv(max_memory_mb: float = DEFAULT_PAGED_MEMORY_MB, page_size: int = 16, attention: str | None = None) -> CacheOption:
+    """Fixed-size blocks from a pool sized by a memory budget (the tiered cache's pool, if it was chosen).
+
+    ``attention`` forces a :func:`~zgen.pallas.paged_attention` implementation ("xla", "triton", ...;
+    None: the platform's best); tests and benchmarks compare them, and on CPU "triton" runs the
+    kernel interpreted."""
     return lambda o: replace(
-        o, kind="tiered" if o.kind == "tiered" else "paged", max_memory_mb=max_memory_mb, page_size=page_size
+        o, kind="tiered" if o.kind == "tiered" else "paged", max_memory_mb=max_memory_mb, page_size=page_size,
+        paged_attention=attention,
     )
 
 
@@ -203,7 +214,7 @@ def make_kv(
             raise ConfigError(f"kv dtype {storage!r} codes keys with the model's key calibration; pass key_calibration")
         paged = PagedConfig(
             c.num_layers, c.num_kv_heads, c.head_dim, options.page_size, storage, jnp.dtype(dtype).name,
-            tuple(key_calibration) if fmt.coded and key_calibration is not None else None,
+            tuple(key_calibration) if fmt.coded and key_calibration is not None else None, options.paged_attention,
         )
         store = PageStore.with_budget(paged, options.max_memory_mb or DEFAULT_PAGED_MEMORY_MB)
         max_len = c.max_position_embeddings

@@ -23,6 +23,7 @@ from zgen.cache.block_pool import BlockPool
 from zgen.cache.formats import empty_pages, kv_format
 from zgen.cache.paged_state import PagedKVState, device_calibration
 from zgen.errors import CacheError, ConfigError
+from zgen.pallas.common import IMPLEMENTATIONS
 from zgen.pallas.paged_attention.layouts import KeyCalibration, KVPages
 from zgen.shapes import next_pow2
 
@@ -98,11 +99,14 @@ class PagedConfig:
     dtype: str = "float32"  # dtype of read-back views (``get``, ``layer_view``)
     # Per-layer key statistics the coded formats (q4, q3) code keys with (zgen.runtime.calibration).
     key_calibration: tuple[KeyCalibration, ...] | None = field(default=None, compare=False)
+    attention: str | None = None  # the paged_attention implementation steps use; None: the platform's best
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "kv_heads", "head_dim", "page_size"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"PagedConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.attention is not None and self.attention not in IMPLEMENTATIONS:
+            raise ConfigError(f"unknown paged attention implementation {self.attention!r}; choose one of {', '.join(IMPLEMENTATIONS)} or None")
         kv_format(self.kv_dtype, self.head_dim)
         device_calibration(self.key_calibration, self.num_layers, self.kv_heads, self.head_dim)  # checks shapes
 
@@ -177,7 +181,8 @@ class PageStore:
         self.ensure_available()
         c = self.config
         calibration = device_calibration(c.key_calibration, c.num_layers, c.kv_heads, c.head_dim)
-        return PagedKVState(self.k, self.v, jax.device_put(block_tables.astype(np.int32, copy=False)), c.kv_dtype, c.dtype, calibration)
+        tables = jax.device_put(block_tables.astype(np.int32, copy=False))
+        return PagedKVState(self.k, self.v, tables, c.kv_dtype, c.dtype, calibration, c.attention)
 
     def _layer_calibration(self, layer: int) -> KeyCalibration | None:
         calibration = self.config.key_calibration
