@@ -34,6 +34,13 @@ from zgen.pallas.paged_attention.layouts import BIT_CONTAINERS
 DenseAttention = Literal["auto", "einsum", "reference", "xla", "triton"]
 
 
+def dense_attention_path(path: DenseAttention) -> DenseAttention:
+    """The path ``path`` runs on this platform: ``"auto"`` is the flash kernels (Triton) on a GPU, the einsum elsewhere."""
+    if path == "auto":
+        return "triton" if platform() == "gpu" else "einsum"
+    return path
+
+
 def masked_attention(
     q: Float[Array, "B T H D"],
     k: Float[Array, "B S KVH D"],
@@ -156,9 +163,7 @@ class DenseKVState:
     ) -> Float[Array, "B T H D"]:
         """Attention of ``q`` at ``positions`` over this layer's slots (padding queries at -1 give zeros
         on the kernel path; their values are never used)."""
-        path = self.attention
-        if path == "auto":
-            path = "triton" if platform() == "gpu" else "einsum"
+        path = dense_attention_path(self.attention)
         k, v = _floats(self.k[layer]), _floats(self.v[layer])
         if path == "einsum":
             return causal_attention(q, k, v, positions, sliding_window=sliding_window)
