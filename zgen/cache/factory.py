@@ -30,13 +30,15 @@ from dataclasses import dataclass, replace
 from typing import get_args
 
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from zgen.cache.base import KVManager
 from zgen.cache.compressed import CompressedKVState
 from zgen.cache.formats import kv_dtype_of, kv_format
 from zgen.cache.page_store import PagedConfig, PageStore
 from zgen.cache.paged_manager import PagedKVManager
-from zgen.cache.slots import SlotKVManager
+from zgen.cache.sharded import state_split_by_heads
+from zgen.cache.slots import SlotKVManager, SlotState
 from zgen.cache.tensor import DenseAttention, DenseKVState
 from zgen.cache.tiered import TieredConfig, TieredKVManager
 from zgen.config import ModelConfig
@@ -198,12 +200,14 @@ def make_kv(
     max_rows: int,
     max_write: int,
     key_calibration: Sequence[KeyCalibration] | None = None,
+    mesh: Mesh | None = None,
 ) -> KVManager:
     """The KV manager ``options`` describe, for a model of ``config`` computing in ``dtype``.
 
     ``max_rows``: most sequences a slot kind holds at once; ``max_write``: most tokens one step writes
     per row (it sizes the compressed cache's raw ring). A coded format (q4, q3) needs the model's
-    ``key_calibration`` (see :func:`zgen.runtime.calibration.key_calibration`).
+    ``key_calibration`` (see :func:`zgen.runtime.calibration.key_calibration`). ``mesh``: a split
+    model's devices (:attr:`zgen.model.Model.mesh`); the buffers are built split by KV heads over it.
     """
     c = config
     kind = options.resolved_kind
@@ -216,7 +220,7 @@ def make_kv(
             c.num_layers, c.num_kv_heads, c.head_dim, options.page_size, storage, jnp.dtype(dtype).name,
             tuple(key_calibration) if fmt.coded and key_calibration is not None else None, options.paged_attention,
         )
-        store = PageStore.with_budget(paged, options.max_memory_mb or DEFAULT_PAGED_MEMORY_MB)
+        store = PageStore.with_budget(paged, options.max_memory_mb or DEFAULT_PAGED_MEMORY_MB, mesh)
         max_len = c.max_position_embeddings
         if kind == "tiered":
             return TieredKVManager(
@@ -232,14 +236,21 @@ def make_kv(
         ring = next_pow2(max_write + options.chunk_size - 1)  # one write of max_write tokens fits the raw ring
         return SlotKVManager(
             kind,
-            lambda rows, capacity: CompressedKVState.zeros(
+            _on_devices(mesh, lambda rows, capacity: CompressedKVState.zeros(
                 shape[0], rows, capacity, shape[1], shape[2], float_dtype, chunk_size=options.chunk_size, raw_slots=ring
-            ),
+            )),
             num_layers=c.num_layers, max_len=c.max_position_embeddings, max_slots=max_rows, capacity=c.max_position_embeddings,
         )
     return SlotKVManager(
         kind,
-        lambda rows, capacity: DenseKVState.zeros(shape[0], rows, capacity, shape[1], shape[2], float_dtype, options.attention),
+        _on_devices(mesh, lambda rows, capacity: DenseKVState.zeros(shape[0], rows, capacity, shape[1], shape[2], float_dtype, options.attention)),
         num_layers=c.num_layers, max_len=c.max_position_embeddings, max_slots=max_rows,
         capacity=c.max_position_embeddings if kind == "flat" else None,
     )
+
+
+def _on_devices(mesh: Mesh | None, empty: Callable[[int, int], SlotState]) -> Callable[[int, int], SlotState]:
+    """``empty(rows, capacity)``, building the state split by KV heads over ``mesh`` when there is one."""
+    if mesh is None:
+        return empty
+    return lambda rows, capacity: state_split_by_heads(lambda: empty(rows, capacity), mesh)

@@ -16,12 +16,14 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 from jaxtyping import Array
 
 from zgen.cache.base import replace_layer
 from zgen.cache.block_pool import BlockPool
 from zgen.cache.formats import empty_pages, kv_format
 from zgen.cache.paged_state import PagedKVState, device_calibration
+from zgen.cache.sharded import pages_split_by_heads
 from zgen.errors import CacheError, ConfigError
 from zgen.pallas.common import IMPLEMENTATIONS
 from zgen.pallas.paged_attention.layouts import KeyCalibration, KVPages
@@ -124,25 +126,28 @@ class PageStore:
     pages: every later use raises :class:`~zgen.errors.CacheError` until :meth:`reset_pages`.
     """
 
-    def __init__(self, config: PagedConfig, pool: BlockPool) -> None:
+    def __init__(self, config: PagedConfig, pool: BlockPool, mesh: Mesh | None = None) -> None:
         if pool.page_size != config.page_size:
             raise ConfigError(f"pool page_size {pool.page_size} differs from the config's {config.page_size}")
         self.config = config
         self.pool = pool
+        self.mesh = mesh  # a split model's devices: each holds its KV heads' part of every page
         self.k: tuple[KVPages, ...] = ()
         self.v: tuple[KVPages, ...] = ()
         self.reset_pages()
 
     @classmethod
-    def with_budget(cls, config: PagedConfig, max_memory_mb: float) -> PageStore:
-        """A store on a fresh pool of as many blocks as ``max_memory_mb`` MiB of pages hold.
+    def with_budget(cls, config: PagedConfig, max_memory_mb: float, mesh: Mesh | None = None) -> PageStore:
+        """A store on a fresh pool of as many blocks as ``max_memory_mb`` MiB of pages hold (over all
+        of ``mesh``'s devices, each holding its KV heads' share).
 
         A budget the device cannot hold (pages plus the pool's host bookkeeping) is refused before
         anything is allocated, rather than failing deep inside the allocator.
         """
         block_bytes = config.bytes_per_token * config.page_size
         num_blocks = BlockPool.blocks_in_budget(max_memory_mb, block_bytes, config.page_size)
-        needed = num_blocks * (block_bytes + BlockPool.HOST_BYTES_PER_BLOCK)
+        devices = 1 if mesh is None else mesh.size
+        needed = num_blocks * (block_bytes // devices + BlockPool.HOST_BYTES_PER_BLOCK)
         available = available_memory_bytes()
         if needed > available:
             raise ConfigError(
@@ -150,14 +155,17 @@ class PageStore:
                 f"bookkeeping, but only {available / 2**20:,.0f} MiB are free on {jax.devices()[0].platform}; "
                 "lower max_memory_mb"
             )
-        return cls(config, BlockPool(num_blocks, config.page_size))
+        return cls(config, BlockPool(num_blocks, config.page_size), mesh)
 
     def reset_pages(self) -> None:
         """Fresh zeroed pages for every layer (the pool's bookkeeping is untouched)."""
         c = self.config
         n = self.pool.num_blocks
-        self.k = tuple(empty_pages(c.kv_dtype, c.kv_heads, n, c.page_size, c.head_dim) for _ in range(c.num_layers))
-        self.v = tuple(empty_pages(c.kv_dtype, c.kv_heads, n, c.page_size, c.head_dim) for _ in range(c.num_layers))
+
+        def empty() -> tuple[KVPages, ...]:
+            return tuple(empty_pages(c.kv_dtype, c.kv_heads, n, c.page_size, c.head_dim) for _ in range(c.num_layers))
+
+        self.k, self.v = (empty(), empty()) if self.mesh is None else (pages_split_by_heads(empty, self.mesh), pages_split_by_heads(empty, self.mesh))
 
     @property
     def nbytes(self) -> int:

@@ -9,15 +9,18 @@ device would, on its heads alone, and nothing crosses devices until the output p
 all-reduce.
 
 A state kind takes part by offering :class:`HeadSplit`'s three methods: ``select`` (a one-layer
-state), ``merge`` (that layer put back) and ``head_specs`` (a ``PartitionSpec`` per leaf).
+state), ``merge`` (that layer put back) and ``head_specs`` (a ``PartitionSpec`` per leaf). The KV
+managers build their buffers split the same way (:func:`state_split_by_heads`,
+:func:`pages_split_by_heads`), so no device ever holds every head's K/V, not even before the first step.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, Self, TypeVar, runtime_checkable
+from collections.abc import Callable
+from typing import Any, Protocol, Self, TypeVar, runtime_checkable
 
 import jax
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, Int
 
 from zgen.cache.base import KVState
@@ -46,6 +49,7 @@ class HeadSplit(KVState, Protocol):
 
 
 S = TypeVar("S", bound=KVState)
+T = TypeVar("T")
 
 
 def _head_split(state: KVState) -> HeadSplit:
@@ -101,3 +105,20 @@ def attend_per_shard(
 
     run = jax.shard_map(local, mesh=mesh, in_specs=(one.head_specs(TP_AXIS), HEADS, PartitionSpec()), out_specs=HEADS, check_vma=False)
     return run(one, q, positions)
+
+
+def _built_split(make: Callable[[], T], mesh: Mesh, specs: Callable[[Any], Any]) -> T:
+    """What ``make`` builds, built in place on ``mesh`` with ``specs`` of its abstract value (a
+    ``PartitionSpec`` per leaf): each device allocates its own part only."""
+    shardings = jax.tree_util.tree_map(lambda spec: NamedSharding(mesh, spec), specs(jax.eval_shape(make)))
+    return jax.jit(make, out_shardings=shardings)()
+
+
+def state_split_by_heads(make: Callable[[], S], mesh: Mesh) -> S:
+    """The KV state ``make`` builds (zeros), built split by KV heads over ``mesh``."""
+    return _built_split(make, mesh, lambda state: _head_split(state).head_specs(TP_AXIS))
+
+
+def pages_split_by_heads(make: Callable[[], T], mesh: Mesh) -> T:
+    """Page pools ``make`` builds (every leaf leads with the KV heads), built split by heads over ``mesh``."""
+    return _built_split(make, mesh, lambda pages: jax.tree_util.tree_map(lambda _: PartitionSpec(TP_AXIS), pages))
