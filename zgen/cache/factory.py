@@ -130,7 +130,8 @@ def cache_kind(kind: str) -> CacheOption:
 
 
 def paged_kv(max_memory_mb: float = DEFAULT_PAGED_MEMORY_MB, page_size: int = 16, attention: str | None = None) -> CacheOption:
-    """Fixed-size blocks from a pool sized by a memory budget (the tiered cache's pool, if it was chosen).
+    """Fixed-size blocks from a pool sized by a memory budget (the tiered cache's pool, if it was chosen);
+    for a model split over devices the budget is their total (each holds its KV heads' share).
 
     ``attention`` forces a :func:`~zgen.pallas.paged_attention` implementation ("xla", "triton", ...;
     None: the platform's best); tests and benchmarks compare them, and on CPU "triton" runs the
