@@ -29,7 +29,7 @@ from dataclasses import replace
 import jax, jax.numpy as jnp, numpy as np
 from zgen.cache.compressed import CompressedKVState
 from zgen.cache.paged_state import MaskedPagedState, PagedKVState
-from zgen.cache.sharded import write_and_attend_per_shard
+from zgen.cache.sharded import attend_per_shard, write_and_attend_per_shard
 from zgen.cache.tensor import DenseKVState
 from zgen.pallas.paged_attention.layouts import KeyCalibration
 from zgen.sharding import tensor_parallel_mesh
@@ -62,14 +62,24 @@ def per_shard(state, q, k, v, positions):
     return write_and_attend_per_shard(state, mesh, 1, q, k, v, positions, sliding_window=None)
 
 
+def read_one_device(state, q, positions):
+    return state.attend(1, q, positions, sliding_window=None)
+
+
+def read_per_shard(state, q, positions):  # attention without a write (what EAGLE's feature reads do)
+    return attend_per_shard(state, mesh, 1, q, positions, sliding_window=None)
+
+
 out = {}
 for name, state in states.items():
     results = []
-    for run in (one_device, per_shard):
+    for run, read in ((one_device, read_one_device), (per_shard, read_per_shard)):
         s, outs = state, []
         for feed in feeds:
             o, s = jax.jit(run)(s, *feed)
             outs.append(np.asarray(o))
+        if name in ("dense", "paged-bf16"):
+            outs.append(np.asarray(jax.jit(read)(s, feeds[0][0], feeds[0][3])))
         view = s.layer_view(1)
         results.append((outs, np.asarray(view.k), np.asarray(view.v)))
     (one_outs, one_k, one_v), (split_outs, split_k, split_v) = results
