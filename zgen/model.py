@@ -96,9 +96,9 @@ class Model:
     def mesh(self) -> Mesh | None:
         """The mesh a split model's weights lie on (:func:`zgen.sharding.tensor_parallel_mesh`); None on one device."""
         for p in self.params.values():
-            if isinstance(p, jax.Array) and isinstance(p.sharding, NamedSharding) and isinstance(p.sharding.mesh, Mesh):
-                if len(p.sharding.device_set) > 1:
-                    return p.sharding.mesh
+            sharding = p.sharding if isinstance(p, jax.Array) else None
+            if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh) and len(sharding.device_set) > 1:
+                return sharding.mesh
         return None
 
     def push_adapter(self, adapter: LoraAdapter, scale: float = 1.0) -> None:

@@ -165,7 +165,9 @@ class PageStore:
         def empty() -> tuple[KVPages, ...]:
             return tuple(empty_pages(c.kv_dtype, c.kv_heads, n, c.page_size, c.head_dim) for _ in range(c.num_layers))
 
-        self.k, self.v = (empty(), empty()) if self.mesh is None else (pages_split_by_heads(empty, self.mesh), pages_split_by_heads(empty, self.mesh))
+        mesh = self.mesh
+        build = empty if mesh is None else lambda: pages_split_by_heads(empty, mesh)
+        self.k, self.v = build(), build()
 
     @property
     def nbytes(self) -> int:
