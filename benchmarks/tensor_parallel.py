@@ -5,7 +5,8 @@ For each batch size, the same greedy requests on the model as it is (one device)
 axis; each layer's KV write and attention run per device in ``shard_map``, so both runs use the same
 kernels); ms per decode step by the method of ``gpu_decode.py`` (generate(N) − generate(1), median
 after warm-up, EOS ignored), and whether the greedy tokens agree (in bfloat16 they may not: the
-all-reduce sums in another order). The output names the attention path both runs took.
+all-reduce sums in another order). The output names the attention path both runs took and counts
+the collectives in the split model's compiled steps (two all-reduces per layer, nothing gathered).
 
     python benchmarks/tensor_parallel.py --shape llama3-8b --devices 2                          # 2 x H100, dense cache (flash kernels)
     python benchmarks/tensor_parallel.py --shape llama3-8b --devices 2 --kv-cache paged         # the paged kernel (bf16 pages)
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import time
@@ -110,7 +112,26 @@ def main() -> None:
         "device": str(jax.devices()[0].device_kind), "shape": args.shape, "dtype": args.dtype,
         "attention": f"{attention}; split model: per device in shard_map over the heads",
         "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "results": rows,
+        "split_collectives": collectives(split, config.num_layers),
     }, indent=2))
+
+
+def collectives(model: Any, layers: int) -> dict[str, Any]:
+    """Per kind of compiled step of the split model, each distinct count: all-reduces per layer (2:
+    attention and MLP; XLA may combine some) and the collectives that gather or move data (0 when
+    attention ran on each device's own heads)."""
+    from zgen.runtime.runner import runner_for
+
+    counts: dict[str, list[dict[str, float]]] = {}
+    for key, compiled in runner_for(model)._executables.items():
+        text = compiled.as_text()
+        count = {
+            "all_reduce_per_layer": len(re.findall(r"all-reduce(?:-start)?\(", text)) / layers,
+            "gathers": len(re.findall(r"all-gather(?:-start)?\(|all-to-all\(|collective-permute(?:-start)?\(", text)),
+        }
+        if count not in counts.setdefault(str(key[0]), []):
+            counts[str(key[0])].append(count)
+    return counts
 
 
 if __name__ == "__main__":
