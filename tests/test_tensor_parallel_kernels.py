@@ -2,7 +2,7 @@
 host devices with the kernels interpreted: one layer's write and attention equal one device's for every
 KV state and page format, and whole greedy generations (prefill and decode, dense and paged bf16/q4
 through the Triton kernels) equal one device's, with one all-reduce per block and nothing gathered, and
-the page pool is built split by KV heads."""
+the KV buffers are built split by KV heads."""
 
 from __future__ import annotations
 
@@ -115,15 +115,22 @@ cases = {
     "paged-bf16": [paged_kv(4, attention="triton"), kv_dtype("bf16")],
     "paged-q4": [paged_kv(4, attention="triton"), kv_dtype("q4")],
 }
+
+
+def split_by_heads(leaf, axis):
+    return len(leaf.sharding.device_set) == 4 and leaf.sharding.shard_shape(leaf.shape)[axis] == leaf.shape[axis] // 4
+
+
 out = {}
 for name, options in cases.items():
     runs = {}
     for label, model in (("one", one), ("four", four)):
         generator = Generator(model, *options, max_batch_size=2)
         if label == "four" and name != "dense":  # the pool is built split by KV heads: no device holds all of it
-            leaf = jax.tree_util.tree_leaves(generator.engine.kv.store.k)[0]
-            pages_split = len(leaf.sharding.device_set) == 4 and leaf.sharding.shard_shape(leaf.shape)[0] == leaf.shape[0] // 4
+            kv_split = split_by_heads(jax.tree_util.tree_leaves(generator.engine.kv.store.k)[0], 0)
         results = generator.batch_generate(requests)
+        if label == "four" and name == "dense":  # rows made (and grown) split by KV heads
+            kv_split = split_by_heads(generator.engine.kv.state.k[0], 2)
         runs[label] = ([r.token_ids for r in results], np.array([r.logprobs for r in results]))
     collectives = sorted({  # per compiled step: (all-reduces, anything that gathers or moves K/V)
         (len(re.findall(r"all-reduce\(", text)), len(re.findall(r"all-gather\(|all-to-all\(|collective-permute\(", text)))
@@ -133,7 +140,7 @@ for name, options in cases.items():
         "tokens": runs["one"][0], "same_tokens": runs["one"][0] == runs["four"][0],
         "logprob_gap": float(np.max(np.abs(runs["one"][1] - runs["four"][1]))),
         "steps": sorted({key[0] for key in runner_for(four)._executables}), "collectives": collectives,
-        "pages_split": name == "dense" or pages_split,
+        "kv_split": kv_split,
     }
     runner_for(four)._executables.clear()
 print(json.dumps(out))
@@ -171,7 +178,7 @@ def test_generation_through_the_kernels_on_four_devices_equals_one_device() -> N
         assert result["logprob_gap"] < 1e-4, (name, result)  # float32: only the all-reduce's summation order differs
         assert result["steps"] == ["decode", "mixed"], (name, result)  # prefill (mixed step) and the decode loop
         assert result["collectives"] == [[2 * 2, 0]], (name, result)  # 2 layers x (attention + MLP): one all-reduce each
-        assert result["pages_split"], (name, result)
+        assert result["kv_split"], (name, result)
     assert len({tuple(ids) for ids in out["dense"]["tokens"]}) == 2  # type: ignore[union-attr]
 
 
