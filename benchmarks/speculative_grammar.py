@@ -5,8 +5,7 @@ value bounded, so a record always ends) after a prompt that shows such a record,
 speculator: tokens/s of the whole constrained generation (wall time of ``batch_generate``, median of
 ``--runs`` after a warm-up that compiles), the speedup over plain constrained decoding of the same
 requests, the acceptance figures, whether every output validates, and (greedy) whether the tokens
-equal plain constrained decoding's. Batches of more than 8 constrained rows step the engine per token
-(GRAMMAR_LOOP_ROWS) and do not speculate.
+equal plain constrained decoding's. Constrained rows speculate in batches of any size.
 
 With random weights (the default: SmolLM2's shape with a real byte-level vocabulary, see
 ``grammar.py``) only the forced tokens (the keys and punctuation) are predictable, so prompt lookup is

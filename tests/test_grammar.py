@@ -51,15 +51,6 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "number_range": {"type": "integer", "minimum": 10, "maximum": 99},
 }
 
-#: Constrained rows a decode loop takes here (below the engine's default, so small batches pass it).
-GRAMMAR_LOOP_ROWS = 8
-
-
-@pytest.fixture(autouse=True)
-def _grammar_loop_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("zgen.runtime.engine.GRAMMAR_LOOP_ROWS", GRAMMAR_LOOP_ROWS)
-
-
 @pytest.fixture(scope="module")
 def tiny() -> Model:
     """Random weights of a tiny Llama with SmolLM2's real byte-level vocabulary (JSON needs one)."""
@@ -95,9 +86,7 @@ def test_json_schemas_batched_beside_unconstrained_rows(tiny: Model, temperature
         assert_valid(result.text, schema)
     for request, result in ((requests[0], results[0]), (requests[-1], results[-1])):  # unaffected by the grammar rows
         assert result.token_ids == gen.generate(request.prompt, request.sampling).token_ids
-    # A constrained row draws the same tokens alone (in the decode loop, its grammar advanced by the
-    # loop's host callback) as in the batch (more rows than GRAMMAR_LOOP_ROWS: one engine step a token).
-    assert len(constrained) > GRAMMAR_LOOP_ROWS
+    # A constrained row draws the same tokens alone as in the batch, in a decode loop (not one engine step a token).
     steps = gen.engine.stats.steps
     alone = gen.generate("hello", requests[1].sampling)
     assert alone.token_ids == constrained[0].token_ids
@@ -111,7 +100,6 @@ def test_rows_ending_apart_in_one_decode_loop(tiny: Model) -> None:
     gen = Generator(tiny, sync_interval=4)
     configs = [json_config(schema, 1.0, seed) for seed, schema in enumerate(SCHEMAS.values())]
     configs.append(SamplingConfig(temperature=1.0, seed=9, max_new_tokens=20, ignore_eos=True, stop=("<never>",)))
-    assert len(configs) - 1 <= GRAMMAR_LOOP_ROWS
     steps = gen.engine.stats.steps
     together = gen.batch_generate([Request("hello", config) for config in configs])
     assert gen.engine.stats.steps - steps <= 1 + 20 // 4 + len(configs)  # prefill, then loops of 4 draws
@@ -264,45 +252,175 @@ def test_end_tokens_are_allowed_only_where_the_grammar_may_end(tiny: Model) -> N
         GrammarMatcher(Grammar.regex("b"), tiny, (eos,)).consume(a)
 
 
-def test_decode_loop_draws_on_while_the_host_computes_the_next_masks(tiny: Model, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The grammar work of a draw runs on the host while the loop goes on to the next forward pass:
-    each worker turn holds back until the loop has reached its next wait (after that forward pass),
-    which a loop that waited for the host after every draw could never do. Same tokens as without."""
-    import threading
+def test_host_computes_each_draws_masks_while_the_forward_pass_before_it_runs(
+    tiny: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The constrained loop dispatches each forward pass, then takes its host turn (the grammars
+    advanced by the last draw, then the masks of the draw after that forward pass) while the device
+    runs it, and dispatches that draw only after the turn. The forward pass is made long here (a
+    computation of a few hundred milliseconds joins its logits) so that "still running" is plain:
+    each host turn but the last finds its forward pass dispatched and not yet done."""
+    import jax
+    import jax.numpy as jnp
 
-    from zgen.runtime.grammar import GrammarLoop
+    import zgen.runtime.runner as runner_module
+    from zgen.runtime.constrained import ConstrainedRows
+    from zgen.runtime.runner import DecodeSteps, Runner
+    from zgen.runtime.step import decode_feed
 
     config = json_config(SCHEMAS["nested"], 1.0, seed=3)
     expected = Generator(tiny).generate("hello", config)
 
-    waits = 0
-    reached = threading.Condition()
-    submitted: list[int] = []  # the waits entered when each turn was handed over
-    held, missed = [], []
-    wait, submit, advance = GrammarLoop.wait, GrammarLoop.submit, GrammarLoop._advance
+    events: list[str] = []
+    forwards: list[jax.Array] = []  # each dispatched forward pass's logits
 
-    def counted_wait(self: GrammarLoop, after: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        nonlocal waits
-        with reached:
-            waits += 1
-            reached.notify_all()
-        return wait(self, after)
+    def long_feed(model: Any, params: Any, kv: Any, token: Any, position: Any, adapter_slots: Any = None) -> Any:
+        logits, kv = decode_feed(model, params, kv, token, position, adapter_slots)
+        x = jnp.full((384, 384), 1e-3) * token[0].astype(jnp.float32)
+        x = jax.lax.fori_loop(0, 40, lambda _, x: jnp.tanh(x @ x), x)
+        return logits + 0.0 * x[0, 0], kv
 
-    def counted_submit(self: GrammarLoop, drawn: np.ndarray, live: np.ndarray, masks_wanted: np.ndarray) -> None:
-        with reached:
-            submitted.append(waits)
-        submit(self, drawn, live, masks_wanted)
+    def host_turn(method: Any) -> Any:
+        def turn(self: ConstrainedRows, *args: Any) -> Any:
+            events.append("turn while its forward runs" if forwards and not forwards[-1].is_ready() else "turn")
+            return method(self, *args)
 
-    def held_advance(self: GrammarLoop, drawn: np.ndarray, live: np.ndarray, masks_wanted: np.ndarray) -> Any:
-        with reached:
-            before = submitted.pop(0)
-            if masks_wanted.any():  # the loop goes on: it will wait again, after its next forward pass
-                (held if reached.wait_for(lambda: waits > before, timeout=20) else missed).append(before)
-        return advance(self, drawn, live, masks_wanted)
+        return turn
 
-    monkeypatch.setattr(GrammarLoop, "wait", counted_wait)
-    monkeypatch.setattr(GrammarLoop, "submit", counted_submit)
-    monkeypatch.setattr(GrammarLoop, "_advance", held_advance)
-    result = Generator(tiny).generate("hello", config)
+    decode_steps = Runner.decode_steps
+
+    def recorded_steps(self: Runner, *args: Any, **kwargs: Any) -> DecodeSteps:
+        steps = decode_steps(self, *args, **kwargs)
+
+        def feed(kv: Any, loop: Any) -> Any:
+            logits, kv = steps.feed(kv, loop)
+            forwards.append(logits)
+            events.append("forward")
+            return logits, kv
+
+        def draw(logits: Any, loop: Any, mask: Any) -> Any:
+            events.append("draw")
+            return steps.draw(logits, loop, mask)
+
+        return DecodeSteps(feed, draw)
+
+    monkeypatch.setattr(runner_module, "decode_feed", long_feed)
+    monkeypatch.setattr(Runner, "decode_steps", recorded_steps)
+    monkeypatch.setattr(ConstrainedRows, "first_masks", host_turn(ConstrainedRows.first_masks))
+    monkeypatch.setattr(ConstrainedRows, "take", host_turn(ConstrainedRows.take))
+    fresh = dataclasses.replace(tiny, attachments={})  # its own runner, compiled with the long forward pass
+    result = Generator(fresh).generate("hello", config)
     assert result.token_ids == expected.token_ids and result.finish_reason == "stop"
-    assert not missed and len(held) >= len(result.token_ids) - 1
+    # forward 1, turn 1 (the first masks), draw 1, forward 2, turn 2 (draw 1 taken, masks 2), draw 2, ...
+    draws = (len(events) - 1) // 3
+    assert draws >= len(result.token_ids) - 1  # (the first token came from the prefill step)
+    assert events[: 3 * draws] == ["forward", "turn while its forward runs", "draw"] * draws, events
+    # After the last draw: its turn alone, or (the loop not knowing yet that the row ended) one more
+    # forward pass beside it, whose K/V write is rolled back.
+    assert events[3 * draws :] in (["turn"], ["forward", "turn while its forward runs"]), events
+
+
+def test_a_grammar_failing_in_the_loop_fails_its_job_alone(tiny: Model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A grammar that breaks mid-generation (llguidance refusing a drawn token) fails its own job, whose
+    sequence goes back to what it was; the rows beside it draw what they draw alone, and the engine goes on."""
+    import zgen.runtime.constrained as constrained
+    from zgen.runtime.engine import ForwardRequest
+    from zgen.runtime.grammar import GrammarMatcher
+    from zgen.runtime.stop import StopCondition
+
+    configs = [
+        json_config(SCHEMAS["nested"], 1.0, seed=3),
+        json_config(SCHEMAS["object_required"], 0.0),
+        SamplingConfig(temperature=1.0, seed=9, max_new_tokens=16, ignore_eos=True),
+    ]
+    gen = Generator(tiny)
+    expected = [gen.generate("hello", config).token_ids for config in configs]
+
+    doomed: list[GrammarMatcher] = []
+    taken = 0
+    consume_all = constrained.consume_all
+
+    def refusing(draws: list[tuple[GrammarMatcher, int, int]]) -> dict[int, GrammarError]:
+        nonlocal taken
+        refused = consume_all(draws)
+        for matcher, _, i in draws:
+            if doomed and matcher is doomed[0]:
+                taken += 1
+                if taken == 3:
+                    refused[i] = GrammarError("refused here")
+        return refused
+
+    monkeypatch.setattr(constrained, "consume_all", refusing)
+    engine = gen.engine
+    ids = tiny.tokenizer.encode("hello")
+    seqs = [engine.new_sequence(ids, seed=0) for _ in configs]
+    jobs = [
+        engine.submit(seq, ForwardRequest(end=len(ids), sample_at=(len(ids) - 1,), sampling=config,
+                                          generate=StopCondition.from_sampling(config, tiny.eos_token_ids)))
+        for seq, config in zip(seqs, configs, strict=True)
+    ]
+    assert jobs[0].grammar is not None
+    doomed.append(jobs[0].grammar)
+    with pytest.raises(GrammarError, match="refused here"):
+        engine.wait(jobs[0])
+    assert seqs[0].tokens == ids and seqs[0].kv_len == 0  # as it was at submission
+    assert [engine.wait(job).tokens for job in jobs[1:]] == expected[1:]
+    assert gen.generate("hello", configs[0]).token_ids == expected[0]  # (no longer refused: `taken` is past 3)
+
+
+def test_constrained_loops_compile_once(tiny: Model) -> None:
+    """The host-driven loop calls two executables per token, compiled once per shape: a second
+    constrained generation of the same budget and sampling kind compiles no loop step again."""
+    gen = Generator(tiny)
+
+    def loop_steps() -> set[Any]:
+        return {key for key in gen.engine.runner._executables if key[0] in ("decode_feed", "decode_draw")}
+
+    first = gen.generate("hello", json_config(SCHEMAS["nested"], 1.0, seed=1))
+    compiled = loop_steps()
+    assert {key[0] for key in compiled} == {"decode_feed", "decode_draw"}
+    second = gen.generate("hi there", json_config(SCHEMAS["object_required"], 1.0, seed=2))
+    assert first.finish_reason == second.finish_reason == "stop"
+    assert loop_steps() == compiled
+
+
+def test_a_context_goes_on_exactly_after_a_constrained_reply(tiny: Model) -> None:
+    """The loop may have fed a reply's last token before it knew the grammar was complete: the
+    context keeps exactly the reply's tokens, and goes on as a fresh context fed the same tokens."""
+    from zgen import stop
+
+    engine = Engine(tiny, paged_kv(8))
+    ctx = Context(engine, seed=4)
+    ctx.fill("hello there")
+    prompt = list(ctx.token_ids)
+    reply = ctx.generate_result(json_config(SCHEMAS["nested"], 1.0, seed=3))
+    assert reply.finish_reason == "stop"
+    assert ctx.token_ids == prompt + reply.token_ids
+    fresh = Context(engine)
+    fresh.fill_tokens(ctx.token_ids)
+    assert ctx.generate_result(Sampler.greedy(), stop.max_len(12)).token_ids == fresh.generate_result(Sampler.greedy(), stop.max_len(12)).token_ids
+
+
+def test_per_token_streams_of_constrained_rows(tiny: Model) -> None:
+    """A constrained stream with ``per_token`` gets each token as it is drawn (one host-driven draw
+    per engine step), the same tokens as without, and a text that matches its schema."""
+    gen = Generator(tiny)
+    config = json_config(SCHEMAS["object_required"], 1.0, seed=2)
+    whole = gen.generate("hello", config)
+    steps = gen.engine.stats.steps
+    pieces = list(gen.generate_stream("hello", config, per_token=True))
+    assert "".join(pieces) == whole.text
+    assert_valid(whole.text, SCHEMAS["object_required"])
+    assert gen.engine.stats.steps - steps >= len(whole.token_ids)  # a step (and a chance to deliver) per token
+
+
+def test_forty_constrained_rows_decode_in_one_loop(tiny: Model) -> None:
+    """No limit on the constrained rows of a decode loop: 40 of them prefill in one step and decode
+    in one host-driven loop (not a step per token), each matching its pattern, as they do alone."""
+    pattern = r"[a-c]{2}-[0-9]{2,3}"
+    configs = [SamplingConfig(temperature=1.0, seed=seed, max_new_tokens=12, grammar=Grammar.regex(pattern)) for seed in range(40)]
+    gen = Generator(tiny, max_batch_size=64)
+    results = gen.batch_generate([Request("go", config) for config in configs])
+    assert gen.engine.stats.steps <= 3  # a prefill step, then the loop (cut where a row finishes, at most once more)
+    assert all(re.fullmatch(pattern, r.text) and r.finish_reason == "stop" for r in results), [r.text for r in results]
+    assert gen.generate("go", configs[7]).token_ids == results[7].token_ids

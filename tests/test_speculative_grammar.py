@@ -29,23 +29,13 @@ REGEXES = {  # prompts that repeat what the grammar asks for: prompt lookup draf
     r"[0-9]{3}-[a-z]{2,4}": "go",
 }
 
-#: Constrained rows a decode loop takes here (below the engine's default, so small batches pass it).
-GRAMMAR_LOOP_ROWS = 8
-
-
-@pytest.fixture(autouse=True)
-def _grammar_loop_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("zgen.runtime.engine.GRAMMAR_LOOP_ROWS", GRAMMAR_LOOP_ROWS)
-
-
 def _requests(temperature: float) -> list[Request]:
-    """Constrained rows (no more than the speculative loop takes) and an unconstrained one."""
+    """Constrained rows and an unconstrained one."""
     def config(grammar: Grammar, seed: int) -> SamplingConfig:
         return SamplingConfig(temperature=temperature, seed=seed, max_new_tokens=40, grammar=grammar)
 
     requests = [Request("hello", config(Grammar.json_schema(schema, compact=True), n)) for n, schema in enumerate(SCHEMAS.values())]
     requests += [Request(prompt, config(Grammar.regex(pattern), 7)) for pattern, prompt in REGEXES.items()]
-    assert len(requests) <= GRAMMAR_LOOP_ROWS
     return [*requests, Request("w x y", SamplingConfig(temperature=temperature, seed=3, max_new_tokens=12, ignore_eos=True))]
 
 
@@ -95,10 +85,10 @@ def test_prompt_lookup_drafts_are_accepted_and_cut_where_the_grammar_ends(tiny: 
     assert (stats[1].draft_tokens, stats[1].accepted_tokens, stats[1].steps) == (6, 3, 1)
 
 
-def test_more_constrained_rows_than_the_loop_takes_still_match(tiny: Model) -> None:  # noqa: F811
-    """Past GRAMMAR_LOOP_ROWS constrained rows the engine steps per token (no speculation): same tokens."""
+def test_many_constrained_rows_speculate_together_to_plain_tokens(tiny: Model) -> None:  # noqa: F811
+    """Many constrained rows (no row limit) speculate in one loop: plain constrained decoding's tokens."""
     config = SamplingConfig(temperature=0.0, max_new_tokens=12, grammar=Grammar.regex(r"[a-c]{2}-[0-9]{2}"))
-    requests = [Request(f"p{n}", config) for n in range(GRAMMAR_LOOP_ROWS + 1)]
+    requests = [Request(f"p{n}", config) for n in range(9)]
     plain = Generator(tiny, max_batch_size=16).batch_generate(requests)
     out = Generator(tiny, max_batch_size=16, speculative=PromptLookup(2, 4)).batch_generate(requests)
     assert [r.token_ids for r in out] == [r.token_ids for r in plain]

@@ -10,7 +10,9 @@ serves every waiting job it can, in one compiled call:
   attention override): up to the whole remaining budget of tokens in one ``lax.while_loop`` on the
   device (:func:`~zgen.runtime.step.decode_loop`). Only a host stop rule (a multi-token sequence, a
   stop string), a text stream or a request waiting for room brings it back sooner: every
-  ``steps_per_sync`` tokens, or as soon as a row finishes.
+  ``steps_per_sync`` tokens, or as soon as a row finishes. When a job has a grammar, the same loop
+  runs driven from the host, token by token, the masks computed while the device runs the forward
+  pass before their draw (:func:`~zgen.runtime.constrained.constrained_decode`).
 * **mixed step** — otherwise: every job feeds a chunk of its pending tokens (at most
   ``prefill_chunk``, so a long prompt never stalls the others) or one decode token, as one row of a
   padded ``[B, T]`` batch, and draws at its requested positions (:func:`~zgen.runtime.step.mixed_step`).
@@ -49,13 +51,14 @@ from zgen.cache.base import KVManager, KVState, StepRow
 from zgen.cache.factory import CacheOption, make_kv, resolve
 from zgen.cache.formats import kv_dtype_of, kv_format
 from zgen.cache.paged_manager import PagedKVManager
-from zgen.errors import AdapterError, CacheError, ConfigError, InputError, PoolExhaustedError, PromptTooLongError, TokenIdError, ZgenError
+from zgen.errors import AdapterError, CacheError, ConfigError, GrammarError, InputError, PoolExhaustedError, PromptTooLongError, TokenIdError, ZgenError
 from zgen.lora.adapter import LoraAdapter, check_adapter
 from zgen.model import Model
 from zgen.pallas.paged_attention.layouts import KeyCalibration
 from zgen.runtime.adapters import AdapterBanks
 from zgen.runtime.calibration import key_calibration as model_key_calibration
-from zgen.runtime.grammar import GrammarDrafts, GrammarLoop, GrammarMatcher, fill_masks, mask_words
+from zgen.runtime.constrained import constrained_decode
+from zgen.runtime.grammar import GrammarDrafts, GrammarMatcher, fill_masks, mask_words
 from zgen.runtime.metrics import EngineMetrics, MetricsCollector
 from zgen.runtime.results import FinishReason
 from zgen.runtime.runner import runner_for
@@ -67,11 +70,6 @@ from zgen.runtime.stop import StopCondition, TextStream
 from zgen.shapes import next_pow2
 
 GREEDY = SamplingConfig(temperature=0.0)
-#: Most grammar-constrained rows a decode loop takes (a host worker advances them beside each forward
-#: pass, :class:`~zgen.runtime.grammar.GrammarLoop`); more rows step the engine token by token. On an
-#: NVIDIA H200 (SmolLM2 shape, JSON schema, ``benchmarks/grammar.py``) 32 rows take 2.12 ms/token in
-#: the loop against 4.28 with 8 in it and the rest stepped; larger batches are not measured.
-GRAMMAR_LOOP_ROWS = 32
 
 
 @dataclass(frozen=True)
@@ -268,7 +266,6 @@ class Engine:
         self._sequences: weakref.WeakSet[Sequence] = weakref.WeakSet()  # every live sequence (preemption victims)
         self._banks = AdapterBanks(model.config, model.dtype)  # LoRA banks of the steps' adapter mixes
         self._last_params: tuple[list[SamplingConfig], SamplingParams] | None = None  # reused while a batch decodes
-        self._loop_grammars = GrammarLoop(model.config.vocab_size)  # the decode loops' constrained rows
         self._draft_grammars = GrammarDrafts(model.config.vocab_size)  # the speculative loops' constrained rows
         self._speculators: weakref.WeakSet[Speculator] = weakref.WeakSet()  # checked against this model
 
@@ -457,7 +454,6 @@ class Engine:
             return
         candidates, finishes = self._admissible(jobs[: self.config.max_batch], sum(not job.admitted for job in jobs))
         decode = all(job.loopable() for job in candidates)
-        decode = decode and sum(job.grammar is not None for job in candidates) <= GRAMMAR_LOOP_ROWS
         if not decode and self.config.prefill_apart and self.kv.pages:
             candidates = [job for job in candidates if not job.loopable()]
         speculator = self._speculator(candidates) if decode else None
@@ -552,7 +548,7 @@ class Engine:
             return next_pow2(per_step)  # one pass
         if waiting or any(job.needs_host() for job in jobs):
             draws = min(draws, self.config.steps_per_sync * per_step)
-        return next_pow2(max(draws, 1))
+        return _draw_bucket(draws)
 
     def _preempt(self, later: list[Job], preempted: set[int], *, running: bool) -> bool:
         """Make room: free the KV of one sequence whose K/V can be recomputed — an idle one (no call
@@ -751,10 +747,6 @@ class Engine:
             stop_ids[i, : len(ids)] = ids
         params, flags, keys, penalties = self._sampling(rows, index, width)
         slots, bank = self._banks.for_rows([row.job.adapters for row in rows], index, width)
-        constrained = [(row.job.grammar, i) for row, i in zip(rows, index, strict=True) if row.job.grammar is not None]
-        grammar = self._loop_grammars if constrained else None
-        if grammar is not None:
-            done[list(grammar.start(constrained, width))] = True
         host: dict[str, Any] = dict(  # numpy: the compiled call sends them with its arguments, at no extra cost
             token=token, position=position, done=done, last_step=last_step, stop_ids=stop_ids, keys=keys,
             out_tokens=np.full((width, steps), -1, np.int32), out_logprobs=np.zeros((width, steps), np.float32),
@@ -763,12 +755,14 @@ class Engine:
             exit_on_finish=np.bool_(exit_on_finish), done_at_start=np.int32(done.sum() + finishes - 1),
         )
         loop = DecodeLoop(**host, penalties=penalties, adapter_slots=slots)
-        try:
-            loop, state = self.runner.decode(state, loop, params, flags=flags, adapters=bank, grammar=grammar)
-            self.kv.absorb(state)
-            out, logprobs, iterations = jax.device_get((loop.out_tokens, loop.out_logprobs, loop.step))
-        finally:  # the loop has run (its results are here): the grammars' last turn is all that may be left
-            failures = {} if grammar is None else grammar.finish()
+        constrained = [(row.job.grammar, i) for row, i in zip(rows, index, strict=True) if row.job.grammar is not None]
+        failures: dict[int, GrammarError] = {}
+        if constrained:  # the host drives the loop, computing each draw's masks while the device runs the forward pass before it
+            loop, state, failures = constrained_decode(self.runner, state, loop, params, constrained, flags=flags, adapters=bank)
+        else:
+            loop, state = self.runner.decode(state, loop, params, flags=flags, adapters=bank)
+        self.kv.absorb(state)
+        out, logprobs, iterations = jax.device_get((loop.out_tokens, loop.out_logprobs, loop.step))
         self.stats.steps += 1
         self.stats.forward_passes += int(iterations)
         self.stats.rows += len(rows)
@@ -984,6 +978,15 @@ class Engine:
         if speculator not in self._speculators:
             speculator.check_target(self.model)
             self._speculators.add(speculator)
+
+
+def _draw_bucket(draws: int) -> int:
+    """A decode loop's length in few sizes (16, 64, 256, ...): each size is a compiled loop, and a
+    longer loop than the draws costs nothing (rows stop at their own last draw)."""
+    size = 16
+    while size < draws:
+        size *= 4
+    return size
 
 
 def _row_draws(out: list[int], stop_ids: tuple[int, ...]) -> list[int]:

@@ -11,9 +11,9 @@ grammar can take nothing more the generation stops there (finish reason ``"stop"
 
 The masks of one step are computed on the host by llguidance's thread pool
 (:func:`fill_masks`, the GIL released) while the device runs that step's forward pass: in an engine
-step the forward is dispatched first; in the on-device decode loop a host worker
-(:class:`GrammarLoop`) takes each draw and computes the next masks while the loop runs the next
-forward pass.
+step the forward is dispatched first; in a decode loop the host dispatches the next forward pass
+before it fetches a draw, then advances the grammars and computes the next masks while it runs
+(:mod:`zgen.runtime.constrained`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -37,7 +36,7 @@ if TYPE_CHECKING:
 
 GrammarKind = Literal["json_schema", "regex", "lark"]
 
-__all__ = ["Grammar", "GrammarDrafts", "GrammarLoop", "GrammarMatcher", "allowed_tokens", "fill_masks", "mask_words"]
+__all__ = ["Grammar", "GrammarDrafts", "GrammarMatcher", "allowed_tokens", "consume_all", "fill_masks", "mask_words"]
 
 
 def _llguidance() -> Any:
@@ -259,75 +258,6 @@ def fill_masks(matchers: Sequence[tuple[GrammarMatcher, int]], masks: np.ndarray
             if not ok:
                 failed[i] = GrammarError(_NOTHING_ALLOWED)
     return failed
-
-
-@functools.cache
-def _worker() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="zgen-grammar")
-
-
-class GrammarLoop:
-    """The constrained rows of a decode loop (:func:`~zgen.runtime.step.decode_loop`) and its two host
-    callbacks per iteration, which let the host work overlap the device's:
-
-    * :meth:`submit` — right after a draw: hands the drawn tokens to a host worker and returns at once.
-      The worker's grammars take them, then llguidance computes what may follow, while the device
-      runs the next forward pass (which needs no mask);
-    * :meth:`wait` — after that forward pass, right before its draw: the masks, once the worker has
-      them, and the rows whose grammar completed (or failed) with the previous draw. Such a row draws
-      nothing more: the loop ends it there, one iteration after the draw that completed it.
-
-    The first draw's masks are computed before the loop (:meth:`start`); after it, :meth:`finish`
-    waits for the worker's last turn (the grammars then hold every kept token). One object serves an
-    engine's loops, so the compiled loop that calls it stays the same.
-    """
-
-    def __init__(self, vocab_size: int) -> None:
-        self.words = mask_words(vocab_size)
-        self.rows: list[tuple[GrammarMatcher, int]] = []
-        self.failures: dict[int, GrammarError] = {}
-        self._pending: Future[tuple[np.ndarray, np.ndarray]] | None = None
-
-    def start(self, rows: Sequence[tuple[GrammarMatcher, int]], width: int) -> dict[int, GrammarError]:
-        """The next loop's constrained rows (``(matcher, row index)`` of ``width``) and their first
-        masks. Returns the rows whose grammar failed already (they must not run)."""
-        masks = np.full((width, self.words), -1, np.int32)
-        self.rows, self.failures = list(rows), fill_masks(rows, masks)
-        self._pending = Future()
-        self._pending.set_result((masks, np.zeros(width, bool)))
-        return dict(self.failures)
-
-    def finish(self) -> dict[int, GrammarError]:
-        """After the loop: wait for the worker, then the rows whose grammar failed in the loop, with why."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()  # raises only a bug (grammars' refusals are failures): the step fails
-        failures = self.failures
-        self.rows, self.failures = [], {}
-        return failures
-
-    def submit(self, drawn: np.ndarray, live: np.ndarray, masks_wanted: np.ndarray) -> None:
-        """Callback after a draw: the grammars of the ``live`` rows take their ``drawn`` tokens, then
-        the rows in ``masks_wanted`` (those that draw again in this loop) get their next masks."""
-        self._pending = _worker().submit(self._advance, np.array(drawn), np.array(live), np.array(masks_wanted))
-
-    def wait(self, after: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Callback before a draw: ``(masks [B, W], grammar ended [B])`` of the last :meth:`submit`.
-        ``after`` is any value of the forward pass, so that XLA schedules this wait after it."""
-        assert self._pending is not None, "a grammar loop waited with nothing submitted"
-        return self._pending.result()
-
-    def _advance(self, drawn: np.ndarray, live: np.ndarray, masks_wanted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The worker's turn: :meth:`submit`'s work, and :meth:`wait`'s answer."""
-        masks = np.full((len(drawn), self.words), -1, np.int32)
-        ended = np.zeros(len(drawn), bool)
-        draws = [(m, int(drawn[i]), i) for m, i in self.rows if live[i] and i not in self.failures]
-        self.failures.update(consume_all(draws))
-        going = [(m, i) for m, _, i in draws if masks_wanted[i] and i not in self.failures and not m.complete]
-        self.failures.update(fill_masks(going, masks))
-        for m, _, i in draws:  # the row ends here (a failed one fails after the loop)
-            ended[i] = m.complete or i in self.failures
-        return masks, ended
 
 
 class GrammarDrafts:

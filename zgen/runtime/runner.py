@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -22,12 +23,12 @@ from zgen.graph.decoder import hidden_state_graph
 from zgen.lora.bank import LoraBank
 from zgen.lora.graph import inject_lora
 from zgen.model import Model, attached
-from zgen.runtime.grammar import GrammarDrafts, GrammarLoop
+from zgen.runtime.grammar import GrammarDrafts, mask_words
 from zgen.runtime.sampling import SamplingFlags, SamplingParams
 from zgen.runtime.speculation import SpeculativeLoop, Speculator, speculative_loop
 from zgen.runtime.step import (
-    DecodeLoop, MixedBatch, MixedOutput, ModelSpec, Pooling, decode_loop, draw_reads, forward, hidden_states, mixed_step,
-    pool_hidden,
+    DecodeLoop, MixedBatch, MixedOutput, ModelSpec, Pooling, decode_draw, decode_feed, decode_loop, draw_reads, forward,
+    hidden_states, mixed_step, pool_hidden,
 )
 
 S = TypeVar("S", bound=KVState)
@@ -45,9 +46,23 @@ def enable_persistent_compilation_cache() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
+@dataclass(frozen=True)
+class DecodeSteps:
+    """A decode loop's two halves, compiled, for a host that drives the loop (:meth:`Runner.decode_steps`).
+
+    ``feed(kv, loop) -> (logits, kv)`` runs the forward pass of every row's pending token;
+    ``draw(logits, loop, token_mask) -> (loop, drawn)`` draws the next tokens within the mask.
+    Both return at once (JAX dispatches asynchronously): their results are device arrays.
+    """
+
+    feed: Callable[[Any, DecodeLoop], tuple[Any, Any]]
+    draw: Callable[[Any, DecodeLoop, Any], tuple[DecodeLoop, Any]]
+
+
 class Runner:
     """Compiled :func:`~zgen.runtime.step.forward`, :func:`~zgen.runtime.step.mixed_step`,
-    :func:`~zgen.runtime.step.decode_loop` and the speculative loop of one model, cached by shape."""
+    :func:`~zgen.runtime.step.decode_loop` (and its body, :meth:`decode_steps`) and the speculative
+    loop of one model, cached by shape."""
 
     def __init__(self, model: Model) -> None:
         enable_persistent_compilation_cache()
@@ -104,26 +119,48 @@ class Runner:
         return self._compiled(key, lower)(*args)
 
     def decode(
-        self, kv: S, loop: DecodeLoop, sampling: SamplingParams, *, flags: SamplingFlags,
-        adapters: LoraBank | None = None, grammar: GrammarLoop | None = None,
+        self, kv: S, loop: DecodeLoop, sampling: SamplingParams, *, flags: SamplingFlags, adapters: LoraBank | None = None
     ) -> tuple[DecodeLoop, S]:
-        """The decode loop (:func:`~zgen.runtime.step.decode_loop`); ``grammar`` is compiled in (one
-        executable per engine that constrains its loops)."""
-        key = ("decode", _shape_key(kv), _shape_key(loop), flags, None if adapters is None else adapters.shapes, grammar)
+        """The decode loop (:func:`~zgen.runtime.step.decode_loop`)."""
+        key = ("decode", _shape_key(kv), _shape_key(loop), flags, None if adapters is None else adapters.shapes)
         args = (self._params(adapters), kv, loop, sampling)
 
         def lower() -> Any:
-            fn = jax.jit(self._decode, donate_argnums=(1, 2), static_argnames=("flags", "grammar"))
-            return fn.lower(*args, flags=flags, grammar=grammar)
+            fn = jax.jit(self._decode, donate_argnums=(1, 2), static_argnames=("flags",))
+            return fn.lower(*args, flags=flags)
 
         return self._compiled(key, lower)(*args)
+
+    def decode_steps(
+        self, kv: KVState, loop: DecodeLoop, sampling: SamplingParams, *, flags: SamplingFlags, adapters: LoraBank | None = None
+    ) -> DecodeSteps:
+        """The decode loop's body as two executables a host drives token by token (compiled once per
+        shape), with the parameters and sampling settings bound: :func:`~zgen.runtime.step.decode_feed`
+        (the cache donated) and :func:`~zgen.runtime.step.decode_draw` within a token mask."""
+        params = self._params(adapters)
+        fed = (loop.token, loop.position, loop.adapter_slots)  # what a forward pass reads: one executable for every loop length
+        feed = self._compiled(
+            ("decode_feed", _shape_key(kv), _shape_key(fed), None if adapters is None else adapters.shapes),
+            lambda: jax.jit(self._decode_feed, donate_argnums=(1,)).lower(params, kv, *fed),
+        )
+        logits = feed.out_info[0]
+        mask = jax.ShapeDtypeStruct((logits.shape[0], mask_words(logits.shape[-1])), jax.numpy.int32)
+
+        def lower_draw() -> Any:
+            return jax.jit(decode_draw, static_argnames=("flags",)).lower(logits, loop, sampling, mask, flags=flags)
+
+        draw = self._compiled(("decode_draw", _shape_key(loop), _shape_key(sampling), logits.shape, logits.dtype, flags), lower_draw)
+        return DecodeSteps(
+            lambda kv, loop: feed(params, kv, loop.token, loop.position, loop.adapter_slots),
+            lambda logits, loop, mask: draw(logits, loop, sampling, mask),
+        )
 
     def speculate(
         self, kv: S, loop: SpeculativeLoop, sampling: SamplingParams, speculator: Speculator, *, flags: SamplingFlags,
         grammar: GrammarDrafts | None = None,
     ) -> tuple[SpeculativeLoop, S]:
         """The speculative loop (:func:`~zgen.runtime.speculation.speculative_loop`), compiled once per
-        shape, sampling flags and speculator key; ``grammar`` is compiled in, like the decode loop's."""
+        shape, sampling flags and speculator key; ``grammar`` (its host callbacks) is compiled in."""
         draft_params = speculator.device_params()
         key = ("speculate", _shape_key(kv), _shape_key(loop), _shape_key(draft_params), flags, speculator.cache_key(), grammar)
         args = (self.params, kv, loop, sampling, draft_params)
@@ -177,11 +214,11 @@ class Runner:
     ) -> tuple[MixedOutput, S]:
         return mixed_step(self.spec, params, kv, batch, flags=flags, logits=logits, filtered=filtered)
 
-    def _decode(
-        self, params: Any, kv: S, loop: DecodeLoop, sampling: SamplingParams, *, flags: SamplingFlags,
-        grammar: GrammarLoop | None,
-    ) -> tuple[DecodeLoop, S]:
-        return decode_loop(self.spec, params, kv, loop, sampling, flags=flags, grammar=grammar)
+    def _decode(self, params: Any, kv: S, loop: DecodeLoop, sampling: SamplingParams, *, flags: SamplingFlags) -> tuple[DecodeLoop, S]:
+        return decode_loop(self.spec, params, kv, loop, sampling, flags=flags)
+
+    def _decode_feed(self, params: Any, kv: S, token: Array, position: Array, adapter_slots: Array | None) -> tuple[Array, S]:
+        return decode_feed(self.spec, params, kv, token, position, adapter_slots)
 
     def _embed(
         self, params: Any, kv: KVState, tokens: Array, positions: Array, lengths: Array, adapter_slots: Array | None, *,

@@ -10,9 +10,9 @@ Every token zgen produces goes through these pure functions (compiled by :mod:`z
   decode token, then a draw at every row's requested positions: prefill and decode in one batch.
 * :func:`decode_loop` — feed each row's token, draw the next, feed it back ... as one
   ``lax.while_loop`` on the device, until every row stopped, a row finished while another request
-  waits for its slot, or the loop has run its steps: N tokens for one host round trip. Rows under a
-  grammar draw within a token mask computed on the host while the device runs the forward pass
-  before that draw (two host callbacks per iteration; the rest of the engine's per-step work is skipped).
+  waits for its slot, or the loop has run its steps: N tokens for one host round trip. Its body is
+  two functions, :func:`decode_feed` (the forward pass) and :func:`decode_draw`; rows under a grammar
+  run the same two from the host, one token at a time, pipelined (:mod:`zgen.runtime.constrained`).
 
 The draw index of a sample is the position of the token whose logits it reads, so a row samples the
 same tokens alone or batched, through either step, and whichever front end asked.
@@ -22,11 +22,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Generic, Literal, TypeVar, cast, get_args
+from typing import Any, Generic, Literal, TypeVar, cast, get_args
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import io_callback
+import numpy as np
 from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int, UInt32
 
@@ -36,7 +36,7 @@ from zgen.graph.core import ForwardContext, Graph
 from zgen.graph.decoder import LOGIT_ROWS, POSITIONS, TOKENS, feature_graph
 from zgen.graph.nodes import rotary
 from zgen.lora.graph import ADAPTER_SLOTS
-from zgen.runtime.grammar import GrammarLoop, allowed_tokens
+from zgen.runtime.grammar import allowed_tokens
 from zgen.runtime.sampling import PenaltyState, SamplingFlags, SamplingParams, filter_logits, sample, update_penalty_state
 
 Params = Mapping[str, jax.Array]
@@ -298,50 +298,71 @@ class DecodeLoop:
     adapter_slots: Int[Array, " B"] | None = None  # each row's LoRA bank slot (0: none), when any row has one
 
 
+def decode_feed(
+    model: ModelSpec, params: Params, kv: S, token: Int[Array, " B"], position: Int[Array, " B"],
+    adapter_slots: Int[Array, " B"] | None = None,
+) -> tuple[Float[Array, "B V"], S]:
+    """Feed each row's pending ``token`` at its ``position`` (a :class:`DecodeLoop`'s), writing its K/V:
+    the logits of the row's next draw."""
+    logits, kv = forward(model, params, kv, token[:, None], position[:, None], jnp.zeros_like(token)[:, None], adapter_slots)
+    return logits[:, 0], kv
+
+
+def decode_draw(
+    logits: Float[Array, "B V"], s: DecodeLoop, sampling: SamplingParams, token_mask: Int[Array, "B W"] | None, *,
+    flags: SamplingFlags,
+) -> tuple[DecodeLoop, Int[Array, " B"]]:
+    """Each live row's next token from the logits of its pending one (:func:`decode_feed`); the carry
+    advanced past it, and the draws (-1 where a row drew nothing).
+
+    ``token_mask`` (packed bits per row, see :func:`~zgen.runtime.grammar.allowed_tokens`) limits each
+    row to the tokens it allows; a row whose mask allows nothing at all draws nothing and ends here
+    (its grammar completed or failed with the previous draw)."""
+    active, allowed = ~s.done, None
+    if token_mask is not None:
+        ended = ~jnp.any(token_mask != 0, axis=1)
+        active = active & ~ended
+        allowed = allowed_tokens(token_mask, logits.shape[-1]) | ended[:, None]
+    new, logprob = draw(logits, sampling, s.penalties, s.keys, s.position, flags, allowed)
+    ends = jnp.any(new[:, None] == s.stop_ids, axis=1) | (s.step >= s.last_step)
+    drawn = jnp.where(active, new, -1)
+    s = replace(
+        s,
+        token=jnp.where(active, new, s.token),
+        position=jnp.where(active, s.position + 1, s.position),
+        done=s.done | ends | ~active,
+        penalties=None if s.penalties is None else update_penalty_state(s.penalties, new, active),
+        out_tokens=s.out_tokens.at[:, s.step].set(drawn),
+        out_logprobs=s.out_logprobs.at[:, s.step].set(logprob),
+        step=s.step + 1,
+    )
+    return s, drawn
+
+
+def loop_goes_on(step: Any, max_steps: Any, done: Any, exit_on_finish: Any, done_at_start: Any) -> Any:
+    """Whether a decode loop draws again (see :class:`DecodeLoop`): on the device in
+    :func:`decode_loop`, on the host (numpy values) in a loop the host drives."""
+    finished = done.sum(dtype=np.int32)
+    return (step < max_steps) & (finished < done.shape[0]) & ~(exit_on_finish & (finished > done_at_start))
+
+
 def decode_loop(
-    model: ModelSpec, params: Params, kv: S, loop: DecodeLoop, sampling: SamplingParams, *, flags: SamplingFlags,
-    grammar: GrammarLoop | None = None,
+    model: ModelSpec, params: Params, kv: S, loop: DecodeLoop, sampling: SamplingParams, *, flags: SamplingFlags
 ) -> tuple[DecodeLoop, S]:
     """Feed, draw, feed back ... on the device (see the module docstring).
 
     A row that finished keeps feeding its last token at its next position: that writes into its own
     reserved room past what it keeps (rolled back after the loop), so the body needs no masking of
-    the fed tokens; rows outside the loop sit at position -1, which writes nothing. With ``grammar``
-    every draw is limited to the row's mask: the draw hands its tokens to the host
-    (:meth:`~zgen.runtime.grammar.GrammarLoop.submit`, which returns at once), the next forward pass
-    runs while the host computes the masks, and the draw after it waits for them
-    (:meth:`~zgen.runtime.grammar.GrammarLoop.wait`). A row whose grammar completed with a draw is
-    told so at the next wait: it keeps nothing of that iteration and ends."""
+    the fed tokens; rows outside the loop sit at position -1, which writes nothing."""
 
     def cond(carry: tuple[DecodeLoop, S]) -> Array:
         s = carry[0]
-        done = jnp.sum(s.done, dtype=jnp.int32)
-        return (s.step < s.max_steps) & (done < s.done.shape[0]) & ~(s.exit_on_finish & (done > s.done_at_start))
+        return loop_goes_on(s.step, s.max_steps, s.done, s.exit_on_finish, s.done_at_start)
 
     def body(carry: tuple[DecodeLoop, S]) -> tuple[DecodeLoop, S]:
         s, kv = carry
-        logits, kv = forward(
-            model, params, kv, s.token[:, None], s.position[:, None], jnp.zeros_like(s.token)[:, None], s.adapter_slots
-        )
-        active, allowed = ~s.done, None
-        if grammar is not None:
-            shapes = (jax.ShapeDtypeStruct((s.token.shape[0], grammar.words), jnp.int32), jax.ShapeDtypeStruct(active.shape, jnp.bool_))
-            mask, grammar_ended = io_callback(grammar.wait, shapes, logits[0, 0, 0], ordered=True)
-            active, allowed = active & ~grammar_ended, allowed_tokens(mask, logits.shape[-1])
-        new, logprob = draw(logits[:, 0], sampling, s.penalties, s.keys, s.position, flags, allowed)
-        ends = jnp.any(new[:, None] == s.stop_ids, axis=1) | (s.step >= s.last_step)
-        s = replace(
-            s,
-            token=jnp.where(active, new, s.token),
-            position=jnp.where(active, s.position + 1, s.position),
-            done=s.done | ends | ~active,
-            penalties=None if s.penalties is None else update_penalty_state(s.penalties, new, active),
-            out_tokens=s.out_tokens.at[:, s.step].set(jnp.where(active, new, -1)),
-            out_logprobs=s.out_logprobs.at[:, s.step].set(logprob),
-            step=s.step + 1,
-        )
-        if grammar is not None:  # masks only for the rows that draw again in this loop
-            io_callback(grammar.submit, None, new, active, ~s.done & cond((s, kv)), ordered=True)
+        logits, kv = decode_feed(model, params, kv, s.token, s.position, s.adapter_slots)
+        s, _ = decode_draw(logits, s, sampling, None, flags=flags)
         return s, kv
 
     return jax.lax.while_loop(cond, body, (loop, kv))
