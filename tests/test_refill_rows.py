@@ -1,5 +1,6 @@
-"""EngineConfig.refill_rows (queued requests wait for that many free rows and prefill together) and
-prefill_apart (decoding rows sit out prefill steps): the tokens are the same either way."""
+"""EngineConfig.refill_rows (queued requests wait for that many free rows and prefill together),
+prefill_apart (decoding rows sit out prefill steps) and packed_steps (a step's tokens packed into one
+stream): the tokens are the same either way."""
 
 from __future__ import annotations
 
@@ -36,6 +37,31 @@ def test_grouped_refills_give_the_same_tokens_in_fewer_steps(tmp_path: Path) -> 
     assert rows[1] < rows[0]
 
 
+@pytest.mark.parametrize("cache", ["tensor", "paged"])
+def test_packed_steps_give_the_same_tokens_and_logprobs(tmp_path: Path, cache: str) -> None:
+    save_random_checkpoint(small_configs()["llama"], tmp_path)
+    model = load_model(tmp_path, dtype="float32")
+    # Prompts of many lengths (chunks of 8 tokens: several steps each), admitted one at a time while
+    # others decode, so packed steps mix prefill chunks of every size with decoding rows' single tokens;
+    # one request samples.
+    requests = [
+        Request(list(range(3 + i, 3 + i + 2 + 5 * i)), SamplingConfig(temperature=0.0, max_new_tokens=4 + i % 3, ignore_eos=True))
+        for i in range(7)
+    ]
+    requests.append(Request(list(range(40, 61)), SamplingConfig(temperature=0.9, seed=3, max_new_tokens=6, ignore_eos=True)))
+    options = [paged_kv(max_memory_mb=4)] if cache == "paged" else []
+    results = []
+    for packed in (False, True):
+        generator = Generator(model, *options, max_batch_size=4, prefill_chunk=8, sync_interval=2, packed_steps=packed)
+        results.append(generator.batch_generate(requests))
+    padded, packed_results = results
+    assert [r.token_ids for r in packed_results] == [r.token_ids for r in padded]
+    for a, b in zip(padded, packed_results, strict=True):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
 def test_refill_rows_is_checked() -> None:
     with pytest.raises(ConfigError, match="refill_rows"):
         EngineConfig(refill_rows=0)
+    with pytest.raises(ConfigError, match="packed_steps"):
+        EngineConfig(packed_steps=1)  # type: ignore[arg-type]

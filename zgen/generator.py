@@ -74,13 +74,14 @@ class Generator:
         speculative: Speculator | None = None,
         refill_rows: int = 1,
         prefill_apart: bool = False,
+        packed_steps: bool = False,
     ) -> None:
         self.model = model
         self.host_sampler = host_sampler
         self.speculative = speculative
         config = EngineConfig(
             max_batch=max_batch_size, steps_per_sync=sync_interval, prefill_chunk=prefill_chunk, on_pool_exhausted="wait",
-            refill_rows=refill_rows, prefill_apart=prefill_apart,
+            refill_rows=refill_rows, prefill_apart=prefill_apart, packed_steps=packed_steps,
         )
         self.engine = Engine(model, *options, config=config, default_kind="tensor")
         self._paged_engine: Engine | None = None  # for beam search when the chosen cache cannot fork

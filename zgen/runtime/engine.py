@@ -62,7 +62,7 @@ from zgen.runtime.runner import runner_for
 from zgen.runtime.sampling import PenaltyState, SamplingConfig, SamplingFlags, SamplingParams, penalty_state, row_key_data
 from zgen.runtime.sequence import Sequence
 from zgen.runtime.speculation import DraftControl, SpeculativeLoop, SpeculativeStats, Speculator, TreeSpeculator, draft_room
-from zgen.runtime.step import DecodeLoop, MixedBatch
+from zgen.runtime.step import DecodeLoop, MixedBatch, Packing
 from zgen.runtime.stop import StopCondition, TextStream
 from zgen.shapes import next_pow2
 
@@ -88,14 +88,19 @@ class EngineConfig:
     # On a paged cache, a step that prefills leaves the decoding rows out (they would each be padded to
     # the chunk's width for one token); they go on in the next decode loop.
     prefill_apart: bool = False
+    # A step that prefills packs its rows' tokens into one stream (:class:`~zgen.runtime.step.Packing`):
+    # the matmuls see no padding, so decoding rows ride along at the price of their one token and a
+    # prefill chunk costs its own tokens. Steps of rows with LoRA adapters stay padded.
+    packed_steps: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "prefill_chunk", "steps_per_sync", "refill_rows"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"EngineConfig.{name} must be an integer >= 1, got {value!r}")
-        if not isinstance(self.prefill_apart, bool):
-            raise ConfigError(f"EngineConfig.prefill_apart must be a bool, got {self.prefill_apart!r}")
+        for name in ("prefill_apart", "packed_steps"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"EngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.on_pool_exhausted not in ("error", "wait"):
             raise ConfigError(f"EngineConfig.on_pool_exhausted must be 'error' or 'wait', got {self.on_pool_exhausted!r}")
 
@@ -679,13 +684,19 @@ class Engine:
         host_choice = any(row.job.sampling.choose is not None for row in rows)
         want_logits = host_choice or any(p in row.job.request.logits_at for row in rows for p in row.reads if not row.job.generating)
         slots, bank = self._banks.for_rows([row.job.adapters for row in rows], index, width)
+        packing = None
+        if self.config.packed_steps and slots is None and t > 1:
+            counts = [0] * width
+            for row, i in zip(rows, index, strict=True):
+                counts[i] = row.count
+            tokens, positions, read_rows, packing = Packing.of(tokens, positions, read_rows, counts)
         host: dict[str, Any] = dict(tokens=tokens, positions=positions, read_rows=read_rows, draw_index=draw_index, keys=keys)
-        batch = MixedBatch(**host, sampling=params, penalties=penalties, adapter_slots=slots)  # numpy: sent by the compiled call
+        batch = MixedBatch(**host, sampling=params, penalties=penalties, adapter_slots=slots, packing=packing)  # numpy: sent by the compiled call
         constrained = [(row.job.grammar, i) for row, i in zip(rows, index, strict=True) if row.job.grammar is not None and row.reads]
         if constrained:
             # The forward is dispatched first; the grammar masks are computed on the host while it runs.
             out_logits, state = self.runner.forward(
-                state, batch.tokens, batch.positions, batch.read_rows, batch.adapter_slots, adapters=bank
+                state, batch.tokens, batch.positions, batch.read_rows, batch.adapter_slots, batch.packing, adapters=bank
             )
             self.kv.absorb(state)
             masks = np.full((width, mask_words(self.model.config.vocab_size)), -1, np.int32)

@@ -26,7 +26,7 @@ from zgen.runtime.grammar import GrammarDrafts, GrammarLoop
 from zgen.runtime.sampling import SamplingFlags, SamplingParams
 from zgen.runtime.speculation import SpeculativeLoop, Speculator, speculative_loop
 from zgen.runtime.step import (
-    DecodeLoop, MixedBatch, MixedOutput, ModelSpec, Pooling, decode_loop, draw_reads, forward, hidden_states, mixed_step,
+    DecodeLoop, MixedBatch, MixedOutput, ModelSpec, Packing, Pooling, decode_loop, draw_reads, forward, hidden_states, mixed_step,
     pool_hidden,
 )
 
@@ -68,12 +68,13 @@ class Runner:
 
     def forward(
         self, kv: S, tokens: Int[Array, "B T"], positions: Int[Array, "B T"], read_rows: Int[Array, "B R"],
-        adapter_slots: Int[Array, " B"] | None = None, *, adapters: LoraBank | None = None,
+        adapter_slots: Int[Array, " B"] | None = None, packing: Packing | None = None, *, adapters: LoraBank | None = None,
     ) -> tuple[Float[Array, "B R V"], S]:
         """Feed ``tokens`` at ``positions`` (-1: padding), writing the cache; raw logits at ``read_rows``
-        (with ``adapter_slots``, each row's LoRA from the bank ``adapters``)."""
-        key = ("forward", _shape_key(kv), tokens.shape, read_rows.shape, None if adapters is None else adapters.shapes)
-        args = (self._params(adapters), kv, tokens, positions, read_rows, adapter_slots)
+        (with ``adapter_slots``, each row's LoRA from the bank ``adapters``; with ``packing``, one packed
+        stream: :class:`~zgen.runtime.step.Packing`)."""
+        key = ("forward", _shape_key(kv), tokens.shape, read_rows.shape, _shape_key(packing), None if adapters is None else adapters.shapes)
+        args = (self._params(adapters), kv, tokens, positions, read_rows, adapter_slots, packing)
         return self._compiled(key, lambda: jax.jit(self._forward, donate_argnums=(1,)).lower(*args))(*args)
 
     def mixed(
@@ -168,9 +169,10 @@ class Runner:
     # -- traced ---------------------------------------------------------------------------------
 
     def _forward(
-        self, params: Any, kv: S, tokens: Array, positions: Array, read_rows: Array, adapter_slots: Array | None
+        self, params: Any, kv: S, tokens: Array, positions: Array, read_rows: Array, adapter_slots: Array | None,
+        packing: Packing | None,
     ) -> tuple[Array, S]:
-        return forward(self.spec, params, kv, tokens, positions, read_rows, adapter_slots)
+        return forward(self.spec, params, kv, tokens, positions, read_rows, adapter_slots, packing)
 
     def _mixed(
         self, params: Any, kv: S, batch: MixedBatch, *, flags: SamplingFlags, logits: bool, filtered: bool

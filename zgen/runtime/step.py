@@ -20,12 +20,13 @@ same tokens alone or batched, through either step, and whichever front end asked
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Generic, Literal, TypeVar, cast, get_args
+from typing import Any, Generic, Literal, TypeVar, cast, get_args
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import io_callback
 from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int, UInt32
@@ -38,6 +39,7 @@ from zgen.graph.nodes import rotary
 from zgen.lora.graph import ADAPTER_SLOTS
 from zgen.runtime.grammar import GrammarLoop, allowed_tokens
 from zgen.runtime.sampling import PenaltyState, SamplingFlags, SamplingParams, filter_logits, sample, update_penalty_state
+from zgen.shapes import next_pow2
 
 Params = Mapping[str, jax.Array]
 S = TypeVar("S", bound=KVState)
@@ -69,6 +71,68 @@ class _CacheContext(ForwardContext, Generic[S]):
         return self.state.attend(layer, q, positions, sliding_window=self.sliding_window)
 
 
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class Packing:
+    """A step whose rows' tokens are packed into one stream ``[1, N]`` (no padding between rows): the
+    matmuls run over the rows' real tokens only, and attention, which is per row, sees them laid out
+    again as ``[B, T]``. ``rows[b, t]``: the stream index of row ``b``'s ``t``-th token (-1: none);
+    ``order[n]``: the ``b * T + t`` place of stream token ``n`` (padding at the stream's end: any place)."""
+
+    rows: Int[Array, "B T"]
+    order: Int[Array, " N"]
+
+    @staticmethod
+    def of(
+        tokens: np.ndarray, positions: np.ndarray, read_rows: np.ndarray, counts: Sequence[int]
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, Packing]:
+        """A padded step (``tokens``/``positions`` ``[B, T]``, row ``b`` holding ``counts[b]`` tokens,
+        ``read_rows`` indices into T) packed on the host: the stream's tokens, positions and read
+        indices, and the packing. The stream is padded to a power of two (a compiled shape)."""
+        b, t = tokens.shape
+        n = next_pow2(sum(counts), 16)
+        stream_tokens, stream_positions = np.zeros((1, n), np.int32), np.full((1, n), -1, np.int32)
+        rows, order = np.full((b, t), -1, np.int32), np.zeros(n, np.int32)
+        read_rows, start = read_rows.copy(), 0
+        for i, count in enumerate(counts):
+            stream_tokens[0, start : start + count] = tokens[i, :count]
+            stream_positions[0, start : start + count] = positions[i, :count]
+            rows[i, :count] = np.arange(start, start + count)
+            order[start : start + count] = i * t + np.arange(count)
+            read_rows[i] += start
+            start += count
+        return stream_tokens, stream_positions, read_rows, Packing(cast(Array, rows), cast(Array, order))  # numpy: sent by the compiled call
+
+    def unpack(self, x: Float[Array, "1 N ..."]) -> Float[Array, "B T ..."]:
+        return x[0][jnp.maximum(self.rows, 0)]
+
+    def pack(self, x: Float[Array, "B T ..."]) -> Float[Array, "1 N ..."]:
+        return x.reshape(-1, *x.shape[2:])[self.order][None]
+
+
+class _PackedContext(ForwardContext):
+    """Attention of a packed step (:class:`Packing`): each layer's q/k/v go back to their rows for the
+    cache's write and attention, and the output back into the stream."""
+
+    def __init__(self, inner: _CacheContext[Any], packing: Packing) -> None:
+        self.inner = inner
+        self.packing = packing
+
+    def write_and_attend(
+        self,
+        layer: int,
+        q: Float[Array, "1 N H D"],
+        k: Float[Array, "1 N KVH D"],
+        v: Float[Array, "1 N KVH D"],
+        positions: Int[Array, "1 N"],
+        inv_freq: Float[Array, " half"],
+    ) -> Float[Array, "1 N H D"]:
+        p = self.packing
+        rows = jnp.where(p.rows >= 0, p.unpack(positions), -1)
+        out = self.inner.write_and_attend(layer, p.unpack(q), p.unpack(k), p.unpack(v), rows, inv_freq)
+        return p.pack(out)
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """What a step needs of a model: its graph and sliding window (static), its parameters (traced).
@@ -88,17 +152,20 @@ def forward(
     positions: Int[Array, "B T"],
     read_rows: Int[Array, "B R"],
     adapter_slots: Int[Array, " B"] | None = None,
+    packing: Packing | None = None,
 ) -> tuple[Float[Array, "B R V"], S]:
     """Run the model over ``tokens`` at ``positions``, writing their K/V; float32 logits at ``read_rows``
     (indices into T). With ``adapter_slots`` the graph is the LoRA-injected one (:mod:`zgen.lora.graph`)
-    and ``params`` carry the adapter bank."""
-    feeds = {TOKENS: tokens, POSITIONS: positions, LOGIT_ROWS: read_rows}
+    and ``params`` carry the adapter bank. With ``packing``, ``tokens`` and ``positions`` are one packed
+    stream ``[1, N]`` and ``read_rows`` index it (no adapters then)."""
+    feeds = {TOKENS: tokens, POSITIONS: positions, LOGIT_ROWS: read_rows if packing is None else read_rows.reshape(1, -1)}
     graph = model.graph
     if adapter_slots is not None:
         assert model.lora_graph is not None, "adapter slots given to a model spec without a LoRA graph"
+        assert packing is None, "a packed step runs no adapters"
         feeds[ADAPTER_SLOTS], graph = adapter_slots, model.lora_graph
-    (logits,), kv = run_graph(graph, model.sliding_window, params, kv, feeds, mesh=model.mesh)
-    return logits, kv
+    (logits,), kv = run_graph(graph, model.sliding_window, params, kv, feeds, mesh=model.mesh, packing=packing)
+    return logits.reshape(*read_rows.shape, -1), kv
 
 
 def hidden_states(
@@ -154,12 +221,13 @@ def read_features(
 
 def run_graph(
     graph: Graph, sliding_window: int | None, params: Params, kv: S, feeds: Mapping[str, jax.Array], *, write: bool = True,
-    mesh: Mesh | None = None,
+    mesh: Mesh | None = None, packing: Packing | None = None,
 ) -> tuple[tuple[jax.Array, ...], S]:
     """Any graph whose attention reads and (``write``) writes ``kv`` (a draft head's, say), fed by name;
-    with ``mesh``, attention runs on each device's own heads."""
+    with ``mesh``, attention runs on each device's own heads; with ``packing``, the feeds are one packed
+    stream (:class:`Packing`)."""
     ctx = _CacheContext(kv, sliding_window, mesh) if write else _ReadingContext(kv, sliding_window, mesh)
-    outputs = graph.run(params, feeds, ctx)
+    outputs = graph.run(params, feeds, ctx if packing is None else _PackedContext(ctx, packing))
     return outputs, ctx.state
 
 
@@ -232,6 +300,7 @@ class MixedBatch:
     sampling: SamplingParams
     penalties: PenaltyState | None
     adapter_slots: Int[Array, " B"] | None = None  # each row's LoRA bank slot (0: none), when any row has one
+    packing: Packing | None = None  # tokens/positions are one packed stream [1, N]; read_rows index it
 
 
 @jax.tree_util.register_dataclass
@@ -247,7 +316,7 @@ def mixed_step(
     model: ModelSpec, params: Params, kv: S, batch: MixedBatch, *, flags: SamplingFlags, logits: bool, filtered: bool
 ) -> tuple[MixedOutput, S]:
     """One forward of ``batch``, then a draw at every read row (a row's reads share its penalties)."""
-    out, kv = forward(model, params, kv, batch.tokens, batch.positions, batch.read_rows, batch.adapter_slots)
+    out, kv = forward(model, params, kv, batch.tokens, batch.positions, batch.read_rows, batch.adapter_slots, batch.packing)
     return draw_reads(out, batch, None, flags=flags, logits=logits, filtered=filtered), kv
 
 
