@@ -132,6 +132,35 @@ def test_a_bad_draft_falls_back_to_plain_decoding(tiny: Model) -> None:
     assert stats.steps <= WINDOW + 64 // PROBE_AFTER and stats.draft_tokens <= 4 * WINDOW
 
 
+def test_a_batch_in_fallback_runs_the_plain_decode_loop(tiny: Model) -> None:
+    """Drafts that are always wrong: once every row is in fallback the speculative loop returns and
+    the engine decodes in the plain decode loop (greedy and sampled tokens unchanged), then probes."""
+    class Wrong(PromptLookup):
+        def propose(self, params: Any, state: Any, draft: DraftInput) -> tuple[Proposal, Any]:
+            proposal, state = super().propose(params, state, draft)
+            b, k = proposal.tokens.shape
+            count = jnp.where(draft.active, jnp.minimum(draft.num_tokens, k), 0)
+            return Proposal(jnp.full((b, k), -1, jnp.int32), count.astype(jnp.int32), None), state
+
+        @property
+        def adaptive(self) -> bool:
+            return True
+
+    sampled = SamplingConfig(temperature=0.9, top_k=20, max_new_tokens=96, ignore_eos=True, seed=3)
+    for sampling in (dataclasses.replace(GREEDY, max_new_tokens=96), sampled):
+        requests = [_request(p, sampling) for p in PROMPTS]
+        plain = Generator(tiny).batch_generate(requests)
+        generator = Generator(tiny, speculative=Wrong(3, 4))
+        spec = generator.batch_generate(requests)
+        assert _ids(spec) == _ids(plain)
+        stats = generator.engine.stats
+        assert stats.fallback_loops >= 2  # after the first window, and again after a failed probe
+        for result in spec:
+            assert result.speculative is not None and result.speculative.accepted_tokens == 0
+            # A window of drafting passes, then one-token probes after 16, 32, 64 ... plain draws.
+            assert WINDOW + 1 <= result.speculative.steps <= WINDOW + 3
+
+
 def test_contexts_take_the_same_speculators(tiny: Model) -> None:
     engine = Engine(tiny, paged_kv(4))
     limit = StopCondition.from_sampling(GREEDY, ())
@@ -177,7 +206,7 @@ def test_typed_refusals(tiny: Model) -> None:
     with pytest.raises(ConfigError, match="compressed cache"):
         Generator(tiny, compressed_kv(), speculative=PromptLookup())
     with pytest.raises(ConfigError, match="min_ngram"):
-        PromptLookup(ngram=2, min_ngram=3)
+        PromptLookup(max_ngram=2, min_ngram=3)
 
 
 @pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 4)])

@@ -62,10 +62,15 @@ indices up to its first rejection, and the next pass starts after them.
 
 Adaptive length (:class:`DraftControl`): grow the draft after a fully accepted one, shrink it after a
 rejection, and fall back to plain decoding (no draft) while the acceptance rate over the last
-``WINDOW`` drafting passes is below ``FALLBACK_RATE``, probing again after ``PROBE_AFTER`` plain steps.
-When no row drafts, nothing is drafted, and when no row has a draft to check (every row in fallback,
-or prompt lookup found nothing) the pass is a plain one-token decode step (``lax.cond``): a batch in
-fallback costs what plain decoding costs.
+``WINDOW`` drafting passes is below ``FALLBACK_RATE``, probing again after ``PROBE_AFTER`` plain steps
+(twice as many after each failed probe in a row, up to ``MAX_PROBE_AFTER``: a probe costs a return
+to this loop). When no row drafts, nothing is drafted, and when no row has a draft to check (prompt
+lookup found nothing) the pass is a plain one-token decode step (``lax.cond``). When every row left is
+in fallback the loop returns: the engine decodes the batch in the plain decode loop until the rows
+probe again (:func:`fallback_steps`, :func:`after_plain_steps`), so a batch in fallback costs what plain
+decoding costs — a pass here pays two conditionals (on a GPU each copies its predicate to the host)
+and a larger carry. The plain loop draws with the same (row key, position) noise, so the tokens are
+the same either way.
 
 Rows under a grammar (:class:`~zgen.runtime.grammar.GrammarDrafts`) draft as if unconstrained; two host
 callbacks per pass keep them exact. After drafting, the first gives each row's token mask at every
@@ -78,7 +83,7 @@ row keeps, and cuts the row at the token that completes its grammar.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, runtime_checkable
 
@@ -97,7 +102,7 @@ from zgen.runtime.step import ModelSpec, Params, draw, forward, forward_features
 from zgen.runtime.tree import ancestors, commit_path, forward_tree, tree_attention_mask
 
 __all__ = [
-    "DraftControl", "DraftInput", "FeatureObserver", "Observer", "Proposal", "SpeculativeLoop", "SpeculativeStats", "Speculator", "speculative_loop",
+    "DraftControl", "DraftInput", "after_plain_steps", "fallback_steps", "FeatureObserver", "Observer", "Proposal", "SpeculativeLoop", "SpeculativeStats", "Speculator", "speculative_loop",
     "target_draws", "verify",
     "TreeSpeculator", "draft_room", "draws_at", "verify_tree",
 ]
@@ -108,8 +113,10 @@ MAX_DRAFT_TOKENS = 32
 WINDOW = 8
 #: Below this acceptance rate (over a full window) a row decodes plainly for a while.
 FALLBACK_RATE = 0.4
-#: Plain decode steps before a row in fallback drafts again (one token: a probe).
+#: Plain decode steps before a row in fallback drafts again (one token: a probe) ...
 PROBE_AFTER = 16
+#: ... doubled after each failed probe in a row, up to this many.
+MAX_PROBE_AFTER = 256
 
 # Salts that give the acceptance coins and the residual draws noise of their own.
 SALT_ACCEPT, SALT_RESIDUAL = 0xACCE97, 0x4E51D
@@ -249,6 +256,7 @@ class DraftControl:
     accepted: Int[Array, "B W"]  # ... and accepted
     slot: Int[Array, " B"]  # where the next pass is recorded
     wait: Int[Array, " B"]  # plain steps left before probing again
+    misses: Int[Array, " B"]  # failed probes in a row (each doubles the wait)
 
     @staticmethod
     def initial(rows: int, num_tokens: int) -> dict[str, np.ndarray]:
@@ -259,7 +267,29 @@ class DraftControl:
             "accepted": np.zeros((rows, WINDOW), np.int32),
             "slot": np.zeros(rows, np.int32),
             "wait": np.zeros(rows, np.int32),
+            "misses": np.zeros(rows, np.int32),
         }
+
+
+def fallback_steps(controls: Sequence[dict[str, np.ndarray] | None]) -> int:
+    """Plain draws a batch of requests (each one's host control, ``None``: none yet) should take in
+    the plain decode loop before speculating again: 0 unless every row is in fallback, else until the
+    last of them probes (the rows then probe together, in one return to the speculative loop)."""
+    if not controls or any(c is None or int(c["length"][0]) != 0 for c in controls):
+        return 0
+    return max(1, max(int(c["wait"][0]) for c in controls if c is not None))
+
+
+def after_plain_steps(control: dict[str, np.ndarray], steps: int) -> dict[str, np.ndarray]:
+    """A row's host control after ``steps`` plain draws in the plain decode loop: what as many plain
+    passes of the speculative loop do to it (the wait runs down; at its end the row probes)."""
+    wait = int(control["wait"][0]) - steps
+    probe = wait <= 0
+    return {
+        **control,
+        "length": np.array([1 if probe else 0], np.int32),
+        "wait": np.array([-1 if probe else wait], np.int32),
+    }
 
 
 def update_control(
@@ -280,10 +310,13 @@ def update_control(
     slot = jnp.where(drafting & ~probing, (control.slot + 1) % WINDOW, control.slot)
     passes = jnp.sum(window_d > 0, axis=1)
     rate = jnp.sum(window_a, axis=1) / jnp.maximum(jnp.sum(window_d, axis=1), 1)
-    fall = (drafting & ~probing & (passes >= WINDOW) & (rate < FALLBACK_RATE)) | (probing & ~full)
+    missed = probing & ~full
+    fall = (drafting & ~probing & (passes >= WINDOW) & (rate < FALLBACK_RATE)) | missed
     resume = probing & full
     plain = active & ~drafting & (control.length == 0)
-    wait = jnp.where(fall, PROBE_AFTER, jnp.where(plain, control.wait - 1, jnp.where(resume, 0, control.wait)))
+    misses = jnp.where(missed, control.misses + 1, jnp.where(fall | resume, 0, control.misses))
+    backoff = jnp.minimum(PROBE_AFTER * 2 ** jnp.minimum(misses, 16), MAX_PROBE_AFTER)
+    wait = jnp.where(fall, backoff, jnp.where(plain, control.wait - 1, jnp.where(resume, 0, control.wait)))
     probe = plain & (wait <= 0)
     clear = (fall | resume)[:, None]
     return DraftControl(
@@ -292,6 +325,7 @@ def update_control(
         accepted=jnp.where(clear, 0, window_a),
         slot=jnp.where(fall | resume, 0, slot),
         wait=jnp.where(probe, -1, wait),
+        misses=misses,
     )
 
 
@@ -555,7 +589,10 @@ def speculative_loop(
     def cond(carry: tuple[SpeculativeLoop, KVState, Any]) -> Array:
         s = carry[0]
         done = jnp.sum(s.done, dtype=jnp.int32)
-        return (s.step < s.max_steps) & (done < s.done.shape[0]) & ~(s.exit_on_finish & (done > s.done_at_start))
+        go_on = (s.step < s.max_steps) & (done < s.done.shape[0]) & ~(s.exit_on_finish & (done > s.done_at_start))
+        if speculator.adaptive:  # every row left in fallback: the plain decode loop serves them (engine)
+            go_on &= (s.step == 0) | ~jnp.all(s.done | (s.control.length == 0))
+        return go_on
 
     def body(carry: tuple[SpeculativeLoop, KVState, Any]) -> tuple[SpeculativeLoop, KVState, Any]:
         s, kv, state = carry

@@ -20,24 +20,25 @@ def check_num_tokens(owner: str, num_tokens: object) -> int:
 
 
 class PromptLookup:
-    """Prompt-lookup decoding: find the most recent earlier occurrence of the last ``ngram`` tokens
-    (then ``ngram - 1`` ... down to ``min_ngram``) in the prompt and the generated text, and propose the
-    ``num_tokens`` tokens that followed it (where they run into the tail, the text is taken to repeat
-    with the period the match shows, as a loop does). Deterministic drafts: the output is exactly plain
-    decoding's, greedy or sampled. Pays on text that repeats its context (summaries, code edits, quotes).
+    """Prompt-lookup decoding: find the most recent earlier occurrence of the last ``max_ngram`` tokens
+    (then ``max_ngram - 1`` ... down to ``min_ngram``: the longest match wins, the latest of its length)
+    in the prompt and the generated text, and propose the ``num_tokens`` tokens that followed it (where
+    they run into the tail, the text is taken to repeat with the period the match shows, as a loop
+    does). Deterministic drafts: the output is exactly plain decoding's, greedy or sampled. Pays on text
+    that repeats its context (summaries, code edits, quotes).
     """
 
-    def __init__(self, ngram: int = 3, num_tokens: int = 8, *, min_ngram: int = 1) -> None:
-        for name, value in (("ngram", ngram), ("min_ngram", min_ngram)):
+    def __init__(self, max_ngram: int = 3, num_tokens: int = 8, *, min_ngram: int = 1) -> None:
+        for name, value in (("max_ngram", max_ngram), ("min_ngram", min_ngram)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"PromptLookup {name} must be an integer >= 1, got {value!r}")
-        if min_ngram > ngram:
-            raise ConfigError(f"PromptLookup needs min_ngram <= ngram, got min_ngram={min_ngram}, ngram={ngram}")
-        self.ngram, self.min_ngram = ngram, min_ngram
+        if min_ngram > max_ngram:
+            raise ConfigError(f"PromptLookup needs min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self._num_tokens = check_num_tokens("PromptLookup", num_tokens)
 
     def __repr__(self) -> str:
-        return f"PromptLookup(ngram={self.ngram}, num_tokens={self._num_tokens}, min_ngram={self.min_ngram})"
+        return f"PromptLookup(max_ngram={self.max_ngram}, num_tokens={self._num_tokens}, min_ngram={self.min_ngram})"
 
     @property
     def num_tokens(self) -> int:
@@ -48,7 +49,7 @@ class PromptLookup:
         return False  # a miss drafts nothing and costs a plain step
 
     def cache_key(self) -> Hashable:
-        return ("prompt-lookup", self.ngram, self.min_ngram, self._num_tokens)
+        return ("prompt-lookup", self.max_ngram, self.min_ngram, self._num_tokens)
 
     def check_target(self, model: Model) -> None:
         del model  # drafts are the context's own tokens: any model
@@ -71,7 +72,7 @@ class PromptLookup:
         k = self._num_tokens
         starts = jnp.arange(width)[None, :]
         found = jnp.full((b,), -1, jnp.int32)  # where the continuation starts (-1: no match yet)
-        for n in range(self.ngram, self.min_ngram - 1, -1):
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):
             # An earlier occurrence at s: history[s : s + n] equals the last n tokens, s + n < length.
             match = (starts + n < length[:, None]) & (length[:, None] >= n + 1)
             for j in range(n):
