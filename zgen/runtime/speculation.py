@@ -33,7 +33,8 @@ A speculator that is also an :class:`Observer` sees, after each verification, th
 every checked position, the ones past a rejection included (Jacobi decoding takes its next guesses
 from them); it only changes what is drafted, never what is accepted. One that is a
 :class:`FeatureObserver` (EAGLE) gets the target's features (hidden states) at every position each
-forward pass writes, and when the loop starts those of the tokens before each row's pending one (a
+forward pass writes (after a tree pass: the pending token's and the accepted path's, at the positions
+they hold once the path is committed), and when the loop starts those of the tokens before each row's pending one (a
 pass over them that reads the cache without writing it).
 
 Acceptance rules, per row:
@@ -99,7 +100,7 @@ from zgen.runtime.grammar import GrammarDrafts, allowed_tokens
 from zgen.runtime.results import SpeculativeStats
 from zgen.runtime.sampling import SamplingFlags, SamplingParams, filter_logits, sample
 from zgen.runtime.step import ModelSpec, Params, draw, forward, forward_features, read_features
-from zgen.runtime.tree import ancestors, commit_path, forward_tree, tree_attention_mask
+from zgen.runtime.tree import ancestors, commit_path, forward_tree, forward_tree_features, tree_attention_mask
 
 __all__ = [
     "DraftControl", "DraftInput", "after_plain_steps", "fallback_steps", "FeatureObserver", "Observer", "Proposal", "SpeculativeLoop", "SpeculativeStats", "Speculator", "speculative_loop",
@@ -674,10 +675,22 @@ def speculative_loop(
             sees = ancestors(proposal.parents, k) & present[:, None, :]
             visible = tree_attention_mask(positions, p, slots, positions, sees, kv.capacity, model.sliding_window)
             reads = jnp.broadcast_to(jnp.arange(entries)[None, :], tokens.shape)
-            logits, kv, written = forward_tree(model, params, kv, tokens, positions, slots, visible, reads)
+            features = None
+            if isinstance(speculator, FeatureObserver):
+                logits, features, kv, written = forward_tree_features(
+                    model, params, kv, tokens, positions, slots, visible, reads, speculator.feature_layers
+                )
+            else:
+                logits, kv, written = forward_tree(model, params, kv, tokens, positions, slots, visible, reads)
             produced, logprobs, accepted, path = verify_tree(logits, proposal, valid, p, k, sampling, s.keys, flags)
             offsets = jnp.arange(1, k + 1)[None, :]
             kv = commit_path(kv, written, path, jnp.where(offsets <= accepted[:, None], p[:, None] + offsets, -1))
+            if isinstance(speculator, FeatureObserver) and features is not None:
+                # The features of the pending token and the accepted path, at the positions they now hold.
+                along = jnp.concatenate([jnp.zeros_like(path[:, :1]), path], axis=1)
+                depth = jnp.arange(k + 1)[None, :]
+                at = jnp.where(active[:, None] & (depth <= accepted[:, None]), p[:, None] + depth, -1)
+                state = speculator.observe_features(state, jnp.take_along_axis(features, along[..., None], axis=1), at)
             return kv, state, produced, logprobs, accepted
 
         kv, state, produced, logprobs, accepted = jax.lax.cond(jnp.any(count > 0), check_tree if tree else check, plain, kv, state)
