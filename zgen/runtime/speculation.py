@@ -613,7 +613,12 @@ def speculative_loop(
             return jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), shapes), state
 
         # Only rows that draft pay for drafting, and a pass with nothing to check is a plain decode step.
-        proposal, state = jax.lax.cond(jnp.any(want > 0), propose, nothing, state)
+        # A speculator that never falls back drafts at every pass: no conditional (on a GPU each one
+        # copies its predicate to the host).
+        if speculator.adaptive:
+            proposal, state = jax.lax.cond(jnp.any(want > 0), propose, nothing, state)
+        else:
+            proposal, state = propose(state)
         tree = proposal.parents is not None
         assert not (tree and grammar is not None), "the engine runs rows under a grammar without tree drafts"
         valid: Array | None = None
