@@ -23,7 +23,8 @@ smollm2``, a .gguf path or an HF directory) for real acceptance. ``--runs 0`` sk
     python benchmarks/speculative.py --speculators draft:smollm2 --kv-dtype fp8 --json
     python benchmarks/speculative.py --model smollm2 --speculators prompt-lookup jacobi jacobi:adaptive
 
-``prompt-lookup:MAX-MIN`` tries n-grams of MAX down to MIN tokens (default 3-1).
+``prompt-lookup:MAX-MIN`` tries n-grams of MAX down to MIN tokens (default 3-1); ``prompt-lookup:MAX-MINxR``
+verifies what followed the R best matches as one token tree (``PromptLookup(branches=R)``).
 ``jacobi`` is Jacobi (lookahead) decoding with its default fixed draft width (every pass verifies
 ``--num-draft-tokens`` guesses, default 8); ``jacobi:adaptive`` adds the adaptive draft length and
 fallback to plain decoding. ``eagle:DIR`` drafts with the EAGLE head in DIR (trained for the same
@@ -156,8 +157,9 @@ def speculator(spec: str, model: Model, args: argparse.Namespace) -> Speculator:
 
     kind, _, value = spec.partition(":")
     if kind == "prompt-lookup":
-        longest, _, shortest = (value or "3-1").partition("-")
-        return PromptLookup(int(longest), args.num_draft_tokens or 8, min_ngram=int(shortest or longest))
+        ngrams, _, branches = (value or "3-1").partition("x")
+        longest, _, shortest = ngrams.partition("-")
+        return PromptLookup(int(longest), args.num_draft_tokens or 8, min_ngram=int(shortest or longest), branches=int(branches or 1))
     if kind == "early-exit":
         return DraftModel.early_exit(model, layers=int(value or 8), num_tokens=args.num_draft_tokens or 4)
     if kind == "draft":
@@ -167,7 +169,7 @@ def speculator(spec: str, model: Model, args: argparse.Namespace) -> Speculator:
     if kind == "jacobi" and value in ("", "adaptive"):
         return Jacobi(args.num_draft_tokens or 8, adaptive=value == "adaptive")
     raise SystemExit(
-        f"unknown speculator {spec!r}: prompt-lookup[:MAX-MIN], early-exit:N, draft:MODEL, eagle:DIR, jacobi or jacobi:adaptive"
+        f"unknown speculator {spec!r}: prompt-lookup[:MAX-MIN[xR]], early-exit:N, draft:MODEL, eagle:DIR, jacobi or jacobi:adaptive"
     )
 
 
