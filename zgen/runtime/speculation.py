@@ -299,7 +299,7 @@ def update_control(
     """Grow after a fully accepted draft, shrink after a rejection; fall back to plain decoding when a
     full window's acceptance rate is below :data:`FALLBACK_RATE`; after :data:`PROBE_AFTER` plain steps
     draft one token (a probe, ``wait == -1``): accepted, drafting resumes on a fresh window, else the
-    row falls back again at once."""
+    row falls back again at once, for twice as long as the last time (up to :data:`MAX_PROBE_AFTER`)."""
     drafting = active & (drafted > 0)
     probing = drafting & (control.wait < 0)
     full = accepted >= drafted
