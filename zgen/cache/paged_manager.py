@@ -39,6 +39,9 @@ class PagedKVManager:
         self.store = store
         self.max_len = max_len
         self.radix: RadixCache | None = RadixCache(store.pool, max_blocks=max_prefix_blocks) if prefix_cache else None
+        # Block tables never narrow: every width is a compiled shape of each step (compiles take seconds
+        # for a large model), and a table wider than the rows need costs only its unread entries.
+        self._table_width = 8
         if self.radix is not None:
             store.pool.reclaim = self.radix.reclaim
 
@@ -62,7 +65,8 @@ class PagedKVManager:
 
     def step_state(self, rows: Sequence[StepRow], width: int, tokens: int) -> PagedKVState | MaskedPagedState:
         ps = self.page_size
-        pages = next_pow2(max(blocks_for(row.handle.seq_len, ps) for row in rows), 8)
+        pages = max(next_pow2(max(blocks_for(row.handle.seq_len, ps) for row in rows)), self._table_width)
+        self._table_width = pages
         tables = np.full((width, pages), -1, np.int32)
         for i, row in enumerate(rows):
             table = _paged(row.handle).block_table[0, :pages]

@@ -560,7 +560,7 @@ class Engine:
             return next_pow2(per_step)  # one pass
         if waiting or any(job.needs_host() for job in jobs):
             draws = min(draws, self.config.steps_per_sync * per_step)
-        return next_pow2(max(draws, 1))
+        return _draw_bucket(draws)
 
     def _preempt(self, later: list[Job], preempted: set[int], *, running: bool) -> bool:
         """Make room: free the KV of one sequence whose K/V can be recomputed — an idle one (no call
@@ -1005,6 +1005,15 @@ class Engine:
         if speculator not in self._speculators:
             speculator.check_target(self.model)
             self._speculators.add(speculator)
+
+
+def _draw_bucket(draws: int) -> int:
+    """A decode loop's length in few sizes (16, 64, 256, ...): each size is a compiled loop, and a
+    longer loop than the draws costs nothing (rows stop at their own last draw)."""
+    size = 16
+    while size < draws:
+        size *= 4
+    return size
 
 
 def _row_draws(out: list[int], stop_ids: tuple[int, ...]) -> list[int]:
