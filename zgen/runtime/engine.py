@@ -469,7 +469,7 @@ class Engine:
         extra = 0 if speculator is None else draft_room(speculator)  # written past a pass's pending token
         per_step = 1 if speculator is None else speculator.num_tokens + 1  # tokens one pass may keep
         steps = self._loop_steps(candidates, waiting=len(jobs) > len(candidates), per_step=per_step) if decode else 1
-        steps = min(steps, next_pow2(plain_for)) if plain_for else steps
+        steps = min(steps, _draw_bucket(plain_for)) if plain_for else steps
         rows: list[_Row] = []
         blocked: list[tuple[Job, PoolExhaustedError]] = []
         preempted: set[int] = set()
