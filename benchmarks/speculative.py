@@ -3,10 +3,10 @@
 For every batch size, prompt group and speculator: tokens/s of the whole generation (wall time of
 ``batch_generate``, median of ``--runs`` after a warm-up that compiles), the speedup over plain
 decoding of the same requests, the acceptance figures (drafted, accepted, acceptance rate, mean
-accepted per verification pass), how many times the batch fell back to the plain decode loop, and a
-check that the greedy tokens equal plain decoding's token for token (``same``: False marks a bug, or
-a near-tie flipped by bf16 rounding in a longer verification pass; run ``--dtype float32`` to tell
-them apart).
+accepted per verification pass), how many plain decode loops served the batch while it was in
+fallback (over the warm-up and the timed runs), and a check that the greedy tokens equal plain
+decoding's token for token (``same``: False marks a bug, or a near-tie flipped by bf16 rounding in a
+longer verification pass; run ``--dtype float32`` to tell them apart).
 
 The prompts are chat questions, code, and summaries of two given passages of about 300 tokens
 (where prompt lookup should pay); ``--prompts`` picks the groups measured apart (``summary``, ``mix``:
@@ -145,10 +145,11 @@ def figures(results: list[GenerationResult]) -> dict[str, float]:
 
 
 def print_rows(rows: list[dict[str, Any]]) -> None:
-    print(f"{'batch':>5} {'prompts':<8} {'speculator':<22} {'tok/s':>9} {'speedup':>8} {'accept':>7} {'acc/pass':>8} same")
+    print(f"{'batch':>5} {'prompts':<8} {'speculator':<22} {'tok/s':>9} {'speedup':>8} {'accept':>7} {'acc/pass':>8} {'same':<5} fallback loops")
     for row in rows:
         print(f"{row['batch']:>5} {row.get('prompts', 'mix'):<8} {row['speculator']:<22} {row['tokens_per_s']:>9.1f} "
-              f"{row['speedup']:>7.2f}x {row.get('acceptance_rate', 0.0):>7.2f} {row.get('mean_accepted_per_step', 0.0):>8.2f} {row['same']}")
+              f"{row['speedup']:>7.2f}x {row.get('acceptance_rate', 0.0):>7.2f} {row.get('mean_accepted_per_step', 0.0):>8.2f} "
+              f"{row['same']!s:<5} {row.get('fallback_loops', '')}")
 
 
 def speculator(spec: str, model: Model, args: argparse.Namespace) -> Speculator:

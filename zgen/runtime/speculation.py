@@ -65,8 +65,10 @@ Adaptive length (:class:`DraftControl`): grow the draft after a fully accepted o
 rejection, and fall back to plain decoding (no draft) while the acceptance rate over the last
 ``WINDOW`` drafting passes is below ``FALLBACK_RATE``, probing again after ``PROBE_AFTER`` plain steps
 (twice as many after each failed probe in a row, up to ``MAX_PROBE_AFTER``: a probe costs a return
-to this loop). When no row drafts, nothing is drafted, and when no row has a draft to check (prompt
-lookup found nothing) the pass is a plain one-token decode step (``lax.cond``). When every row left is
+to this loop). With such a speculator, when no row drafts, nothing is drafted, and when no row has a
+draft to check the pass is a plain one-token decode step (``lax.cond``); a speculator that never falls
+back drafts and verifies at every pass, without conditionals (a pass with nothing drafted gives the
+plain token all the same). When every row left is
 in fallback the loop returns: the engine decodes the batch in the plain decode loop until the rows
 probe again (:func:`fallback_steps`, :func:`after_plain_steps`), so a batch in fallback costs what plain
 decoding costs — a pass here pays two conditionals (on a GPU each copies its predicate to the host)
@@ -613,8 +615,8 @@ def speculative_loop(
             return jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), shapes), state
 
         # Only rows that draft pay for drafting, and a pass with nothing to check is a plain decode step.
-        # A speculator that never falls back drafts at every pass: no conditional (on a GPU each one
-        # copies its predicate to the host).
+        # A speculator that never falls back drafts (and verifies) at every pass: no conditionals (on a
+        # GPU each one copies its predicate to the host, and it would nearly always be true).
         if speculator.adaptive:
             proposal, state = jax.lax.cond(jnp.any(want > 0), propose, nothing, state)
         else:
@@ -698,7 +700,11 @@ def speculative_loop(
                 state = speculator.observe_features(state, jnp.take_along_axis(features, along[..., None], axis=1), at)
             return kv, state, produced, logprobs, accepted
 
-        kv, state, produced, logprobs, accepted = jax.lax.cond(jnp.any(count > 0), check_tree if tree else check, plain, kv, state)
+        verification = check_tree if tree else check
+        if speculator.adaptive:
+            kv, state, produced, logprobs, accepted = jax.lax.cond(jnp.any(count > 0), verification, plain, kv, state)
+        else:  # a pass with nothing drafted verifies nothing and gives the plain token
+            kv, state, produced, logprobs, accepted = verification(kv, state)
         # Keep up to the first stop id and within the budget; inactive rows keep nothing.
         j = jnp.arange(k + 1)[None, :]
         made = jnp.where(j <= accepted[:, None], 1, 0)
