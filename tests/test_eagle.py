@@ -97,17 +97,21 @@ def test_a_head_that_reproduces_the_target_is_always_accepted(tiny: Model) -> No
 @pytest.mark.parametrize("layout", ["dense", "paged"])
 def test_trees_with_an_untrained_head_equal_plain_greedy_and_sampled(tiny: Model, layout: str) -> None:
     """EAGLE-2 trees from the head (rows in scratch slots, features of the accepted path after each
-    tree pass): greedy and sampled tokens are plain decoding's (a tree is accepted by exact match)."""
+    tree pass): greedy and sampled tokens are plain decoding's (a tree is accepted by exact match).
+    The dense run is adaptive: its rows fall back to the plain decode loop and come back."""
     options = (paged_kv(4),) if layout == "paged" else ()
-    sampled = SamplingConfig(temperature=0.8, top_k=8, max_new_tokens=20, ignore_eos=True, seed=5)
-    eagle = Eagle(EagleHead.init(tiny, 3, fused=True), num_tokens=3, adaptive=False, tree=TreeShape(width=2, size=6))
-    for sampling in (GREEDY, sampled):
+    sampled = SamplingConfig(temperature=0.8, top_k=8, max_new_tokens=40, ignore_eos=True, seed=5)
+    greedy = dataclasses.replace(GREEDY, max_new_tokens=40)
+    eagle = Eagle(EagleHead.init(tiny, 3, fused=True), num_tokens=3, adaptive=not options, tree=TreeShape(width=2, size=6))
+    for sampling in (greedy, sampled):
         requests = [Request(p, sampling) for p in PROMPTS]
         plain = Generator(tiny, *options).batch_generate(requests)
-        spec = Generator(tiny, *options, speculative=eagle).batch_generate(requests)
+        generator = Generator(tiny, *options, speculative=eagle)
+        spec = generator.batch_generate(requests)
         assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
         for result in spec:
             assert result.speculative is not None and result.speculative.draft_tokens > 0
+        assert (generator.engine.stats.fallback_loops > 0) == eagle.adaptive
 
 
 def test_a_head_that_reproduces_the_target_drafts_trees_it_accepts(tiny: Model) -> None:
