@@ -65,15 +65,12 @@ Adaptive length (:class:`DraftControl`): grow the draft after a fully accepted o
 rejection, and fall back to plain decoding (no draft) while the acceptance rate over the last
 ``WINDOW`` drafting passes is below ``FALLBACK_RATE``, probing again after ``PROBE_AFTER`` plain steps
 (twice as many after each failed probe in a row, up to ``MAX_PROBE_AFTER``: a probe costs a return
-to this loop). With such a speculator, when no row drafts, nothing is drafted, and when no row has a
-draft to check the pass is a plain one-token decode step (``lax.cond``); a speculator that never falls
-back drafts and verifies at every pass, without conditionals (a pass with nothing drafted gives the
-plain token all the same). When every row left is
-in fallback the loop returns: the engine decodes the batch in the plain decode loop until the rows
-probe again (:func:`fallback_steps`, :func:`after_plain_steps`), so a batch in fallback costs what plain
-decoding costs — a pass here pays two conditionals (on a GPU each copies its predicate to the host)
-and a larger carry. The plain loop draws with the same (row key, position) noise, so the tokens are
-the same either way.
+to this loop). Every pass drafts and verifies, with no conditionals (on a GPU each would copy its
+predicate to the host): a row with nothing drafted (in fallback, or prompt lookup found nothing) gets
+its plain token from the verification pass. When every row left is in fallback the loop returns: the
+engine decodes the batch in the plain decode loop until the rows probe again (:func:`fallback_steps`, :func:`after_plain_steps`), so a batch in fallback costs what plain
+decoding costs, not a verification pass of ``k + 1`` positions and this loop's larger carry. The plain
+loop draws with the same (row key, position) noise, so the tokens are the same either way.
 
 Rows under a grammar (:class:`~zgen.runtime.grammar.GrammarDrafts`) draft as if unconstrained; two host
 callbacks per pass keep them exact. After drafting, the first gives each row's token mask at every
@@ -101,7 +98,7 @@ from zgen.model import Model
 from zgen.runtime.grammar import GrammarDrafts, allowed_tokens
 from zgen.runtime.results import SpeculativeStats
 from zgen.runtime.sampling import SamplingFlags, SamplingParams, filter_logits, sample
-from zgen.runtime.step import ModelSpec, Params, draw, forward, forward_features, read_features
+from zgen.runtime.step import ModelSpec, Params, forward, forward_features, read_features
 from zgen.runtime.tree import ancestors, commit_path, forward_tree, forward_tree_features, tree_attention_mask
 
 __all__ = [
@@ -607,20 +604,10 @@ def speculative_loop(
 
         draft = DraftInput(s.history, s.length, want, active, s.keys, sampling, flags)
 
-        def propose(state: Any) -> tuple[Proposal, Any]:
-            return speculator.propose(draft_params, state, draft)
-
-        def nothing(state: Any) -> tuple[Proposal, Any]:
-            shapes = jax.eval_shape(propose, state)[0]
-            return jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), shapes), state
-
-        # Only rows that draft pay for drafting, and a pass with nothing to check is a plain decode step.
-        # A speculator that never falls back drafts (and verifies) at every pass: no conditionals (on a
-        # GPU each one copies its predicate to the host, and it would nearly always be true).
-        if speculator.adaptive:
-            proposal, state = jax.lax.cond(jnp.any(want > 0), propose, nothing, state)
-        else:
-            proposal, state = propose(state)
+        # Every pass drafts and verifies, without conditionals (on a GPU each one copies its predicate to
+        # the host): a row with nothing drafted gets the plain token from the pass, and when every row
+        # is in fallback the loop returns (see ``cond``).
+        proposal, state = speculator.propose(draft_params, state, draft)
         tree = proposal.parents is not None
         assert not (tree and grammar is not None), "the engine runs rows under a grammar without tree drafts"
         valid: Array | None = None
@@ -662,15 +649,6 @@ def speculative_loop(
                 state = speculator.observe(state, draft, proposal, count, target_draws(seen, p, sampling, s.keys, flags))
             return kv, state, produced, logprobs, accepted
 
-        def plain(kv: KVState, state: Any) -> tuple[KVState, Any, Array, Array, Array]:
-            positions = jnp.where(active, p, -1)[:, None]
-            logits, kv, state = target_forward(kv, state, pending[:, None], positions, jnp.zeros_like(positions))
-            first = allowed(logits.shape[-1], 1)
-            token, logprob = draw(logits[:, 0], sampling, None, s.keys, p, flags, None if first is None else first[:, 0])
-            produced = jnp.zeros((token.shape[0], k + 1), jnp.int32).at[:, 0].set(token)
-            logprobs = jnp.zeros((token.shape[0], k + 1), jnp.float32).at[:, 0].set(logprob)
-            return kv, state, produced, logprobs, jnp.zeros_like(p)
-
         def check_tree(kv: KVState, state: Any) -> tuple[KVState, Any, Array, Array, Array]:
             assert proposal.parents is not None and proposal.depth is not None and valid is not None
             entries = proposal.tokens.shape[1] + 1
@@ -700,11 +678,7 @@ def speculative_loop(
                 state = speculator.observe_features(state, jnp.take_along_axis(features, along[..., None], axis=1), at)
             return kv, state, produced, logprobs, accepted
 
-        verification = check_tree if tree else check
-        if speculator.adaptive:
-            kv, state, produced, logprobs, accepted = jax.lax.cond(jnp.any(count > 0), verification, plain, kv, state)
-        else:  # a pass with nothing drafted verifies nothing and gives the plain token
-            kv, state, produced, logprobs, accepted = verification(kv, state)
+        kv, state, produced, logprobs, accepted = (check_tree if tree else check)(kv, state)
         # Keep up to the first stop id and within the budget; inactive rows keep nothing.
         j = jnp.arange(k + 1)[None, :]
         made = jnp.where(j <= accepted[:, None], 1, 0)
