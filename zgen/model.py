@@ -20,6 +20,7 @@ import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
 from safetensors.numpy import load_file, save_file
 
 from zgen.config import ModelConfig
@@ -90,6 +91,15 @@ class Model:
     def split(self) -> bool:
         """Whether the weights are split over several devices (``tensor_parallel``)."""
         return any(isinstance(p, jax.Array) and len(p.sharding.device_set) > 1 for p in self.params.values())
+
+    @property
+    def mesh(self) -> Mesh | None:
+        """The mesh a split model's weights lie on (:func:`zgen.sharding.tensor_parallel_mesh`); None on one device."""
+        for p in self.params.values():
+            sharding = p.sharding if isinstance(p, jax.Array) else None
+            if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh) and len(sharding.device_set) > 1:
+                return sharding.mesh
+        return None
 
     def push_adapter(self, adapter: LoraAdapter, scale: float = 1.0) -> None:
         """Apply ``adapter`` (times ``scale``) to every later request, on top of those pushed before."""

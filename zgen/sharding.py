@@ -5,12 +5,16 @@ them to the mesh's ``"tp"`` axis (attention heads and MLP columns) or to nothing
 embedding, norms, the output head). The fused ``qkv`` and ``gate_up`` matrices are first laid out
 shard-major (:func:`shard_major`: each device's block holds its own query, key and value heads, its
 own gate and up columns; the graph built with ``shards=N`` reads them so), so each device computes its
-heads and columns alone and the output projections end in one all-reduce per block. The compiled
-steps stay ordinary ``jax.jit`` programs: XLA's SPMD partitioner splits them from the weights'
-shardings, and the KV cache comes out split by KV heads. Greedy outputs equal one device's.
+heads and columns alone and the output projections end in one all-reduce per block. KV heads are split
+with the query heads (N must divide both, :func:`check_tensor_parallel`), so a GQA group never spans
+two devices.
 
-Not yet: attention kernels are not wrapped in ``shard_map``, so a split model is meant for the XLA
-attention path (Pallas kernels are custom calls the partitioner cannot split).
+The compiled steps stay ordinary ``jax.jit`` programs: XLA's SPMD partitioner splits the projections
+and the MLP from the weights' shardings. Attention is the exception, because the Pallas kernels are
+custom calls the partitioner cannot split: each layer's KV write and attention run in ``jax.shard_map``
+over the ``"tp"`` axis (:mod:`zgen.cache.sharded`), so every device runs the same kernel as one device
+would -- flash or paged attention, any KV format -- on its own query heads and KV heads, and the KV
+cache lives split by KV heads. Greedy outputs equal one device's.
 """
 
 from __future__ import annotations

@@ -44,6 +44,7 @@ from typing import ClassVar, Self
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 from jaxtyping import Array, Bool, Float, Int
 
 from zgen.cache.base import LayerKV, replace_layer
@@ -181,6 +182,16 @@ class CompressedKVState:
             ring_k=replace_layer(self.ring_k, layer, one.ring_k[0]),
             ring_v=replace_layer(self.ring_v, layer, one.ring_v[0]),
             ring_pos=replace_layer(self.ring_pos, layer, one.ring_pos[0]),
+        )
+
+    def head_specs(self, axis: str) -> CompressedKVState:
+        """This state's pytree with a ``PartitionSpec`` per leaf, splitting KV heads over mesh axis
+        ``axis`` (the sums and the ring; the counts and ring positions are every head's)."""
+        heads, rows = PartitionSpec(None, None, axis), PartitionSpec()
+        return replace(
+            self,
+            **{name: tuple(heads for _ in self.count) for name in ("sum_k", "sum_v", "ring_k", "ring_v")},
+            **{name: tuple(rows for _ in self.count) for name in ("count", "ring_pos")},
         )
 
     def pooled(self, layer: int) -> LayerKV:

@@ -30,17 +30,20 @@ from dataclasses import dataclass, replace
 from typing import get_args
 
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from zgen.cache.base import KVManager
 from zgen.cache.compressed import CompressedKVState
 from zgen.cache.formats import kv_dtype_of, kv_format
 from zgen.cache.page_store import PagedConfig, PageStore
 from zgen.cache.paged_manager import PagedKVManager
-from zgen.cache.slots import SlotKVManager
+from zgen.cache.sharded import state_split_by_heads
+from zgen.cache.slots import SlotKVManager, SlotState
 from zgen.cache.tensor import DenseAttention, DenseKVState
 from zgen.cache.tiered import TieredConfig, TieredKVManager
 from zgen.config import ModelConfig
 from zgen.errors import ConfigError
+from zgen.pallas.common import IMPLEMENTATIONS
 from zgen.pallas.paged_attention.layouts import KeyCalibration
 from zgen.shapes import next_pow2
 
@@ -65,6 +68,7 @@ class CacheOptions:
     prefix_cache_blocks: int | None = None  # paged, tiered: radix prefix cache of at most this many blocks
     tiered: TieredConfig | None = None  # tiered: the host RAM and disk levels; None: DEFAULT_TIERED_CONFIG
     attention: DenseAttention = "auto"  # tensor, flat: which attention implementation the rows use
+    paged_attention: str | None = None  # paged, tiered: the paged_attention implementation; None: the platform's best
 
     def __post_init__(self) -> None:
         if self.kind is not None and self.kind not in CACHE_KINDS:
@@ -86,6 +90,10 @@ class CacheOptions:
             raise ConfigError(f"prefix_cache capacity_blocks must be an integer >= 0, got {blocks!r}")
         if self.attention not in get_args(DenseAttention):
             raise ConfigError(f"unknown dense attention {self.attention!r}; choose one of {', '.join(get_args(DenseAttention))}")
+        if self.paged_attention is not None and self.paged_attention not in IMPLEMENTATIONS:
+            raise ConfigError(
+                f"unknown paged attention implementation {self.paged_attention!r}; choose one of {', '.join(IMPLEMENTATIONS)} or None"
+            )
         kind = self.resolved_kind
         if self.prefix_cache_blocks is not None and kind not in PAGED_KINDS:
             raise ConfigError(
@@ -121,10 +129,16 @@ def cache_kind(kind: str) -> CacheOption:
     return lambda o: replace(o, kind=kind, tiered=o.tiered if kind == "tiered" else None)
 
 
-def paged_kv(max_memory_mb: float = DEFAULT_PAGED_MEMORY_MB, page_size: int = 16) -> CacheOption:
-    """Fixed-size blocks from a pool sized by a memory budget (the tiered cache's pool, if it was chosen)."""
+def paged_kv(max_memory_mb: float = DEFAULT_PAGED_MEMORY_MB, page_size: int = 16, attention: str | None = None) -> CacheOption:
+    """Fixed-size blocks from a pool sized by a memory budget (the tiered cache's pool, if it was chosen);
+    for a model split over devices the budget is their total (each holds its KV heads' share).
+
+    ``attention`` forces a :func:`~zgen.pallas.paged_attention` implementation ("xla", "triton", ...;
+    None: the platform's best); tests and benchmarks compare them, and on CPU "triton" runs the
+    kernel interpreted."""
     return lambda o: replace(
-        o, kind="tiered" if o.kind == "tiered" else "paged", max_memory_mb=max_memory_mb, page_size=page_size
+        o, kind="tiered" if o.kind == "tiered" else "paged", max_memory_mb=max_memory_mb, page_size=page_size,
+        paged_attention=attention,
     )
 
 
@@ -187,12 +201,14 @@ def make_kv(
     max_rows: int,
     max_write: int,
     key_calibration: Sequence[KeyCalibration] | None = None,
+    mesh: Mesh | None = None,
 ) -> KVManager:
     """The KV manager ``options`` describe, for a model of ``config`` computing in ``dtype``.
 
     ``max_rows``: most sequences a slot kind holds at once; ``max_write``: most tokens one step writes
     per row (it sizes the compressed cache's raw ring). A coded format (q4, q3) needs the model's
-    ``key_calibration`` (see :func:`zgen.runtime.calibration.key_calibration`).
+    ``key_calibration`` (see :func:`zgen.runtime.calibration.key_calibration`). ``mesh``: a split
+    model's devices (:attr:`zgen.model.Model.mesh`); the buffers are built split by KV heads over it.
     """
     c = config
     kind = options.resolved_kind
@@ -203,9 +219,9 @@ def make_kv(
             raise ConfigError(f"kv dtype {storage!r} codes keys with the model's key calibration; pass key_calibration")
         paged = PagedConfig(
             c.num_layers, c.num_kv_heads, c.head_dim, options.page_size, storage, jnp.dtype(dtype).name,
-            tuple(key_calibration) if fmt.coded and key_calibration is not None else None,
+            tuple(key_calibration) if fmt.coded and key_calibration is not None else None, options.paged_attention,
         )
-        store = PageStore.with_budget(paged, options.max_memory_mb or DEFAULT_PAGED_MEMORY_MB)
+        store = PageStore.with_budget(paged, options.max_memory_mb or DEFAULT_PAGED_MEMORY_MB, mesh)
         max_len = c.max_position_embeddings
         if kind == "tiered":
             return TieredKVManager(
@@ -221,14 +237,21 @@ def make_kv(
         ring = next_pow2(max_write + options.chunk_size - 1)  # one write of max_write tokens fits the raw ring
         return SlotKVManager(
             kind,
-            lambda rows, capacity: CompressedKVState.zeros(
+            _on_devices(mesh, lambda rows, capacity: CompressedKVState.zeros(
                 shape[0], rows, capacity, shape[1], shape[2], float_dtype, chunk_size=options.chunk_size, raw_slots=ring
-            ),
+            )),
             num_layers=c.num_layers, max_len=c.max_position_embeddings, max_slots=max_rows, capacity=c.max_position_embeddings,
         )
     return SlotKVManager(
         kind,
-        lambda rows, capacity: DenseKVState.zeros(shape[0], rows, capacity, shape[1], shape[2], float_dtype, options.attention),
+        _on_devices(mesh, lambda rows, capacity: DenseKVState.zeros(shape[0], rows, capacity, shape[1], shape[2], float_dtype, options.attention)),
         num_layers=c.num_layers, max_len=c.max_position_embeddings, max_slots=max_rows,
         capacity=c.max_position_embeddings if kind == "flat" else None,
     )
+
+
+def _on_devices(mesh: Mesh | None, empty: Callable[[int, int], SlotState]) -> Callable[[int, int], SlotState]:
+    """``empty(rows, capacity)``, building the state split by KV heads over ``mesh`` when there is one."""
+    if mesh is None:
+        return empty
+    return lambda rows, capacity: state_split_by_heads(lambda: empty(rows, capacity), mesh)

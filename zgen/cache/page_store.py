@@ -16,13 +16,16 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 from jaxtyping import Array
 
 from zgen.cache.base import replace_layer
 from zgen.cache.block_pool import BlockPool
 from zgen.cache.formats import empty_pages, kv_format
 from zgen.cache.paged_state import PagedKVState, device_calibration
+from zgen.cache.sharded import pages_split_by_heads
 from zgen.errors import CacheError, ConfigError
+from zgen.pallas.common import IMPLEMENTATIONS
 from zgen.pallas.paged_attention.layouts import KeyCalibration, KVPages
 from zgen.shapes import next_pow2
 
@@ -98,11 +101,14 @@ class PagedConfig:
     dtype: str = "float32"  # dtype of read-back views (``get``, ``layer_view``)
     # Per-layer key statistics the coded formats (q4, q3) code keys with (zgen.runtime.calibration).
     key_calibration: tuple[KeyCalibration, ...] | None = field(default=None, compare=False)
+    attention: str | None = None  # the paged_attention implementation steps use; None: the platform's best
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "kv_heads", "head_dim", "page_size"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"PagedConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.attention is not None and self.attention not in IMPLEMENTATIONS:
+            raise ConfigError(f"unknown paged attention implementation {self.attention!r}; choose one of {', '.join(IMPLEMENTATIONS)} or None")
         kv_format(self.kv_dtype, self.head_dim)
         device_calibration(self.key_calibration, self.num_layers, self.kv_heads, self.head_dim)  # checks shapes
 
@@ -120,25 +126,28 @@ class PageStore:
     pages: every later use raises :class:`~zgen.errors.CacheError` until :meth:`reset_pages`.
     """
 
-    def __init__(self, config: PagedConfig, pool: BlockPool) -> None:
+    def __init__(self, config: PagedConfig, pool: BlockPool, mesh: Mesh | None = None) -> None:
         if pool.page_size != config.page_size:
             raise ConfigError(f"pool page_size {pool.page_size} differs from the config's {config.page_size}")
         self.config = config
         self.pool = pool
+        self.mesh = mesh  # a split model's devices: each holds its KV heads' part of every page
         self.k: tuple[KVPages, ...] = ()
         self.v: tuple[KVPages, ...] = ()
         self.reset_pages()
 
     @classmethod
-    def with_budget(cls, config: PagedConfig, max_memory_mb: float) -> PageStore:
-        """A store on a fresh pool of as many blocks as ``max_memory_mb`` MiB of pages hold.
+    def with_budget(cls, config: PagedConfig, max_memory_mb: float, mesh: Mesh | None = None) -> PageStore:
+        """A store on a fresh pool of as many blocks as ``max_memory_mb`` MiB of pages hold (over all
+        of ``mesh``'s devices, each holding its KV heads' share).
 
         A budget the device cannot hold (pages plus the pool's host bookkeeping) is refused before
         anything is allocated, rather than failing deep inside the allocator.
         """
         block_bytes = config.bytes_per_token * config.page_size
         num_blocks = BlockPool.blocks_in_budget(max_memory_mb, block_bytes, config.page_size)
-        needed = num_blocks * (block_bytes + BlockPool.HOST_BYTES_PER_BLOCK)
+        devices = 1 if mesh is None else mesh.size
+        needed = num_blocks * (block_bytes // devices + BlockPool.HOST_BYTES_PER_BLOCK)
         available = available_memory_bytes()
         if needed > available:
             raise ConfigError(
@@ -146,14 +155,19 @@ class PageStore:
                 f"bookkeeping, but only {available / 2**20:,.0f} MiB are free on {jax.devices()[0].platform}; "
                 "lower max_memory_mb"
             )
-        return cls(config, BlockPool(num_blocks, config.page_size))
+        return cls(config, BlockPool(num_blocks, config.page_size), mesh)
 
     def reset_pages(self) -> None:
         """Fresh zeroed pages for every layer (the pool's bookkeeping is untouched)."""
         c = self.config
         n = self.pool.num_blocks
-        self.k = tuple(empty_pages(c.kv_dtype, c.kv_heads, n, c.page_size, c.head_dim) for _ in range(c.num_layers))
-        self.v = tuple(empty_pages(c.kv_dtype, c.kv_heads, n, c.page_size, c.head_dim) for _ in range(c.num_layers))
+
+        def empty() -> tuple[KVPages, ...]:
+            return tuple(empty_pages(c.kv_dtype, c.kv_heads, n, c.page_size, c.head_dim) for _ in range(c.num_layers))
+
+        mesh = self.mesh
+        build = empty if mesh is None else lambda: pages_split_by_heads(empty, mesh)
+        self.k, self.v = build(), build()
 
     @property
     def nbytes(self) -> int:
@@ -177,7 +191,8 @@ class PageStore:
         self.ensure_available()
         c = self.config
         calibration = device_calibration(c.key_calibration, c.num_layers, c.kv_heads, c.head_dim)
-        return PagedKVState(self.k, self.v, jax.device_put(block_tables.astype(np.int32, copy=False)), c.kv_dtype, c.dtype, calibration)
+        tables = jax.device_put(block_tables.astype(np.int32, copy=False))
+        return PagedKVState(self.k, self.v, tables, c.kv_dtype, c.dtype, calibration, c.attention)
 
     def _layer_calibration(self, layer: int) -> KeyCalibration | None:
         calibration = self.config.key_calibration

@@ -36,6 +36,7 @@ from typing import Any, Self
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 from jaxtyping import Array, Bool, Float, Int
 
 from zgen.cache.base import LayerKV, replace_layer
@@ -116,6 +117,7 @@ class PagedKVState:
     kv_dtype: str = "fp32"
     dtype: str = "float32"  # dtype of layer_view (and of dequantized prefill keys if the query's is wider)
     key_calibration: tuple[KeyCalibration, ...] | None = None
+    attention: str | None = None  # the paged_attention implementation; None: the best for the platform
 
     @classmethod
     def contiguous(
@@ -221,8 +223,30 @@ class PagedKVState:
             page_mask=page_mask,
             sliding_window=sliding_window,
             key_calibration=coding,
+            implementation=self.attention,
         )
         return out if coding is None else hadamard(out).astype(q.dtype)
+
+    def select(self, layer: int) -> PagedKVState:
+        """A one-layer state holding ``layer`` (no copy: the same arrays)."""
+        calibration = None if self.key_calibration is None else (self.key_calibration[layer],)
+        return replace(self, k=(self.k[layer],), v=(self.v[layer],), key_calibration=calibration)
+
+    def merge(self, layer: int, one: PagedKVState) -> PagedKVState:
+        """This state with ``layer``'s pages taken from the one-layer state ``one`` (see :meth:`select`)."""
+        return replace(self, k=replace_layer(self.k, layer, one.k[0]), v=replace_layer(self.v, layer, one.v[0]))
+
+    def head_specs(self, axis: str) -> PagedKVState:
+        """This state's pytree with a ``PartitionSpec`` per leaf, splitting KV heads over mesh axis
+        ``axis``: page leaves and calibration statistics lead with them; the block tables and the
+        RoPE frequencies are shared."""
+        heads, shared = PartitionSpec(axis), PartitionSpec()
+
+        def split(tree: Any) -> Any:
+            return jax.tree_util.tree_map(lambda _: heads, tree)
+
+        calibration = None if self.key_calibration is None else tuple(replace(split(c), inv_freq=shared) for c in self.key_calibration)
+        return replace(self, k=split(self.k), v=split(self.v), block_tables=shared, key_calibration=calibration)
 
     def layer_view(self, layer: int) -> LayerKV:
         """All ``capacity`` slots of every row, dequantized (and decoded) to ``dtype`` (tests and
@@ -238,7 +262,7 @@ class PagedKVState:
 
 
 jax.tree_util.register_dataclass(
-    PagedKVState, data_fields=["k", "v", "block_tables", "key_calibration"], meta_fields=["kv_dtype", "dtype"]
+    PagedKVState, data_fields=["k", "v", "block_tables", "key_calibration"], meta_fields=["kv_dtype", "dtype", "attention"]
 )
 
 
@@ -317,6 +341,18 @@ class MaskedPagedState:
         if self.page_mask is not None:
             mask &= jnp.repeat(self.page_mask, self.pages.page_size, axis=1)[:, None, :]
         return masked_attention(q, view.k.astype(q.dtype), view.v.astype(q.dtype), mask)
+
+    def select(self, layer: int) -> MaskedPagedState:
+        """A one-layer state holding ``layer`` (the masks are every layer's)."""
+        return replace(self, pages=self.pages.select(layer))
+
+    def merge(self, layer: int, one: MaskedPagedState) -> MaskedPagedState:
+        return replace(self, pages=self.pages.merge(layer, one.pages))
+
+    def head_specs(self, axis: str) -> MaskedPagedState:
+        """As :meth:`PagedKVState.head_specs`; the masks are shared."""
+        masks = {name: None if getattr(self, name) is None else PartitionSpec() for name in ("page_mask", "token_mask", "query_mask")}
+        return replace(self, pages=self.pages.head_specs(axis), **masks)
 
     def layer_view(self, layer: int) -> LayerKV:
         return self.pages.layer_view(layer)

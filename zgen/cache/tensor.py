@@ -19,6 +19,7 @@ from typing import ClassVar, Literal, Self
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 from jaxtyping import Array, Bool, Float, Int
 
 from zgen.cache.base import LayerKV, replace_layer
@@ -31,6 +32,13 @@ from zgen.pallas.paged_attention.layouts import BIT_CONTAINERS
 # "triton" force that zgen.pallas.flash_attention implementation (Triton runs interpreted on CPU);
 # "auto" is the flash kernels on GPU and "einsum" elsewhere.
 DenseAttention = Literal["auto", "einsum", "reference", "xla", "triton"]
+
+
+def dense_attention_path(path: DenseAttention) -> DenseAttention:
+    """The path ``path`` runs on this platform: ``"auto"`` is the flash kernels (Triton) on a GPU, the einsum elsewhere."""
+    if path == "auto":
+        return "triton" if platform() == "gpu" else "einsum"
+    return path
 
 
 def masked_attention(
@@ -155,13 +163,24 @@ class DenseKVState:
     ) -> Float[Array, "B T H D"]:
         """Attention of ``q`` at ``positions`` over this layer's slots (padding queries at -1 give zeros
         on the kernel path; their values are never used)."""
-        path = self.attention
-        if path == "auto":
-            path = "triton" if platform() == "gpu" else "einsum"
+        path = dense_attention_path(self.attention)
         k, v = _floats(self.k[layer]), _floats(self.v[layer])
         if path == "einsum":
             return causal_attention(q, k, v, positions, sliding_window=sliding_window)
         return flash_attention(q, k, v, q_positions=positions, sliding_window=sliding_window, implementation=path)
+
+    def select(self, layer: int) -> DenseKVState:
+        """A one-layer state holding ``layer`` (no copy: the same arrays)."""
+        return replace(self, k=(self.k[layer],), v=(self.v[layer],))
+
+    def merge(self, layer: int, one: DenseKVState) -> DenseKVState:
+        """This state with ``layer`` taken from the one-layer state ``one`` (see :meth:`select`)."""
+        return replace(self, k=replace_layer(self.k, layer, one.k[0]), v=replace_layer(self.v, layer, one.v[0]))
+
+    def head_specs(self, axis: str) -> DenseKVState:
+        """This state's pytree with a ``PartitionSpec`` per buffer, splitting KV heads over mesh axis ``axis``."""
+        heads = PartitionSpec(None, None, axis)
+        return replace(self, k=tuple(heads for _ in self.k), v=tuple(heads for _ in self.v))
 
     def layer_view(self, layer: int) -> LayerKV:
         return LayerKV(_floats(self.k[layer]), _floats(self.v[layer]))

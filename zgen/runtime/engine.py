@@ -257,6 +257,7 @@ class Engine:
         self.kv: KVManager = make_kv(
             self.cache_options, model.config, model.dtype,
             max_rows=self.config.max_batch, max_write=next_pow2(self.config.prefill_chunk), key_calibration=key_calibration,
+            mesh=model.mesh,
         )
         self.runner = runner_for(model)
         self.stats = EngineStats()

@@ -53,7 +53,7 @@ class Runner:
         enable_persistent_compilation_cache()
         self.model = model
         lora_graph = inject_lora(model.graph)
-        self.spec = ModelSpec(model.graph, model.config.sliding_window, lora_graph)
+        self.spec = ModelSpec(model.graph, model.config.sliding_window, lora_graph, model.mesh)
         self._executables: dict[Hashable, Any] = {}
         self._hidden_graph = hidden_state_graph(model.graph)
         self._hidden_lora_graph = hidden_state_graph(lora_graph)
@@ -188,7 +188,7 @@ class Runner:
         pooling: Pooling, normalize: bool,
     ) -> Array:
         graph = self._hidden_graph if adapter_slots is None else self._hidden_lora_graph
-        hidden, _ = hidden_states(graph, self.spec.sliding_window, params, kv, tokens, positions, adapter_slots)
+        hidden, _ = hidden_states(graph, self.spec.sliding_window, params, kv, tokens, positions, adapter_slots, self.spec.mesh)
         return pool_hidden(hidden, lengths, pooling, normalize)
 
     def _compiled(self, key: Hashable, lower: Callable[[], Any]) -> Any:

@@ -27,9 +27,11 @@ from typing import Generic, Literal, TypeVar, cast, get_args
 import jax
 import jax.numpy as jnp
 from jax.experimental import io_callback
+from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int, UInt32
 
 from zgen.cache.base import KVState
+from zgen.cache.sharded import attend_per_shard, write_and_attend_per_shard
 from zgen.graph.core import ForwardContext, Graph
 from zgen.graph.decoder import LOGIT_ROWS, POSITIONS, TOKENS, feature_graph
 from zgen.graph.nodes import rotary
@@ -42,11 +44,13 @@ S = TypeVar("S", bound=KVState)
 
 
 class _CacheContext(ForwardContext, Generic[S]):
-    """Threads the KV state through the attention nodes while the graph is traced."""
+    """Threads the KV state through the attention nodes while the graph is traced; with a ``mesh``
+    (a model split by heads) each layer's write and attention run per device (:mod:`zgen.cache.sharded`)."""
 
-    def __init__(self, state: S, sliding_window: int | None) -> None:
+    def __init__(self, state: S, sliding_window: int | None, mesh: Mesh | None = None) -> None:
         self.state = state
         self.sliding_window = sliding_window
+        self.mesh = mesh
 
     def write_and_attend(
         self,
@@ -57,7 +61,11 @@ class _CacheContext(ForwardContext, Generic[S]):
         positions: Int[Array, "B T"],
         inv_freq: Float[Array, " half"],
     ) -> Float[Array, "B T H D"]:
-        self.state = cast(S, self.state.write(layer, rotary(k, positions, inv_freq), v, positions))
+        k = rotary(k, positions, inv_freq)
+        if self.mesh is not None:
+            out, self.state = write_and_attend_per_shard(self.state, self.mesh, layer, q, k, v, positions, sliding_window=self.sliding_window)
+            return out
+        self.state = cast(S, self.state.write(layer, k, v, positions))
         return self.state.attend(layer, q, positions, sliding_window=self.sliding_window)
 
 
@@ -69,6 +77,7 @@ class ModelSpec:
     graph: Graph
     sliding_window: int | None
     lora_graph: Graph | None = None
+    mesh: Mesh | None = None  # the devices a split model's heads are spread over (zgen.sharding)
 
 
 def forward(
@@ -88,7 +97,7 @@ def forward(
     if adapter_slots is not None:
         assert model.lora_graph is not None, "adapter slots given to a model spec without a LoRA graph"
         feeds[ADAPTER_SLOTS], graph = adapter_slots, model.lora_graph
-    (logits,), kv = run_graph(graph, model.sliding_window, params, kv, feeds)
+    (logits,), kv = run_graph(graph, model.sliding_window, params, kv, feeds, mesh=model.mesh)
     return logits, kv
 
 
@@ -100,14 +109,15 @@ def hidden_states(
     tokens: Int[Array, "B T"],
     positions: Int[Array, "B T"],
     adapter_slots: Int[Array, " B"] | None = None,
+    mesh: Mesh | None = None,
 ) -> tuple[Float[Array, "B T H"], S]:
     """Run a graph cut after the final norm (:func:`~zgen.graph.decoder.hidden_state_graph`) over
     ``tokens`` at ``positions`` (-1: padding), writing their K/V; the hidden states of every token.
-    ``adapter_slots`` feed a LoRA-injected graph, as in :func:`forward`."""
+    ``adapter_slots`` feed a LoRA-injected graph, as in :func:`forward`; ``mesh`` as :class:`ModelSpec`'s."""
     feeds = {TOKENS: tokens, POSITIONS: positions}
     if adapter_slots is not None:
         feeds[ADAPTER_SLOTS] = adapter_slots
-    (hidden,), kv = run_graph(graph, sliding_window, params, kv, feeds)
+    (hidden,), kv = run_graph(graph, sliding_window, params, kv, feeds, mesh=mesh)
     return hidden, kv
 
 
@@ -123,7 +133,8 @@ def forward_features(
     """:func:`forward` that also returns the residual stream after each of ``layers`` at every token,
     concatenated (``F = len(layers) * hidden``): the target features an EAGLE head drafts from."""
     outputs, kv = run_graph(
-        feature_graph(model.graph, layers), model.sliding_window, params, kv, {TOKENS: tokens, POSITIONS: positions, LOGIT_ROWS: read_rows}
+        feature_graph(model.graph, layers), model.sliding_window, params, kv, {TOKENS: tokens, POSITIONS: positions, LOGIT_ROWS: read_rows},
+        mesh=model.mesh,
     )
     return outputs[0], jnp.concatenate(outputs[1:], axis=-1), kv
 
@@ -136,15 +147,18 @@ def read_features(
     (_, *features), _ = run_graph(
         feature_graph(model.graph, layers), model.sliding_window, params, kv,
         {TOKENS: tokens, POSITIONS: positions, LOGIT_ROWS: jnp.zeros((tokens.shape[0], 1), jnp.int32)}, write=False,
+        mesh=model.mesh,
     )
     return jnp.concatenate(features, axis=-1)
 
 
 def run_graph(
-    graph: Graph, sliding_window: int | None, params: Params, kv: S, feeds: Mapping[str, jax.Array], *, write: bool = True
+    graph: Graph, sliding_window: int | None, params: Params, kv: S, feeds: Mapping[str, jax.Array], *, write: bool = True,
+    mesh: Mesh | None = None,
 ) -> tuple[tuple[jax.Array, ...], S]:
-    """Any graph whose attention reads and (``write``) writes ``kv`` (a draft head's, say), fed by name."""
-    ctx = _CacheContext(kv, sliding_window) if write else _ReadingContext(kv, sliding_window)
+    """Any graph whose attention reads and (``write``) writes ``kv`` (a draft head's, say), fed by name;
+    with ``mesh``, attention runs on each device's own heads."""
+    ctx = _CacheContext(kv, sliding_window, mesh) if write else _ReadingContext(kv, sliding_window, mesh)
     outputs = graph.run(params, feeds, ctx)
     return outputs, ctx.state
 
@@ -161,6 +175,8 @@ class _ReadingContext(_CacheContext[S]):
         positions: Int[Array, "B T"],
         inv_freq: Float[Array, " half"],
     ) -> Float[Array, "B T H D"]:
+        if self.mesh is not None:
+            return attend_per_shard(self.state, self.mesh, layer, q, positions, sliding_window=self.sliding_window)
         return self.state.attend(layer, q, positions, sliding_window=self.sliding_window)
 
 
