@@ -790,8 +790,9 @@ class Engine:
 
     def _run_fallback(self, rows: list[_Row], steps: int, draws: int, *, exit_on_finish: bool, finishes: int) -> None:
         """Speculative rows that are all in fallback take up to ``draws`` tokens in the plain decode loop
-        (the same compiled loop, and so the same tokens, as plain decoding); their draft controls count
-        those draws as plain passes, so each row probes again where the speculative loop would have."""
+        (the same compiled loop, and so the same tokens, as plain decoding; ``draws``: until the last
+        row's wait is over); their draft controls count those draws as plain passes, so the rows probe
+        again together in the next speculative loop."""
         before = [len(row.job.result.tokens) for row in rows]
         for row in rows:
             row.count = min(row.count, draws)
