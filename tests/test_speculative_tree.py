@@ -245,9 +245,9 @@ def test_tree_refusals(target: Model) -> None:
         DraftModel(target, 1, tree=TreeShape(width=2, size=3))  # depth 1: two candidates
     with pytest.raises(ConfigError, match="TreeShape"):
         DraftModel(target, 2, tree=(2, 4))  # type: ignore[arg-type]
-    trees = DraftModel.early_exit(target, layers=1, num_tokens=2, tree=TreeShape(width=2, size=4))
-    with pytest.raises(ConfigError, match="token trees need a KV format"):  # q4 codes keys with their positions
-        Generator(target, paged_kv(4), kv_dtype("q4"), speculative=trees).generate("w1 w2", GREEDY)
+    for trees in (DraftModel.early_exit(target, layers=1, num_tokens=2, tree=TreeShape(width=2, size=4)), PromptLookup(2, 4, branches=2)):
+        with pytest.raises(ConfigError, match="token trees need a KV format"):  # q4 codes keys with their positions
+            Generator(target, paged_kv(4), kv_dtype("q4"), speculative=trees).generate("w1 w2", GREEDY)
 
 
 def test_a_tree_drafter_leaves_rows_under_a_grammar_to_plain_decoding(tiny: Model) -> None:  # noqa: F811
