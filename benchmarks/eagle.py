@@ -6,9 +6,10 @@
    the tokens trained on, the final loss and the held-out top-1 acceptance. The head is saved in
    ``--out``; running again with the same ``--out`` continues training from its last step (pass more
    ``--train-steps``) or, already trained that far, only measures.
-2. Speed: tokens/s of plain greedy decoding vs EAGLE at each ``--batch`` on the chat / code / summary
-   prompts of ``benchmarks/speculative.py`` (median of ``--runs`` after a warm-up that compiles), the
-   acceptance figures, and ``same``: the greedy tokens equal plain decoding's, token for token.
+2. Speed: tokens/s of plain greedy decoding vs EAGLE chains and EAGLE-2 trees (``--trees``) at each
+   ``--batch`` on the chat / code / summary prompts of ``benchmarks/speculative.py`` (median of
+   ``--runs`` after a warm-up that compiles), the acceptance figures (for a tree: accepted over the
+   depth drafted), and ``same``: the greedy tokens equal plain decoding's, token for token.
 
 With random weights (the default: SmolLM2's shape) the timings are real but acceptance means nothing
 (a random model's answers are noise). For the real model pass the GGUF::
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from speculative import load, prompts, timed  # noqa: E402 - the shared prompt set and timing
+from speculative import figures, load, print_rows, prompts, timed  # noqa: E402 - the shared prompt set, timing and figures
 
 TOPICS = (
     "the water cycle", "black holes", "photosynthesis", "the French revolution", "compound interest", "vaccines",
@@ -84,12 +85,13 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--num-draft-tokens", type=int, default=4)
     parser.add_argument("--no-adaptive", action="store_true", help="fixed draft length, no fallback to plain decoding")
+    parser.add_argument("--trees", nargs="*", default=["4x16"], help="EAGLE-2 tree shapes WIDTHxSIZE measured beside the chain")
     args = parser.parse_args()
 
     import jax
 
     from zgen import Generator, Request, SamplingConfig
-    from zgen.speculative import Eagle
+    from zgen.speculative import Eagle, TreeShape
     from zgen.speculative.eagle.train import StepReport, TrainConfig, train
 
     model = load(args)
@@ -112,27 +114,28 @@ def main() -> None:
     )
     print(f"training: {json.dumps(training)}", flush=True)
 
-    eagle = Eagle.load(args.out, model, args.num_draft_tokens, adaptive=not args.no_adaptive)
+    adaptive = not args.no_adaptive
+    speculators = {f"eagle:{args.num_draft_tokens}": Eagle.load(args.out, model, args.num_draft_tokens, adaptive=adaptive)}
+    for shape in args.trees:
+        width, _, size = shape.lower().partition("x")
+        tree = TreeShape(width=int(width), size=int(size))
+        speculators[f"eagle-tree:{args.num_draft_tokens}x{shape}"] = Eagle.load(args.out, model, args.num_draft_tokens, adaptive=adaptive, tree=tree)
     sampling = SamplingConfig(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True)
     rows: list[dict[str, Any]] = []
     for batch in args.batch:
         requests = [Request(p, sampling) for p in prompts(model, batch, real=args.model is not None)]
         base_s, base = timed(Generator(model, max_batch_size=batch), requests, args.runs)
-        spec_s, spec = timed(Generator(model, max_batch_size=batch, speculative=eagle), requests, args.runs)
         tokens = sum(len(r.token_ids) for r in base)
-        stats = [r.speculative for r in spec if r.speculative is not None]
-        drafted, accepted, passes = (sum(getattr(s, f) for s in stats) for f in ("draft_tokens", "accepted_tokens", "steps"))
-        rows.append(dict(
-            batch=batch, plain_tokens_per_s=tokens / base_s, eagle_tokens_per_s=tokens / spec_s, speedup=base_s / spec_s,
-            same=[r.token_ids for r in spec] == [r.token_ids for r in base], draft_tokens=drafted, accepted_tokens=accepted,
-            acceptance_rate=accepted / drafted if drafted else 0.0, mean_accepted_per_step=accepted / passes if passes else 0.0,
-        ))
+        rows.append(dict(batch=batch, prompts="mix", speculator="plain", tokens_per_s=tokens / base_s, speedup=1.0, same=True))
+        for name, eagle in speculators.items():
+            spec_s, spec = timed(Generator(model, max_batch_size=batch, speculative=eagle), requests, args.runs)
+            rows.append(dict(
+                batch=batch, prompts="mix", speculator=name, tokens_per_s=tokens / spec_s, speedup=base_s / spec_s,
+                same=[r.token_ids for r in spec] == [r.token_ids for r in base], **figures(spec),
+            ))
     result = dict(device=str(jax.devices()[0]), model=args.model or "random smollm2 shape", dtype=args.dtype, fused=args.fused,
                   num_draft_tokens=args.num_draft_tokens, new_tokens=args.new_tokens, training=training, rows=rows)
-    print(f"{'batch':>5} {'plain tok/s':>12} {'eagle tok/s':>12} {'speedup':>8} {'accept':>7} {'acc/pass':>8} same")
-    for row in rows:
-        print(f"{row['batch']:>5} {row['plain_tokens_per_s']:>12.1f} {row['eagle_tokens_per_s']:>12.1f} {row['speedup']:>7.2f}x "
-              f"{row['acceptance_rate']:>7.2f} {row['mean_accepted_per_step']:>8.2f} {row['same']}")
+    print_rows(rows)
     print(json.dumps(result))
 
 

@@ -1,24 +1,30 @@
 """Speculative decoding: plain greedy decode vs each speculator, batch 1 and 8, in one run.
 
-For every batch size and speculator: tokens/s of the whole generation (wall time of
+For every batch size, prompt group and speculator: tokens/s of the whole generation (wall time of
 ``batch_generate``, median of ``--runs`` after a warm-up that compiles), the speedup over plain
 decoding of the same requests, the acceptance figures (drafted, accepted, acceptance rate, mean
-accepted per verification pass) and a check that the greedy tokens equal plain decoding's token for
-token (``same``: False marks a bug, or a near-tie flipped by bf16 rounding in a longer verification
-pass; run ``--dtype float32`` to tell them apart).
+accepted per verification pass), how many plain decode loops served the batch while it was in
+fallback (over the warm-up and the timed runs), and a check that the greedy tokens equal plain
+decoding's token for token (``same``: False marks a bug, or a near-tie flipped by bf16 rounding in a
+longer verification pass; run ``--dtype float32`` to tell them apart).
 
-The prompt set mixes chat questions, code, and summarising a given passage (where prompt lookup
-should pay). With random weights (the default: SmolLM2's shape, no checkpoint needed) the timings of
-the loop are real but acceptance is not meaningful (a random model's early layers predict nothing and
-its text does not quote the prompt); pass a model (``--model smollm2``, a .gguf path or an HF
-directory) for real acceptance.
+The prompts are chat questions, code, and summaries of two given passages of about 300 tokens
+(where prompt lookup should pay); ``--prompts`` picks the groups measured apart (``summary``, ``mix``:
+all of them in turn, ``chat``, ``code``). With random weights (the default: SmolLM2's shape, no
+checkpoint needed) the timings of the loop are real but acceptance is not meaningful (a random model's
+early layers predict nothing and its text does not quote the prompt); pass a model (``--model
+smollm2``, a .gguf path or an HF directory) for real acceptance. ``--runs 0`` skips the timing
+(acceptance only, e.g. on a CPU: acceptance does not depend on the device).
 
     python benchmarks/speculative.py                                   # random SmolLM2 shape
-    python benchmarks/speculative.py --model smollm2 --new-tokens 128  # the real GGUF weights
-    python benchmarks/speculative.py --model /path/SmolLM2-135M-Instruct.Q4_1.gguf --speculators prompt-lookup early-exit:8
+    python benchmarks/speculative.py --model SmolLM2-135M-Instruct.Q4_1.gguf --speculators prompt-lookup early-exit:8
+    python benchmarks/speculative.py --model smollm2 --dtype float32 --batch 1 --runs 0 --prompts summary \\
+        --speculators prompt-lookup:3-1 prompt-lookup:4-2                # acceptance of two n-gram ranges
     python benchmarks/speculative.py --speculators draft:smollm2 --kv-dtype fp8 --json
     python benchmarks/speculative.py --model smollm2 --speculators prompt-lookup jacobi jacobi:adaptive
 
+``prompt-lookup:MAX-MIN`` tries n-grams of MAX down to MIN tokens (default 3-1); ``prompt-lookup:MAX-MINxR``
+verifies what followed the R best matches as one token tree (``PromptLookup(branches=R)``).
 ``jacobi`` is Jacobi (lookahead) decoding with its default fixed draft width (every pass verifies
 ``--num-draft-tokens`` guesses, default 8); ``jacobi:adaptive`` adds the adaptive draft length and
 fallback to plain decoding. ``eagle:DIR`` drafts with the EAGLE head in DIR (trained for the same
@@ -42,20 +48,50 @@ if TYPE_CHECKING:
     from zgen import GenerationResult, Generator, Model
     from zgen.speculative import Speculator
 
-PASSAGE = (
-    "The Amazon rainforest covers much of the Amazon basin of South America. The basin spans seven "
-    "million square kilometres, of which five and a half million are covered by the rainforest. The "
-    "region includes territory belonging to nine nations. The majority of the forest is contained within "
-    "Brazil, with sixty percent of the rainforest, followed by Peru with thirteen percent and Colombia "
-    "with ten percent. The rainforest represents over half of the planet's remaining rainforests and is "
-    "the largest and most biodiverse tract of tropical rainforest in the world."
+# Two passages of a few hundred tokens each to summarise (where prompt lookup should pay: a summary
+# quotes its source's names, figures and phrases).
+PASSAGES = (
+    "The town of Harrowmere drew its water from a single reservoir until the dry summer of 2019, when "
+    "the level fell to eleven percent of capacity and the council imposed a ban on garden hoses for "
+    "nine weeks. In the following spring the council approved a plan with three parts. First, the old "
+    "cast-iron mains under the market district, laid between 1890 and 1910, would be replaced with "
+    "polyethylene pipe, because surveys showed that they lost about a quarter of the water they carried "
+    "through cracks and failed joints. Second, a second reservoir would be built in the Fell valley, "
+    "four kilometres north of the town, holding 2.4 million cubic metres, roughly the same as the first. "
+    "Third, every household would receive a water meter, so that bills would follow use rather than the "
+    "rateable value of the house. The replacement of the mains took three years and cost 14 million "
+    "pounds, two million more than planned, mostly because the excavations uncovered medieval cellars "
+    "that archaeologists had to record before work could continue. The Fell valley reservoir opened in "
+    "2023, six months late. The meters proved the most contested part of the plan: a petition against "
+    "them gathered 3,100 signatures, and the council agreed to cap the bills of pensioners living alone. "
+    "By 2024 the town used 18 percent less water per person than in 2019, and leakage had fallen from "
+    "about a quarter to under eight percent.",
+    "Mira Castellan began keeping bees on the roof of her bakery in 2015 with two hives bought from a "
+    "retiring beekeeper. Within five years she ran forty hives on eleven roofs across the city, placed "
+    "on hotels, a library, two schools and the central railway station. Each hive produced between "
+    "twelve and twenty kilograms of honey a year, and the honey from each roof tasted different, "
+    "because the bees foraged on whatever grew within about three kilometres: lime trees near the "
+    "station, lavender and rosemary around the library, and clover in the parks by the schools. "
+    "Castellan sold the honey in jars labelled by roof, and the station honey became the most popular, "
+    "selling out each September. The schools used their hives in biology lessons, and pupils weighed "
+    "the frames and counted the bees returning with pollen. In 2021 a hard winter killed nine of the "
+    "forty colonies, and Castellan changed how she prepared them for the cold: she left more honey in "
+    "each hive, added wooden insulation boards and moved the most exposed hives away from the edges of "
+    "the roofs. The next winter only two colonies died. She now trains twenty new urban beekeepers a "
+    "year and says the main limit on the city's bees is no longer the cold but the number of flowers.",
 )
 PROMPTS = {
-    "chat": "What are three good habits for staying healthy? Answer briefly.",
-    "code": "Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring.",
-    "summary": f"Summarise this passage in three sentences, quoting its figures:\n\n{PASSAGE}",
-    "summary-2": f"Rewrite this passage in plain words, keeping every number:\n\n{PASSAGE}",
+    "chat": ("What are three good habits for staying healthy? Answer briefly.",),
+    "code": ("Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring.",),
+    "summary": tuple(
+        f"{task}\n\n{passage}"
+        for passage in PASSAGES
+        for task in ("Summarise this passage in a few sentences, keeping its names and figures:",
+                     "Summarise the passage below. Quote its key figures.")
+    ),
 }
+#: Prompt groups a row is measured on: each kind alone, and every prompt in turn.
+GROUPS = (*PROMPTS, "mix")
 
 
 def load(args: argparse.Namespace) -> Model:
@@ -68,22 +104,52 @@ def load(args: argparse.Namespace) -> Model:
     return load_model(args.model, dtype=args.dtype)
 
 
-def prompts(model: Model, batch: int, real: bool) -> list[Any]:
-    """``batch`` prompts cycling over the set: chat messages with real weights (text where the model
-    has no chat template); with random weights, token ids of the same lengths whose passage repeats
-    (the random tokenizer knows no words)."""
-    names = list(PROMPTS)
-    chosen = [names[i % len(names)] for i in range(batch)]
+def prompts(model: Model, batch: int, real: bool, group: str = "mix") -> list[Any]:
+    """``batch`` prompts cycling over ``group`` (a kind of :data:`PROMPTS`, or ``mix``: every prompt):
+    chat messages with real weights (text where the model has no chat template); with random weights,
+    token ids of the same lengths whose text repeats (the random tokenizer knows no words)."""
+    texts = [text for kind, texts in PROMPTS.items() if group in (kind, "mix") for text in texts]
+    chosen = [texts[i % len(texts)] for i in range(batch)]
     if real:
         if model.tokenizer.chat_template is None:
-            return [PROMPTS[name] for name in chosen]
-        return [[{"role": "user", "content": PROMPTS[name]}] for name in chosen]
+            return chosen
+        return [[{"role": "user", "content": text}] for text in chosen]
     vocab = model.config.vocab_size
     out = []
-    for i, name in enumerate(chosen):
-        passage = [(1000 + 37 * j + 11 * i) % vocab for j in range(len(PROMPTS[name].split()) * 2)]
+    for i, text in enumerate(chosen):
+        passage = [(1000 + 37 * j + 11 * i) % vocab for j in range(len(text.split()) * 2)]
         out.append(passage + passage[: len(passage) // 3])
     return out
+
+
+def common_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options every speculative benchmark shares: the model, batch sizes, lengths and cache."""
+    parser.add_argument("--model", default=None, help="built-in name, .gguf or HF directory (default: random SmolLM2 shape)")
+    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--runs", type=int, default=3, help="timed runs after the warm-up (0: the warm-up only, no timing)")
+    parser.add_argument("--kv-cache", default=None, help="cache kind (tensor, flat, paged, tiered)")
+    parser.add_argument("--kv-dtype", default=None, help="KV format (fp32, bf16, fp16, fp8, q4, q3)")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON only")
+
+
+def figures(results: list[GenerationResult]) -> dict[str, float]:
+    """The speculative figures of a batch of results: drafted, accepted, rate, accepted per pass."""
+    stats = [r.speculative for r in results if r.speculative is not None]
+    drafted, accepted, passes = (sum(getattr(s, f) for s in stats) for f in ("draft_tokens", "accepted_tokens", "steps"))
+    return dict(
+        draft_tokens=drafted, accepted_tokens=accepted, acceptance_rate=accepted / drafted if drafted else 0.0,
+        mean_accepted_per_step=accepted / passes if passes else 0.0,
+    )
+
+
+def print_rows(rows: list[dict[str, Any]]) -> None:
+    print(f"{'batch':>5} {'prompts':<8} {'speculator':<22} {'tok/s':>9} {'speedup':>8} {'accept':>7} {'acc/pass':>8} {'same':<5} fallback loops")
+    for row in rows:
+        print(f"{row['batch']:>5} {row.get('prompts', 'mix'):<8} {row['speculator']:<22} {row['tokens_per_s']:>9.1f} "
+              f"{row['speedup']:>7.2f}x {row.get('acceptance_rate', 0.0):>7.2f} {row.get('mean_accepted_per_step', 0.0):>8.2f} "
+              f"{row['same']!s:<5} {row.get('fallback_loops', '')}")
 
 
 def speculator(spec: str, model: Model, args: argparse.Namespace) -> Speculator:
@@ -92,7 +158,9 @@ def speculator(spec: str, model: Model, args: argparse.Namespace) -> Speculator:
 
     kind, _, value = spec.partition(":")
     if kind == "prompt-lookup":
-        return PromptLookup(num_tokens=args.num_draft_tokens or 8)
+        ngrams, _, branches = (value or "3-1").partition("x")
+        longest, _, shortest = ngrams.partition("-")
+        return PromptLookup(int(longest), args.num_draft_tokens or 8, min_ngram=int(shortest or longest), branches=int(branches or 1))
     if kind == "early-exit":
         return DraftModel.early_exit(model, layers=int(value or 8), num_tokens=args.num_draft_tokens or 4)
     if kind == "draft":
@@ -101,31 +169,30 @@ def speculator(spec: str, model: Model, args: argparse.Namespace) -> Speculator:
         return Eagle.load(value, model, args.num_draft_tokens or 4)
     if kind == "jacobi" and value in ("", "adaptive"):
         return Jacobi(args.num_draft_tokens or 8, adaptive=value == "adaptive")
-    raise SystemExit(f"unknown speculator {spec!r}: prompt-lookup, early-exit:N, draft:MODEL, eagle:DIR, jacobi or jacobi:adaptive")
+    raise SystemExit(
+        f"unknown speculator {spec!r}: prompt-lookup[:MAX-MIN[xR]], early-exit:N, draft:MODEL, eagle:DIR, jacobi or jacobi:adaptive"
+    )
 
 
 def timed(generator: Generator, requests: list[Any], runs: int) -> tuple[float, list[GenerationResult]]:
-    generator.batch_generate(requests)  # compiles
-    times, results = [], []
+    """Median wall time of ``runs`` generations after a warm-up that compiles (``runs == 0``: the
+    warm-up's results, time NaN: acceptance figures only)."""
+    results = generator.batch_generate(requests)  # compiles
+    times = []
     for _ in range(runs):
         start = time.perf_counter()
         results = generator.batch_generate(requests)
         times.append(time.perf_counter() - start)
-    return statistics.median(times), results
+    return statistics.median(times) if times else float("nan"), results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="built-in name, .gguf or HF directory (default: random SmolLM2 shape)")
-    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--runs", type=int, default=3)
+    common_arguments(parser)
     parser.add_argument("--speculators", nargs="+", default=["prompt-lookup", "early-exit:8"])
     parser.add_argument("--num-draft-tokens", type=int, default=None)
-    parser.add_argument("--kv-cache", default=None, help="cache kind (tensor, flat, paged, tiered)")
-    parser.add_argument("--kv-dtype", default=None, help="KV format (fp32, bf16, fp16, fp8, q4, q3)")
-    parser.add_argument("--json", action="store_true", help="print the rows as JSON only")
+    parser.add_argument("--prompts", nargs="+", default=["summary", "mix"], choices=GROUPS,
+                        help="prompt groups, each measured apart (a kind of prompt, or mix: all of them in turn)")
     args = parser.parse_args()
 
     import jax
@@ -139,29 +206,24 @@ def main() -> None:
     speculators = {spec: speculator(spec, model, args) for spec in args.speculators}
     rows: list[dict[str, Any]] = []
     for batch in args.batch:
-        requests = [Request(p, sampling) for p in prompts(model, batch, real=args.model is not None)]
-        base_s, base = timed(Generator(model, *options, max_batch_size=max(batch, 1)), requests, args.runs)
-        tokens = sum(len(r.token_ids) for r in base)
-        rows.append(dict(batch=batch, speculator="plain", tokens_per_s=tokens / base_s, speedup=1.0, same=True))
-        for name, spec in speculators.items():
-            seconds, results = timed(Generator(model, *options, max_batch_size=max(batch, 1), speculative=spec), requests, args.runs)
-            stats = [r.speculative for r in results if r.speculative is not None]
-            drafted, accepted, passes = (sum(getattr(s, f) for s in stats) for f in ("draft_tokens", "accepted_tokens", "steps"))
-            rows.append(dict(
-                batch=batch, speculator=name, tokens_per_s=tokens / seconds, speedup=base_s / seconds,
-                same=[r.token_ids for r in results] == [r.token_ids for r in base],
-                draft_tokens=drafted, accepted_tokens=accepted,
-                acceptance_rate=accepted / drafted if drafted else 0.0,
-                mean_accepted_per_step=accepted / passes if passes else 0.0,
-            ))
+        for group in args.prompts:
+            requests = [Request(p, sampling) for p in prompts(model, batch, real=args.model is not None, group=group)]
+            base_s, base = timed(Generator(model, *options, max_batch_size=max(batch, 1)), requests, args.runs)
+            tokens = sum(len(r.token_ids) for r in base)
+            rows.append(dict(batch=batch, prompts=group, speculator="plain", tokens_per_s=tokens / base_s, speedup=1.0, same=True))
+            for name, spec in speculators.items():
+                generator = Generator(model, *options, max_batch_size=max(batch, 1), speculative=spec)
+                seconds, results = timed(generator, requests, args.runs)
+                rows.append(dict(
+                    batch=batch, prompts=group, speculator=name, tokens_per_s=tokens / seconds, speedup=base_s / seconds,
+                    same=[r.token_ids for r in results] == [r.token_ids for r in base], **figures(results),
+                    fallback_loops=generator.engine.stats.fallback_loops,
+                ))
     report = dict(device=str(jax.devices()[0]), model=args.model or "random smollm2 shape", dtype=args.dtype,
                   new_tokens=args.new_tokens, kv_cache=args.kv_cache, kv_dtype=args.kv_dtype, rows=rows)
     if not args.json:
         print(f"{report['device']}  {report['model']}  {args.dtype}  {args.new_tokens} new tokens")
-        print(f"{'batch':>5} {'speculator':<16} {'tok/s':>9} {'speedup':>8} {'accept':>7} {'acc/pass':>8} same")
-        for row in rows:
-            print(f"{row['batch']:>5} {row['speculator']:<16} {row['tokens_per_s']:>9.1f} {row['speedup']:>7.2f}x "
-                  f"{row.get('acceptance_rate', 0.0):>7.2f} {row.get('mean_accepted_per_step', 0.0):>8.2f} {row['same']}")
+        print_rows(rows)
     print(json.dumps(report))
 
 

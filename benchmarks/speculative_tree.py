@@ -25,38 +25,19 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from speculative import load, prompts, timed  # noqa: E402 - the prompt set and timing of the speculative benchmark
-
-if TYPE_CHECKING:
-    from zgen import GenerationResult
-
-
-def figures(results: list[GenerationResult]) -> dict[str, float]:
-    stats = [r.speculative for r in results if r.speculative is not None]
-    drafted, accepted, passes = (sum(getattr(s, f) for s in stats) for f in ("draft_tokens", "accepted_tokens", "steps"))
-    return dict(
-        draft_tokens=drafted, accepted_tokens=accepted, acceptance_rate=accepted / drafted if drafted else 0.0,
-        mean_accepted_per_step=accepted / passes if passes else 0.0,
-    )
+from speculative import common_arguments, figures, load, print_rows, prompts, timed  # noqa: E402 - shared with the speculative benchmark
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="built-in name, .gguf or HF directory (default: random SmolLM2 shape)")
-    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--runs", type=int, default=3)
+    common_arguments(parser)
     parser.add_argument("--layers", type=int, default=8, help="early-exit draft layers")
     parser.add_argument("--num-draft-tokens", type=int, default=4, help="chain length and tree depth")
     parser.add_argument("--trees", nargs="+", default=["4:16", "8:32"], help="tree shapes WIDTH:SIZE")
     parser.add_argument("--adaptive", action="store_true", help="adaptive draft length and fallback")
-    parser.add_argument("--kv-cache", default=None, help="cache kind (tensor, flat, paged, tiered)")
-    parser.add_argument("--kv-dtype", default=None, help="KV format (fp32, bf16, fp16, fp8, q4, q3)")
-    parser.add_argument("--json", action="store_true", help="print the rows as JSON only")
     args = parser.parse_args()
 
     import jax
@@ -90,10 +71,7 @@ def main() -> None:
                   new_tokens=args.new_tokens, adaptive=args.adaptive, kv_cache=args.kv_cache, kv_dtype=args.kv_dtype, rows=rows)
     if not args.json:
         print(f"{report['device']}  {report['model']}  {args.dtype}  early exit after {args.layers} layers  {args.new_tokens} new tokens")
-        print(f"{'batch':>5} {'speculator':<16} {'tok/s':>9} {'speedup':>8} {'accept':>7} {'acc/pass':>8} same")
-        for row in rows:
-            print(f"{row['batch']:>5} {row['speculator']:<16} {row['tokens_per_s']:>9.1f} {row['speedup']:>7.2f}x "
-                  f"{row.get('acceptance_rate', 0.0):>7.2f} {row.get('mean_accepted_per_step', 0.0):>8.2f} {row['same']}")
+        print_rows(rows)
     print(json.dumps(report))
 
 

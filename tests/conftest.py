@@ -70,3 +70,21 @@ def small_chat(small_chat_checkpoint: tuple[Path, Any]) -> "Model":
     from zgen.model import load_model
 
     return load_model(small_chat_checkpoint[0], dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    """A tiny random Llama (tied embeddings, word-level tokenizer) saved by transformers in float32:
+    its directory and HF's own model of it (the reference)."""
+    from tests.hf_reference import save_random_checkpoint, small_configs
+
+    directory: Path = tmp_path_factory.mktemp("tiny-llama")
+    return directory, save_random_checkpoint(small_configs()["llama_tied"], directory)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_llama_checkpoint: tuple[Path, Any]) -> "Model":
+    """:func:`tiny_llama_checkpoint` loaded by zgen in float32."""
+    from zgen.model import load_model
+
+    return load_model(tiny_llama_checkpoint[0], dtype="float32")

@@ -30,7 +30,7 @@ from zgen.runtime.sampling import SamplingFlags, SamplingParams
 from zgen.runtime.speculation import DraftInput, Proposal
 from zgen.runtime.step import ModelSpec, forward_features
 from zgen.runtime.stop import StopCondition
-from zgen.speculative import DraftModel, Eagle, EagleHead
+from zgen.speculative import DraftModel, Eagle, EagleHead, TreeShape
 from zgen.speculative.eagle.train import TrainConfig, train
 
 GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=20, ignore_eos=True)
@@ -92,6 +92,47 @@ def test_a_head_that_reproduces_the_target_is_always_accepted(tiny: Model) -> No
     assert result.token_ids == plain.token_ids
     stats = result.speculative
     assert stats is not None and stats.acceptance_rate == 1.0 and stats.mean_accepted_per_step >= 3.0
+
+
+@pytest.mark.parametrize("layout", ["dense", "paged"])
+def test_trees_with_an_untrained_head_equal_plain_greedy_and_sampled(tiny: Model, layout: str) -> None:
+    """EAGLE-2 trees from the head (rows in scratch slots, features of the accepted path after each
+    tree pass): greedy and sampled tokens are plain decoding's (a tree is accepted by exact match).
+    The dense run is adaptive: its rows fall back to the plain decode loop and come back."""
+    options = (paged_kv(4),) if layout == "paged" else ()
+    sampled = SamplingConfig(temperature=0.8, top_k=8, max_new_tokens=40, ignore_eos=True, seed=5)
+    greedy = dataclasses.replace(GREEDY, max_new_tokens=40)
+    eagle = Eagle(EagleHead.init(tiny, 3, fused=True), num_tokens=3, adaptive=not options, tree=TreeShape(width=2, size=6))
+    for sampling in (greedy, sampled):
+        requests = [Request(p, sampling) for p in PROMPTS]
+        plain = Generator(tiny, *options).batch_generate(requests)
+        generator = Generator(tiny, *options, speculative=eagle)
+        spec = generator.batch_generate(requests)
+        assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+        for result in spec:
+            assert result.speculative is not None and result.speculative.draft_tokens > 0
+        assert (generator.engine.stats.fallback_loops > 0) == eagle.adaptive
+
+
+def test_a_head_that_reproduces_the_target_drafts_trees_it_accepts(tiny: Model) -> None:
+    """The reproducing head of the test above, drafting trees: the nodes' head rows, their parents'
+    features and the target's features of each accepted path line up, so the target's own path is
+    in nearly every tree and is accepted."""
+    target = DraftModel.early_exit(tiny, layers=1).model
+    hidden = target.config.hidden_size
+    layer = {name: target.params[f"layers.0.{name}"] for name in ("input_norm", "qkv", "o", "post_norm", "gate_up", "down")}
+    params = {f"eagle.layer.{name}": value for name, value in layer.items()}
+    params["eagle.fc"] = jnp.concatenate([jnp.zeros((hidden, hidden)), jnp.eye(hidden)], axis=1).astype(target.dtype)
+    long = dataclasses.replace(GREEDY, max_new_tokens=40)
+    plain = Generator(target).generate(PROMPTS[2], long)
+    # Width 1: the tree is the head's greedy chain, through the tree path (scratch rows, path features).
+    # Width 3, 12 nodes: every node of depth 1 and 2, so the target's path of depth 2 is always there.
+    for shape, accepted_per_pass in ((TreeShape(width=1, size=4), 3.0), (TreeShape(width=3, size=12), 2.0)):
+        eagle = Eagle(EagleHead(target, params, (0,)), num_tokens=4, adaptive=False, tree=shape)
+        result = Generator(target, speculative=eagle).generate(PROMPTS[2], long)
+        assert result.token_ids == plain.token_ids
+        stats = result.speculative
+        assert stats is not None and stats.acceptance_rate == 1.0 and stats.mean_accepted_per_step >= accepted_per_pass
 
 
 def test_contexts_take_an_eagle_head(tiny: Model) -> None:

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from hf_reference import hf_teacher_forced, save_random_checkpoint, small_configs
-from zgen import Generator, Request, SamplingConfig, load_model
+from hf_reference import hf_teacher_forced
+from zgen import Generator, Request, SamplingConfig
 from zgen.cache.factory import CacheOption, paged_kv
 from zgen.cli import app
 from zgen.contexts import Context
@@ -32,23 +32,11 @@ PROMPTS = ["w5 w9 w12 w5 w9 w12 w5 w9 w3", "w7 w8 w7 w8 w7", "w20 w21 w22 w23 w2
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
-    directory: Path = tmp_path_factory.mktemp("tiny-jacobi")
-    hf = save_random_checkpoint(small_configs()["llama_tied"], directory)
-    return directory, hf
-
-
-@pytest.fixture(scope="module")
-def tiny(checkpoint: tuple[Path, Any]) -> Model:
-    return load_model(checkpoint[0], dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def chaotic(tiny: Model) -> Model:
+def chaotic(tiny_llama: Model) -> Model:
     """Large random weights: text that rarely repeats, so most guesses are rejected and rolled back."""
     key = jax.random.key(5)
-    params = {name: jax.random.normal(jax.random.fold_in(key, i), x.shape, jnp.float32) for i, (name, x) in enumerate(tiny.params.items())}
-    return dataclasses.replace(tiny, params=params, attachments={})
+    params = {name: jax.random.normal(jax.random.fold_in(key, i), x.shape, jnp.float32) for i, (name, x) in enumerate(tiny_llama.params.items())}
+    return dataclasses.replace(tiny_llama, params=params, attachments={})
 
 
 def _ids(generator: Generator, sampling: SamplingConfig = GREEDY) -> list[list[int]]:
@@ -73,13 +61,13 @@ def test_greedy_is_plain_decoding_on_the_tensor_and_paged_caches(chaotic: Model,
     assert len(stats) == len(PROMPTS) and sum(s.draft_tokens for s in stats) > sum(s.accepted_tokens for s in stats)  # rolled back
 
 
-def test_greedy_is_hf_greedy_and_accepts_on_a_repeated_phrase(tiny: Model, checkpoint: tuple[Path, Any]) -> None:
+def test_greedy_is_hf_greedy_and_accepts_on_a_repeated_phrase(tiny_llama: Model, tiny_llama_checkpoint: tuple[Path, Any]) -> None:
     prompt = "w10 w11 w12 w13 w10 w11 w12 w13 w10 w11"
     long = dataclasses.replace(GREEDY, max_new_tokens=40)
-    plain = Generator(tiny).generate(prompt, long)
-    result = Generator(tiny, speculative=Jacobi()).generate(prompt, long)
+    plain = Generator(tiny_llama).generate(prompt, long)
+    result = Generator(tiny_llama, speculative=Jacobi()).generate(prompt, long)
     assert result.token_ids == plain.token_ids
-    assert hf_teacher_forced(checkpoint[1], result.prompt_token_ids, result.token_ids)[0] == result.token_ids
+    assert hf_teacher_forced(tiny_llama_checkpoint[1], result.prompt_token_ids, result.token_ids)[0] == result.token_ids
     assert result.logprobs == pytest.approx(plain.logprobs, abs=1e-4)
     stats = result.speculative
     assert stats is not None and stats.accepted_tokens > 0 and stats.steps < len(result.token_ids)
@@ -158,10 +146,10 @@ def test_typed_refusals() -> None:
 runner = CliRunner()
 
 
-def test_cli_jacobi_gives_the_plain_tokens(checkpoint: tuple[Path, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cli_jacobi_gives_the_plain_tokens(tiny_llama_checkpoint: tuple[Path, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ZGEN_CACHE_DIR", str(tmp_path / "weights"))
     monkeypatch.setenv("ZGEN_XLA_CACHE_DIR", str(tmp_path / "xla"))
-    args = ["generate", "--model", str(checkpoint[0]), "-p", "w3 w4 w5 w3 w4 w5 w3", "-n", "16", "--ignore-eos", "--temperature", "0", "--json"]
+    args = ["generate", "--model", str(tiny_llama_checkpoint[0]), "-p", "w3 w4 w5 w3 w4 w5 w3", "-n", "16", "--ignore-eos", "--temperature", "0", "--json"]
     plain = json.loads(runner.invoke(app, args).stdout)
     for flags in (["--jacobi"], ["--jacobi", "--num-draft-tokens", "3"]):
         result = runner.invoke(app, [*args, *flags])

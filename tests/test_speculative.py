@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hf_reference import hf_teacher_forced, save_random_checkpoint, small_configs
-from zgen import Generator, SamplingConfig, load_model
+from hf_reference import hf_teacher_forced
+from zgen import Generator, SamplingConfig
 from zgen.cache.factory import CacheOption, compressed_kv, flat_kv, kv_dtype, paged_kv, tiered_kv
 from zgen.config import ModelConfig
 from zgen.contexts import Context, NgramDrafter
@@ -31,18 +31,6 @@ GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=24, ignore_eos=True)
 PROMPTS = ["w5 w9 w12 w5 w9 w12 w5 w9 w3", "w7 w8 w7 w8 w7", "w20 w21 w22 w23 w24 w25 w20 w21 w22 w30 w31"]
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
-    directory: Path = tmp_path_factory.mktemp("tiny-spec")
-    hf = save_random_checkpoint(small_configs()["llama_tied"], directory)
-    return directory, hf
-
-
-@pytest.fixture(scope="module")
-def tiny(checkpoint: tuple[Path, Any]) -> Model:
-    return load_model(checkpoint[0], dtype="float32")
-
-
 def _other_weights(model: Model, seed: int) -> Model:
     """The same shape and tokenizer with other random weights: a draft that guesses badly."""
     key = jax.random.key(seed)
@@ -54,14 +42,14 @@ def _ids(results: Sequence[Any]) -> list[list[int]]:
     return [r.token_ids for r in results]
 
 
-def test_greedy_equals_plain_and_hf_with_every_speculator(tiny: Model, checkpoint: tuple[Path, Any]) -> None:
-    plain = Generator(tiny).batch_generate([_request(p) for p in PROMPTS])
-    hf = checkpoint[1]
+def test_greedy_equals_plain_and_hf_with_every_speculator(tiny_llama: Model, tiny_llama_checkpoint: tuple[Path, Any]) -> None:
+    plain = Generator(tiny_llama).batch_generate([_request(p) for p in PROMPTS])
+    hf = tiny_llama_checkpoint[1]
     for result in plain:
         chosen, _ = hf_teacher_forced(hf, result.prompt_token_ids, result.token_ids)
         assert chosen == result.token_ids  # plain greedy is HF's greedy in float32
-    for speculator in (PromptLookup(3, 4), DraftModel.early_exit(tiny, layers=1, num_tokens=3)):
-        spec = Generator(tiny, speculative=speculator).batch_generate([_request(p) for p in PROMPTS])
+    for speculator in (PromptLookup(3, 4), DraftModel.early_exit(tiny_llama, layers=1, num_tokens=3)):
+        spec = Generator(tiny_llama, speculative=speculator).batch_generate([_request(p) for p in PROMPTS])
         assert _ids(spec) == _ids(plain), speculator
         for result, reference in zip(spec, plain, strict=True):
             assert result.speculative is not None and result.speculative.steps > 0
@@ -81,36 +69,36 @@ def _request(prompt: str, sampling: SamplingConfig = GREEDY) -> Any:
     [(flat_kv(),), (paged_kv(4),), (paged_kv(4), kv_dtype("q4")), (tiered_kv(),)],
     ids=["flat", "paged", "paged-q4", "tiered"],
 )
-def test_greedy_equals_plain_on_every_cache_kind(tiny: Model, options: tuple[CacheOption, ...]) -> None:
+def test_greedy_equals_plain_on_every_cache_kind(tiny_llama: Model, options: tuple[CacheOption, ...]) -> None:
     """A draft of other weights (kept drafting: not adaptive) has most drafts rejected and rolled back."""
-    plain = Generator(tiny, *options).batch_generate([_request(p) for p in PROMPTS])
-    speculator = DraftModel(_other_weights(tiny, 3), 4, adaptive=False)
-    spec = Generator(tiny, *options, speculative=speculator).batch_generate([_request(p) for p in PROMPTS])
+    plain = Generator(tiny_llama, *options).batch_generate([_request(p) for p in PROMPTS])
+    speculator = DraftModel(_other_weights(tiny_llama, 3), 4, adaptive=False)
+    spec = Generator(tiny_llama, *options, speculative=speculator).batch_generate([_request(p) for p in PROMPTS])
     assert _ids(spec) == _ids(plain)
     stats = [r.speculative for r in spec if r.speculative is not None]
     assert sum(s.draft_tokens for s in stats) > sum(s.accepted_tokens for s in stats)
 
 
-def test_a_draft_equal_to_the_target_is_always_accepted(tiny: Model) -> None:
+def test_a_draft_equal_to_the_target_is_always_accepted(tiny_llama: Model) -> None:
     """The draft's K/V stay in step with the target's, also after fully accepted drafts (whose last
     token the draft never fed): every draft of the target itself is accepted."""
-    result = Generator(tiny, speculative=DraftModel(tiny, 4, adaptive=False)).generate(PROMPTS[0], GREEDY)
+    result = Generator(tiny_llama, speculative=DraftModel(tiny_llama, 4, adaptive=False)).generate(PROMPTS[0], GREEDY)
     stats = result.speculative
     assert stats is not None and stats.acceptance_rate == 1.0
     assert stats.mean_accepted_per_step >= 3.0  # every pass accepts all 4 but the last, cut by the budget
 
 
-def test_sampling_is_exact_with_prompt_lookup_and_with_a_perfect_draft(tiny: Model) -> None:
+def test_sampling_is_exact_with_prompt_lookup_and_with_a_perfect_draft(tiny_llama: Model) -> None:
     sampled = SamplingConfig(temperature=0.9, top_k=30, seed=5, max_new_tokens=24, ignore_eos=True)
-    plain = Generator(tiny).generate(PROMPTS[0], sampled).token_ids
-    assert Generator(tiny, speculative=PromptLookup(2, 4)).generate(PROMPTS[0], sampled).token_ids == plain
+    plain = Generator(tiny_llama).generate(PROMPTS[0], sampled).token_ids
+    assert Generator(tiny_llama, speculative=PromptLookup(2, 4)).generate(PROMPTS[0], sampled).token_ids == plain
     # The draft draws with the row's own noise: a draft equal to the target reproduces plain sampling.
-    assert Generator(tiny, speculative=DraftModel(tiny, 4, adaptive=False)).generate(PROMPTS[0], sampled).token_ids == plain
+    assert Generator(tiny_llama, speculative=DraftModel(tiny_llama, 4, adaptive=False)).generate(PROMPTS[0], sampled).token_ids == plain
 
 
-def test_streams_sessions_and_stop_ids_with_a_speculator(tiny: Model) -> None:
-    plain = Generator(tiny, paged_kv(4))
-    spec = Generator(tiny, paged_kv(4), speculative=PromptLookup(3, 4), sync_interval=4)
+def test_streams_sessions_and_stop_ids_with_a_speculator(tiny_llama: Model) -> None:
+    plain = Generator(tiny_llama, paged_kv(4))
+    spec = Generator(tiny_llama, paged_kv(4), speculative=PromptLookup(3, 4), sync_interval=4)
     assert "".join(spec.generate_stream(PROMPTS[1], GREEDY)) == plain.generate(PROMPTS[1], GREEDY).text
     free = plain.generate(PROMPTS[2], GREEDY).token_ids
     stopping = dataclasses.replace(GREEDY, stop_token_ids=(free[9],))
@@ -121,10 +109,10 @@ def test_streams_sessions_and_stop_ids_with_a_speculator(tiny: Model) -> None:
     assert first.token_ids == plain.generate(PROMPTS[0], GREEDY).token_ids
 
 
-def test_a_bad_draft_falls_back_to_plain_decoding(tiny: Model) -> None:
+def test_a_bad_draft_falls_back_to_plain_decoding(tiny_llama: Model) -> None:
     long = dataclasses.replace(GREEDY, max_new_tokens=64)
-    plain = Generator(tiny).generate(PROMPTS[2], long)
-    result = Generator(tiny, speculative=DraftModel(_other_weights(tiny, 7), 4)).generate(PROMPTS[2], long)
+    plain = Generator(tiny_llama).generate(PROMPTS[2], long)
+    result = Generator(tiny_llama, speculative=DraftModel(_other_weights(tiny_llama, 7), 4)).generate(PROMPTS[2], long)
     assert result.token_ids == plain.token_ids
     stats = result.speculative
     assert stats is not None and stats.acceptance_rate < 0.4
@@ -132,8 +120,37 @@ def test_a_bad_draft_falls_back_to_plain_decoding(tiny: Model) -> None:
     assert stats.steps <= WINDOW + 64 // PROBE_AFTER and stats.draft_tokens <= 4 * WINDOW
 
 
-def test_contexts_take_the_same_speculators(tiny: Model) -> None:
-    engine = Engine(tiny, paged_kv(4))
+def test_a_batch_in_fallback_runs_the_plain_decode_loop(tiny_llama: Model) -> None:
+    """Drafts that are always wrong: once every row is in fallback the speculative loop returns and
+    the engine decodes in the plain decode loop (greedy and sampled tokens unchanged), then probes."""
+    class Wrong(PromptLookup):
+        def propose(self, params: Any, state: Any, draft: DraftInput) -> tuple[Proposal, Any]:
+            proposal, state = super().propose(params, state, draft)
+            b, k = proposal.tokens.shape
+            count = jnp.where(draft.active, jnp.minimum(draft.num_tokens, k), 0)
+            return Proposal(jnp.full((b, k), -1, jnp.int32), count.astype(jnp.int32), None), state
+
+        @property
+        def adaptive(self) -> bool:
+            return True
+
+    sampled = SamplingConfig(temperature=0.9, top_k=20, max_new_tokens=96, ignore_eos=True, seed=3)
+    for sampling in (dataclasses.replace(GREEDY, max_new_tokens=96), sampled):
+        requests = [_request(p, sampling) for p in PROMPTS]
+        plain = Generator(tiny_llama).batch_generate(requests)
+        generator = Generator(tiny_llama, speculative=Wrong(3, 4))
+        spec = generator.batch_generate(requests)
+        assert _ids(spec) == _ids(plain)
+        stats = generator.engine.stats
+        assert stats.fallback_loops >= 2  # after the first window, and again after a failed probe
+        for result in spec:
+            assert result.speculative is not None and result.speculative.accepted_tokens == 0
+            # A window of drafting passes, then one-token probes after 16, 32, 64 ... plain draws.
+            assert WINDOW + 1 <= result.speculative.steps <= WINDOW + 3
+
+
+def test_contexts_take_the_same_speculators(tiny_llama: Model) -> None:
+    engine = Engine(tiny_llama, paged_kv(4))
     limit = StopCondition.from_sampling(GREEDY, ())
 
     def context() -> Context:
@@ -150,7 +167,7 @@ def test_contexts_take_the_same_speculators(tiny: Model) -> None:
         def draft(self) -> tuple[list[int], list[int]]:
             return self.ids[-2:], [len(self.ids), len(self.ids) + 1]
 
-    for drafter in (NgramDrafter(max_draft=4), DraftModel(tiny, 4, adaptive=False), Repeat()):
+    for drafter in (NgramDrafter(max_draft=4), DraftModel(tiny_llama, 4, adaptive=False), Repeat()):
         ctx = context()
         out = ctx.generate_with_drafter(drafter, None, limit)  # type: ignore[arg-type]
         assert out.token_ids == plain.token_ids and out.speculative is not None
@@ -159,25 +176,25 @@ def test_contexts_take_the_same_speculators(tiny: Model) -> None:
     assert ctx.generate_result(None, limit, speculative=PromptLookup()).token_ids == plain.token_ids
 
 
-def test_typed_refusals(tiny: Model) -> None:
+def test_typed_refusals(tiny_llama: Model) -> None:
     other_vocab = random_model(
         ModelConfig(architecture="llama", vocab_size=97, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64),
         dtype="float32",
     )
     with pytest.raises(ConfigError, match="vocabulary"):
-        Generator(tiny, speculative=DraftModel(other_vocab))
+        Generator(tiny_llama, speculative=DraftModel(other_vocab))
     for k in (0, 33, 2.5, True):
         with pytest.raises(ConfigError, match="num_tokens"):
             PromptLookup(num_tokens=k)  # type: ignore[arg-type]
         with pytest.raises(ConfigError, match="num_tokens"):
-            DraftModel(tiny, num_tokens=k)  # type: ignore[arg-type]
-    for layers in (0, tiny.config.num_layers + 1):
+            DraftModel(tiny_llama, num_tokens=k)  # type: ignore[arg-type]
+    for layers in (0, tiny_llama.config.num_layers + 1):
         with pytest.raises(ConfigError, match="layers"):
-            DraftModel.early_exit(tiny, layers=layers)
+            DraftModel.early_exit(tiny_llama, layers=layers)
     with pytest.raises(ConfigError, match="compressed cache"):
-        Generator(tiny, compressed_kv(), speculative=PromptLookup())
+        Generator(tiny_llama, compressed_kv(), speculative=PromptLookup())
     with pytest.raises(ConfigError, match="min_ngram"):
-        PromptLookup(ngram=2, min_ngram=3)
+        PromptLookup(max_ngram=2, min_ngram=3)
 
 
 @pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 4)])
@@ -217,12 +234,12 @@ def _assert_follows(samples: np.ndarray, probs: np.ndarray) -> None:
     assert chi2 < critical, (counts, expected)
 
 
-def test_the_draft_model_state_after_rejections_and_plain_steps_is_a_fresh_prefill(tiny: Model) -> None:
+def test_the_draft_model_state_after_rejections_and_plain_steps_is_a_fresh_prefill(tiny_llama: Model) -> None:
     """Carried through passes with rejections (kept < drafted), full acceptance (the last draft never
     fed) and plain steps (the draft lagging behind, caught up), the draft proposes exactly what a
     draft prefilled from scratch on the same tokens proposes, tokens and distributions: no off-by-one
     in its K/V."""
-    draft = DraftModel(tiny, 4, adaptive=False)
+    draft = DraftModel(tiny_llama, 4, adaptive=False)
     params = draft.device_params()
     sampled = SamplingConfig(temperature=1.0)
     sampling, flags = SamplingParams.from_configs([sampled], 96), SamplingFlags.from_configs([sampled], 96)

@@ -23,11 +23,11 @@ from zgen.generator import Request
 from zgen.model import Model, random_model
 from zgen.runtime.engine import Engine
 from zgen.runtime.sampling import SamplingFlags, SamplingParams, filter_logits
-from zgen.runtime.speculation import Proposal, verify_tree
+from zgen.runtime.speculation import DraftInput, Proposal, verify_tree
 from zgen.runtime.step import ModelSpec, Params, forward
 from zgen.runtime.stop import StopCondition
 from zgen.runtime.tree import ancestors, commit_path, forward_tree, tree_attention_mask
-from zgen.speculative import DraftModel, TreeShape
+from zgen.speculative import DraftModel, PromptLookup, TreeShape
 from zgen.speculative.tree import Expansion, build_tree
 
 GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=20, ignore_eos=True)
@@ -85,6 +85,39 @@ def test_sampled_tree_speculation_is_plain_sampling_and_a_perfect_draft_is_alway
     assert _ids(spec) == _ids(plain)
     greedy = spec[0].speculative
     assert greedy is not None and greedy.acceptance_rate == 1.0 and greedy.mean_accepted_per_step >= 2
+
+
+def test_prompt_lookup_branches_merge_into_one_tree() -> None:
+    """``PromptLookup(branches=R)``: what followed the R best matches (longest, then latest), each
+    branch hung below the first branch that agrees with its prefix."""
+    history = [1, 2, 3, 7, 1, 2, 4, 8, 1, 5, 6, 9, 1]  # the pending 1 followed 1 three times before
+    row = np.zeros((1, 16), np.int32)
+    row[0, : len(history)] = history
+    greedy = SamplingConfig(temperature=0.0)
+    draft = DraftInput(
+        jnp.asarray(row), jnp.asarray([len(history)]), jnp.asarray([3]), jnp.asarray([True]), jnp.zeros((1, 2), jnp.uint32),
+        SamplingParams.from_configs([greedy], 64), SamplingFlags.from_configs([greedy], 64),
+    )
+    proposal, _ = PromptLookup(1, 3, branches=4).propose((), (), draft)
+    assert proposal.parents is not None and proposal.depth is not None
+    # Latest match first: [5 6 9], then [2 4 8] and [2 3 7] (sharing the node 2); the fourth branch finds nothing.
+    assert proposal.tokens[0, :9].tolist() == [5, 6, 9, 2, 4, 8, 2, 3, 7]
+    assert proposal.parents[0, :9].tolist() == [-1, 0, 1, -1, 3, 4, -1, 3, 7]
+    assert proposal.depth[0, :9].tolist() == [1, 2, 3] * 3
+    assert int(proposal.count[0]) == 9
+    assert PromptLookup(3, 4, branches=2).tree_size == 8 and PromptLookup(3, 4).tree_size is None
+    with pytest.raises(ConfigError, match="branches"):
+        PromptLookup(3, 8, branches=17)
+
+
+@pytest.mark.parametrize("options", [(), (paged_kv(4),)], ids=["dense", "paged"])
+def test_prompt_lookup_trees_decode_plainly(target: Model, options: tuple[CacheOption, ...]) -> None:
+    sampled = SamplingConfig(temperature=0.8, top_k=20, seed=3, max_new_tokens=20, ignore_eos=True)
+    for sampling in (GREEDY, sampled):
+        plain = Generator(target, *options).batch_generate(_requests(sampling))
+        spec = Generator(target, *options, speculative=PromptLookup(2, 4, branches=3)).batch_generate(_requests(sampling))
+        assert _ids(spec) == _ids(plain)
+        assert sum(r.speculative.draft_tokens for r in spec if r.speculative is not None) > 0
 
 
 def test_a_tree_pass_attends_and_stores_like_feeding_its_accepted_path(target: Model) -> None:
@@ -212,9 +245,9 @@ def test_tree_refusals(target: Model) -> None:
         DraftModel(target, 1, tree=TreeShape(width=2, size=3))  # depth 1: two candidates
     with pytest.raises(ConfigError, match="TreeShape"):
         DraftModel(target, 2, tree=(2, 4))  # type: ignore[arg-type]
-    trees = DraftModel.early_exit(target, layers=1, num_tokens=2, tree=TreeShape(width=2, size=4))
-    with pytest.raises(ConfigError, match="token trees need a KV format"):  # q4 codes keys with their positions
-        Generator(target, paged_kv(4), kv_dtype("q4"), speculative=trees).generate("w1 w2", GREEDY)
+    for trees in (DraftModel.early_exit(target, layers=1, num_tokens=2, tree=TreeShape(width=2, size=4)), PromptLookup(2, 4, branches=2)):
+        with pytest.raises(ConfigError, match="token trees need a KV format"):  # q4 codes keys with their positions
+            Generator(target, paged_kv(4), kv_dtype("q4"), speculative=trees).generate("w1 w2", GREEDY)
 
 
 def test_a_tree_drafter_leaves_rows_under_a_grammar_to_plain_decoding(tiny: Model) -> None:  # noqa: F811

@@ -47,7 +47,7 @@ from zgen.runtime.beam import EarlyStopping
 from zgen.runtime.grammar import Grammar
 from zgen.runtime.sampling import SamplingConfig
 from zgen.runtime.step import POOLINGS, Pooling
-from zgen.speculative import DraftModel, Jacobi, PromptLookup, Speculator
+from zgen.speculative import DraftModel, Jacobi, PromptLookup, Speculator, TreeShape
 from zgen.speculative.eagle import Eagle
 
 
@@ -230,6 +230,16 @@ EagleOption = Annotated[
         metavar="DIR",
         file_okay=False,
         help="Speculative decoding with the EAGLE head trained into DIR by `zgen eagle train` for this model (same output).",
+    ),
+]
+DraftTreeOption = Annotated[
+    str | None,
+    typer.Option(
+        "--draft-tree",
+        metavar="WIDTHxSIZE",
+        help="With --draft-model, --early-exit or --eagle: draft EAGLE-2 token trees instead of chains, expanding the "
+        "WIDTH likeliest nodes per depth by their WIDTH likeliest tokens and verifying the SIZE likeliest nodes in "
+        "one pass (e.g. 4x16; the depth is --num-draft-tokens; same output).",
     ),
 ]
 NumDraftOption = Annotated[
@@ -530,6 +540,7 @@ def generate(
     jacobi: JacobiOption = False,
     eagle: EagleOption = None,
     num_draft_tokens: NumDraftOption = None,
+    draft_tree: DraftTreeOption = None,
     as_json: Annotated[
         bool,
         typer.Option("--json", help="Print one JSON object (text, ids, log-probs, usage, timings, speculative) instead of streaming text."),
@@ -560,7 +571,8 @@ def generate(
     """
     if not (prompt or chat):
         raise typer.BadParameter("the prompt is empty", param_hint="'--prompt'")
-    _check_speculator_flags(prompt_lookup, draft_model, early_exit, jacobi, num_draft_tokens, kv_cache, eagle=eagle)
+    speculating = _check_speculator_flags(prompt_lookup, draft_model, early_exit, jacobi, num_draft_tokens, kv_cache, eagle=eagle)
+    tree = _draft_tree(draft_tree, speculating=speculating, prompt_lookup=prompt_lookup, jacobi=jacobi)
     if early_stopping is not None and num_beams < 2:
         raise typer.BadParameter("--early-stopping applies to beam search; add --num-beams N with N > 1", param_hint="'--early-stopping'")
     path = _model_path(model)
@@ -579,7 +591,7 @@ def generate(
         with Phases.on_stderr(enabled=show) as phases:
             loaded = _with_adapters(_load(phases, model, path, dtype, sampling, weights), adapters)
             draft = _load(phases, draft_model, draft_path, dtype, None) if draft_model is not None and draft_path is not None else None
-            speculator = _speculator(loaded, prompt_lookup, draft, early_exit, num_draft_tokens, jacobi=jacobi, eagle=eagle)
+            speculator = _speculator(loaded, prompt_lookup, draft, early_exit, num_draft_tokens, jacobi=jacobi, eagle=eagle, tree=tree)
             generator = Generator(loaded, *options, speculative=speculator)
         with generator:
             if num_beams > 1:
@@ -623,20 +635,37 @@ def _check_speculator_flags(
     return bool(chosen)
 
 
+def _draft_tree(spec: str | None, *, speculating: bool, prompt_lookup: bool, jacobi: bool) -> TreeShape | None:
+    """--draft-tree WIDTHxSIZE as a tree shape, checked before anything loads."""
+    if spec is None:
+        return None
+    if not speculating or prompt_lookup or jacobi:
+        raise typer.BadParameter(
+            "token trees are drafted by a model: use --draft-tree with --draft-model, --early-exit or --eagle", param_hint="'--draft-tree'"
+        )
+    width, sep, size = spec.lower().partition("x")
+    if not sep or not width.isdigit() or not size.isdigit():
+        raise typer.BadParameter(f"expected WIDTHxSIZE (e.g. 4x16), got {spec!r}", param_hint="'--draft-tree'")
+    try:
+        return TreeShape(width=int(width), size=int(size))
+    except ConfigError as err:
+        raise typer.BadParameter(str(err), param_hint="'--draft-tree'") from None
+
+
 def _speculator(
     model: Model, prompt_lookup: bool, draft: Model | None, early_exit: int | None, num_tokens: int | None, *, jacobi: bool = False,
-    eagle: Path | None = None,
+    eagle: Path | None = None, tree: TreeShape | None = None,
 ) -> Speculator | None:
     if eagle is not None:
-        return Eagle.load(eagle, model, num_tokens or 4)
+        return Eagle.load(eagle, model, num_tokens or 4, tree=tree)
     if prompt_lookup:
         return PromptLookup(num_tokens=num_tokens or 8)
     if jacobi:
         return Jacobi(num_tokens or 8)
     if draft is not None:
-        return DraftModel(draft, num_tokens or 4)
+        return DraftModel(draft, num_tokens or 4, tree=tree)
     if early_exit is not None:
-        return DraftModel.early_exit(model, layers=early_exit, num_tokens=num_tokens or 4)
+        return DraftModel.early_exit(model, layers=early_exit, num_tokens=num_tokens or 4, tree=tree)
     return None
 
 
@@ -813,6 +842,7 @@ def batch_job(
     jacobi: JacobiOption = False,
     eagle: EagleOption = None,
     num_draft_tokens: NumDraftOption = None,
+    draft_tree: DraftTreeOption = None,
     on_ray: Annotated[bool, typer.Option("--ray", help="Generate on Ray actors (the cluster ray.init() finds, else a local one); needs zgen[ray].")] = False,
     ray_actors: Annotated[int, typer.Option("--ray-actors", min=1, help="With --ray: actors, each loading the model once.")] = 1,
     ray_gpus: Annotated[float, typer.Option("--ray-gpus", min=0.0, help="With --ray: GPUs per actor.")] = 0.0,
@@ -829,6 +859,7 @@ def batch_job(
     """
     path = _model_path(model)
     speculating = _check_speculator_flags(prompt_lookup, draft_model, early_exit, jacobi, num_draft_tokens, kv_cache, eagle=eagle)
+    tree = _draft_tree(draft_tree, speculating=speculating, prompt_lookup=prompt_lookup, jacobi=jacobi)
     if speculating and (on_ray or data_parallel > 1 or tensor_parallel > 1):
         raise typer.BadParameter(
             "speculative decoding in a batch job runs on one device; leave out --ray, --data-parallel and --tensor-parallel",
@@ -861,7 +892,7 @@ def batch_job(
                 split_here = data_parallel == 1  # one split model is loaded split; replicas are split per group
                 loaded = _load(phases, model, path, dtype, None, tensor_parallel=tensor_parallel if split_here else 1)
                 draft = _load(phases, draft_model, draft_path, dtype, None) if draft_model is not None and draft_path is not None else None
-                speculator = _speculator(loaded, prompt_lookup, draft, early_exit, num_draft_tokens, jacobi=jacobi, eagle=eagle)
+                speculator = _speculator(loaded, prompt_lookup, draft, early_exit, num_draft_tokens, jacobi=jacobi, eagle=eagle, tree=tree)
             try:
                 register_modules(adapters, base_name=base_name, config=loaded.config)
             except AdapterError as err:

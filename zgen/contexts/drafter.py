@@ -19,7 +19,7 @@ class NgramDrafter(PromptLookup):
     """
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_draft: int = 8) -> None:
-        super().__init__(ngram=max_ngram, num_tokens=max_draft, min_ngram=min_ngram)
+        super().__init__(max_ngram, num_tokens=max_draft, min_ngram=min_ngram)
 
 
 __all__ = ["Drafter", "HostDrafter", "NgramDrafter"]

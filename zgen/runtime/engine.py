@@ -61,7 +61,9 @@ from zgen.runtime.results import FinishReason
 from zgen.runtime.runner import runner_for
 from zgen.runtime.sampling import PenaltyState, SamplingConfig, SamplingFlags, SamplingParams, penalty_state, row_key_data
 from zgen.runtime.sequence import Sequence
-from zgen.runtime.speculation import DraftControl, SpeculativeLoop, SpeculativeStats, Speculator, TreeSpeculator, draft_room
+from zgen.runtime.speculation import (
+    DraftControl, SpeculativeLoop, SpeculativeStats, Speculator, TreeSpeculator, after_plain_steps, draft_room, fallback_steps,
+)
 from zgen.runtime.step import DecodeLoop, MixedBatch, Packing
 from zgen.runtime.stop import StopCondition, TextStream
 from zgen.shapes import next_pow2
@@ -116,6 +118,7 @@ class EngineStats:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     preemptions: int = 0  # sequences whose KV was freed for an earlier job (recomputed when they run again)
+    fallback_loops: int = 0  # plain decode loops run for speculative requests whose rows were all in fallback
 
 
 @dataclass(frozen=True)
@@ -466,9 +469,13 @@ class Engine:
         if not decode and self.config.prefill_apart and self.kv.pages:
             candidates = [job for job in candidates if not job.loopable()]
         speculator = self._speculator(candidates) if decode else None
+        # Every row in fallback: the plain decode loop, until they probe again (then they speculate).
+        plain_for = 0 if speculator is None else fallback_steps([job.control for job in candidates])
+        speculator = None if plain_for else speculator
         extra = 0 if speculator is None else draft_room(speculator)  # written past a pass's pending token
         per_step = 1 if speculator is None else speculator.num_tokens + 1  # tokens one pass may keep
         steps = self._loop_steps(candidates, waiting=len(jobs) > len(candidates), per_step=per_step) if decode else 1
+        steps = min(steps, _draw_bucket(plain_for)) if plain_for else steps
         rows: list[_Row] = []
         blocked: list[tuple[Job, PoolExhaustedError]] = []
         preempted: set[int] = set()
@@ -508,6 +515,8 @@ class Engine:
                     passes = min(steps, self.config.steps_per_sync) if host else steps
                     passes = 1 if any(row.job.request.per_token for row in rows) else passes
                     self._run_speculative(rows, steps, passes, speculator, exit_on_finish=waiting)
+                elif plain_for:
+                    self._run_fallback(rows, steps, plain_for, exit_on_finish=waiting, finishes=finishes)
                 else:
                     self._run_decode(rows, steps, exit_on_finish=waiting, finishes=finishes)
             else:
@@ -789,6 +798,20 @@ class Engine:
                 continue
             drawn = _row_draws(out[i, : min(row.count, int(iterations))].tolist(), ids)
             self._take_loop_draws(row, drawn, logprobs[i], grammar_taken=row.job.grammar is not None)
+
+    def _run_fallback(self, rows: list[_Row], steps: int, draws: int, *, exit_on_finish: bool, finishes: int) -> None:
+        """Speculative rows that are all in fallback take up to ``draws`` tokens in the plain decode loop
+        (the same compiled loop, and so the same tokens, as plain decoding; ``draws``: until the last
+        row's wait is over); their draft controls count those draws as plain passes, so the rows probe
+        again together in the next speculative loop."""
+        before = [len(row.job.result.tokens) for row in rows]
+        for row in rows:
+            row.count = min(row.count, draws)
+        self.stats.fallback_loops += 1
+        self._run_decode(rows, steps, exit_on_finish=exit_on_finish, finishes=finishes)
+        for row, taken in zip(rows, before, strict=True):
+            if row.job.control is not None:
+                row.job.control = after_plain_steps(row.job.control, len(row.job.result.tokens) - taken)
 
     def _take_loop_draws(self, row: _Row, drawn: list[int], logprobs: np.ndarray, *, grammar_taken: bool = False) -> None:
         """A loop row's draws: keep their K/V (the input and all but the last draw), roll back the rest.

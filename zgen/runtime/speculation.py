@@ -33,7 +33,8 @@ A speculator that is also an :class:`Observer` sees, after each verification, th
 every checked position, the ones past a rejection included (Jacobi decoding takes its next guesses
 from them); it only changes what is drafted, never what is accepted. One that is a
 :class:`FeatureObserver` (EAGLE) gets the target's features (hidden states) at every position each
-forward pass writes, and when the loop starts those of the tokens before each row's pending one (a
+forward pass writes (after a tree pass: the pending token's and the accepted path's, at the positions
+they hold once the path is committed), and when the loop starts those of the tokens before each row's pending one (a
 pass over them that reads the cache without writing it).
 
 Acceptance rules, per row:
@@ -62,10 +63,14 @@ indices up to its first rejection, and the next pass starts after them.
 
 Adaptive length (:class:`DraftControl`): grow the draft after a fully accepted one, shrink it after a
 rejection, and fall back to plain decoding (no draft) while the acceptance rate over the last
-``WINDOW`` drafting passes is below ``FALLBACK_RATE``, probing again after ``PROBE_AFTER`` plain steps.
-When no row drafts, nothing is drafted, and when no row has a draft to check (every row in fallback,
-or prompt lookup found nothing) the pass is a plain one-token decode step (``lax.cond``): a batch in
-fallback costs what plain decoding costs.
+``WINDOW`` drafting passes is below ``FALLBACK_RATE``, probing again after ``PROBE_AFTER`` plain steps
+(twice as many after each failed probe in a row, up to ``MAX_PROBE_AFTER``: a probe costs a return
+to this loop). Every pass drafts and verifies, with no conditionals (on a GPU each would copy its
+predicate to the host): a row with nothing drafted (in fallback, or prompt lookup found nothing) gets
+its plain token from the verification pass. When every row left is in fallback the loop returns: the
+engine decodes the batch in the plain decode loop until the rows probe again (:func:`fallback_steps`, :func:`after_plain_steps`), so a batch in fallback costs what plain
+decoding costs, not a verification pass of ``k + 1`` positions and this loop's larger carry. The plain
+loop draws with the same (row key, position) noise, so the tokens are the same either way.
 
 Rows under a grammar (:class:`~zgen.runtime.grammar.GrammarDrafts`) draft as if unconstrained; two host
 callbacks per pass keep them exact. After drafting, the first gives each row's token mask at every
@@ -78,7 +83,7 @@ row keeps, and cuts the row at the token that completes its grammar.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, runtime_checkable
 
@@ -93,11 +98,11 @@ from zgen.model import Model
 from zgen.runtime.grammar import GrammarDrafts, allowed_tokens
 from zgen.runtime.results import SpeculativeStats
 from zgen.runtime.sampling import SamplingFlags, SamplingParams, filter_logits, sample
-from zgen.runtime.step import ModelSpec, Params, draw, forward, forward_features, read_features
-from zgen.runtime.tree import ancestors, commit_path, forward_tree, tree_attention_mask
+from zgen.runtime.step import ModelSpec, Params, forward, forward_features, read_features
+from zgen.runtime.tree import ancestors, commit_path, forward_tree, forward_tree_features, tree_attention_mask
 
 __all__ = [
-    "DraftControl", "DraftInput", "FeatureObserver", "Observer", "Proposal", "SpeculativeLoop", "SpeculativeStats", "Speculator", "speculative_loop",
+    "DraftControl", "DraftInput", "after_plain_steps", "fallback_steps", "FeatureObserver", "Observer", "Proposal", "SpeculativeLoop", "SpeculativeStats", "Speculator", "speculative_loop",
     "target_draws", "verify",
     "TreeSpeculator", "draft_room", "draws_at", "verify_tree",
 ]
@@ -108,8 +113,10 @@ MAX_DRAFT_TOKENS = 32
 WINDOW = 8
 #: Below this acceptance rate (over a full window) a row decodes plainly for a while.
 FALLBACK_RATE = 0.4
-#: Plain decode steps before a row in fallback drafts again (one token: a probe).
+#: Plain decode steps before a row in fallback drafts again (one token: a probe) ...
 PROBE_AFTER = 16
+#: ... doubled after each failed probe in a row, up to this many.
+MAX_PROBE_AFTER = 256
 
 # Salts that give the acceptance coins and the residual draws noise of their own.
 SALT_ACCEPT, SALT_RESIDUAL = 0xACCE97, 0x4E51D
@@ -249,6 +256,7 @@ class DraftControl:
     accepted: Int[Array, "B W"]  # ... and accepted
     slot: Int[Array, " B"]  # where the next pass is recorded
     wait: Int[Array, " B"]  # plain steps left before probing again
+    misses: Int[Array, " B"]  # failed probes in a row (each doubles the wait)
 
     @staticmethod
     def initial(rows: int, num_tokens: int) -> dict[str, np.ndarray]:
@@ -259,7 +267,29 @@ class DraftControl:
             "accepted": np.zeros((rows, WINDOW), np.int32),
             "slot": np.zeros(rows, np.int32),
             "wait": np.zeros(rows, np.int32),
+            "misses": np.zeros(rows, np.int32),
         }
+
+
+def fallback_steps(controls: Sequence[dict[str, np.ndarray] | None]) -> int:
+    """Plain draws a batch of requests (each one's host control, ``None``: none yet) should take in
+    the plain decode loop before speculating again: 0 unless every row is in fallback, else until the
+    last of them probes (the rows then probe together, in one return to the speculative loop)."""
+    if not controls or any(c is None or int(c["length"][0]) != 0 for c in controls):
+        return 0
+    return max(1, max(int(c["wait"][0]) for c in controls if c is not None))
+
+
+def after_plain_steps(control: dict[str, np.ndarray], steps: int) -> dict[str, np.ndarray]:
+    """A row's host control after ``steps`` plain draws in the plain decode loop: what as many plain
+    passes of the speculative loop do to it (the wait runs down; at its end the row probes)."""
+    wait = int(control["wait"][0]) - steps
+    probe = wait <= 0
+    return {
+        **control,
+        "length": np.array([1 if probe else 0], np.int32),
+        "wait": np.array([-1 if probe else wait], np.int32),
+    }
 
 
 def update_control(
@@ -268,7 +298,7 @@ def update_control(
     """Grow after a fully accepted draft, shrink after a rejection; fall back to plain decoding when a
     full window's acceptance rate is below :data:`FALLBACK_RATE`; after :data:`PROBE_AFTER` plain steps
     draft one token (a probe, ``wait == -1``): accepted, drafting resumes on a fresh window, else the
-    row falls back again at once."""
+    row falls back again at once, for twice as long as the last time (up to :data:`MAX_PROBE_AFTER`)."""
     drafting = active & (drafted > 0)
     probing = drafting & (control.wait < 0)
     full = accepted >= drafted
@@ -280,10 +310,13 @@ def update_control(
     slot = jnp.where(drafting & ~probing, (control.slot + 1) % WINDOW, control.slot)
     passes = jnp.sum(window_d > 0, axis=1)
     rate = jnp.sum(window_a, axis=1) / jnp.maximum(jnp.sum(window_d, axis=1), 1)
-    fall = (drafting & ~probing & (passes >= WINDOW) & (rate < FALLBACK_RATE)) | (probing & ~full)
+    missed = probing & ~full
+    fall = (drafting & ~probing & (passes >= WINDOW) & (rate < FALLBACK_RATE)) | missed
     resume = probing & full
     plain = active & ~drafting & (control.length == 0)
-    wait = jnp.where(fall, PROBE_AFTER, jnp.where(plain, control.wait - 1, jnp.where(resume, 0, control.wait)))
+    misses = jnp.where(missed, control.misses + 1, jnp.where(fall | resume, 0, control.misses))
+    backoff = jnp.minimum(PROBE_AFTER * 2 ** jnp.minimum(misses, 16), MAX_PROBE_AFTER)
+    wait = jnp.where(fall, backoff, jnp.where(plain, control.wait - 1, jnp.where(resume, 0, control.wait)))
     probe = plain & (wait <= 0)
     clear = (fall | resume)[:, None]
     return DraftControl(
@@ -292,6 +325,7 @@ def update_control(
         accepted=jnp.where(clear, 0, window_a),
         slot=jnp.where(fall | resume, 0, slot),
         wait=jnp.where(probe, -1, wait),
+        misses=misses,
     )
 
 
@@ -555,7 +589,10 @@ def speculative_loop(
     def cond(carry: tuple[SpeculativeLoop, KVState, Any]) -> Array:
         s = carry[0]
         done = jnp.sum(s.done, dtype=jnp.int32)
-        return (s.step < s.max_steps) & (done < s.done.shape[0]) & ~(s.exit_on_finish & (done > s.done_at_start))
+        go_on = (s.step < s.max_steps) & (done < s.done.shape[0]) & ~(s.exit_on_finish & (done > s.done_at_start))
+        if speculator.adaptive:  # every row left in fallback: the plain decode loop serves them (engine)
+            go_on &= (s.step == 0) | ~jnp.all(s.done | (s.control.length == 0))
+        return go_on
 
     def body(carry: tuple[SpeculativeLoop, KVState, Any]) -> tuple[SpeculativeLoop, KVState, Any]:
         s, kv, state = carry
@@ -567,15 +604,10 @@ def speculative_loop(
 
         draft = DraftInput(s.history, s.length, want, active, s.keys, sampling, flags)
 
-        def propose(state: Any) -> tuple[Proposal, Any]:
-            return speculator.propose(draft_params, state, draft)
-
-        def nothing(state: Any) -> tuple[Proposal, Any]:
-            shapes = jax.eval_shape(propose, state)[0]
-            return jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), shapes), state
-
-        # Only rows that draft pay for drafting, and a pass with nothing to check is a plain decode step.
-        proposal, state = jax.lax.cond(jnp.any(want > 0), propose, nothing, state)
+        # Every pass drafts and verifies, without conditionals (on a GPU each one copies its predicate to
+        # the host): a row with nothing drafted gets the plain token from the pass, and when every row
+        # is in fallback the loop returns (see ``cond``).
+        proposal, state = speculator.propose(draft_params, state, draft)
         tree = proposal.parents is not None
         assert not (tree and grammar is not None), "the engine runs rows under a grammar without tree drafts"
         valid: Array | None = None
@@ -617,15 +649,6 @@ def speculative_loop(
                 state = speculator.observe(state, draft, proposal, count, target_draws(seen, p, sampling, s.keys, flags))
             return kv, state, produced, logprobs, accepted
 
-        def plain(kv: KVState, state: Any) -> tuple[KVState, Any, Array, Array, Array]:
-            positions = jnp.where(active, p, -1)[:, None]
-            logits, kv, state = target_forward(kv, state, pending[:, None], positions, jnp.zeros_like(positions))
-            first = allowed(logits.shape[-1], 1)
-            token, logprob = draw(logits[:, 0], sampling, None, s.keys, p, flags, None if first is None else first[:, 0])
-            produced = jnp.zeros((token.shape[0], k + 1), jnp.int32).at[:, 0].set(token)
-            logprobs = jnp.zeros((token.shape[0], k + 1), jnp.float32).at[:, 0].set(logprob)
-            return kv, state, produced, logprobs, jnp.zeros_like(p)
-
         def check_tree(kv: KVState, state: Any) -> tuple[KVState, Any, Array, Array, Array]:
             assert proposal.parents is not None and proposal.depth is not None and valid is not None
             entries = proposal.tokens.shape[1] + 1
@@ -637,13 +660,25 @@ def speculative_loop(
             sees = ancestors(proposal.parents, k) & present[:, None, :]
             visible = tree_attention_mask(positions, p, slots, positions, sees, kv.capacity, model.sliding_window)
             reads = jnp.broadcast_to(jnp.arange(entries)[None, :], tokens.shape)
-            logits, kv, written = forward_tree(model, params, kv, tokens, positions, slots, visible, reads)
+            features = None
+            if isinstance(speculator, FeatureObserver):
+                logits, features, kv, written = forward_tree_features(
+                    model, params, kv, tokens, positions, slots, visible, reads, speculator.feature_layers
+                )
+            else:
+                logits, kv, written = forward_tree(model, params, kv, tokens, positions, slots, visible, reads)
             produced, logprobs, accepted, path = verify_tree(logits, proposal, valid, p, k, sampling, s.keys, flags)
             offsets = jnp.arange(1, k + 1)[None, :]
             kv = commit_path(kv, written, path, jnp.where(offsets <= accepted[:, None], p[:, None] + offsets, -1))
+            if isinstance(speculator, FeatureObserver) and features is not None:
+                # The features of the pending token and the accepted path, at the positions they now hold.
+                along = jnp.concatenate([jnp.zeros_like(path[:, :1]), path], axis=1)
+                depth = jnp.arange(k + 1)[None, :]
+                at = jnp.where(active[:, None] & (depth <= accepted[:, None]), p[:, None] + depth, -1)
+                state = speculator.observe_features(state, jnp.take_along_axis(features, along[..., None], axis=1), at)
             return kv, state, produced, logprobs, accepted
 
-        kv, state, produced, logprobs, accepted = jax.lax.cond(jnp.any(count > 0), check_tree if tree else check, plain, kv, state)
+        kv, state, produced, logprobs, accepted = (check_tree if tree else check)(kv, state)
         # Keep up to the first stop id and within the budget; inactive rows keep nothing.
         j = jnp.arange(k + 1)[None, :]
         made = jnp.where(j <= accepted[:, None], 1, 0)

@@ -33,6 +33,7 @@ could run tree passes later without the dequantized view.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 import jax
@@ -42,12 +43,12 @@ from jaxtyping import Array, Bool, Float, Int
 from zgen.cache.base import KVState
 from zgen.cache.paged_state import MaskedPagedState, PagedKVState
 from zgen.cache.tensor import masked_attention
-from zgen.graph.core import ForwardContext
-from zgen.graph.decoder import LOGIT_ROWS, POSITIONS, TOKENS
+from zgen.graph.core import ForwardContext, Graph
+from zgen.graph.decoder import LOGIT_ROWS, POSITIONS, TOKENS, feature_graph
 from zgen.graph.nodes import rotary
 from zgen.runtime.step import ModelSpec, Params, S
 
-__all__ = ["TreeForward", "ancestors", "attend_visible", "commit_path", "forward_tree", "tree_attention_mask"]
+__all__ = ["TreeForward", "ancestors", "attend_visible", "commit_path", "forward_tree", "forward_tree_features", "run_tree_graph", "tree_attention_mask"]
 
 
 def ancestors(parents: Int[Array, "B N"], max_depth: int) -> Bool[Array, "B M M"]:
@@ -143,6 +144,17 @@ class TreeForward:
     values: tuple[Array, ...]
 
 
+def run_tree_graph(
+    graph: Graph, params: Params, kv: S, feeds: Mapping[str, jax.Array], slots: Int[Array, "B T"], visible: Bool[Array, "B T S"]
+) -> tuple[tuple[jax.Array, ...], S, TreeForward]:
+    """Any graph (the target's, its feature graph, a draft head's) over a tree's entries, fed by name:
+    each entry's K/V stored at ``slots`` (-1: nowhere), its attention through ``visible``; the graph's
+    outputs, the state and every entry's K/V (for :func:`commit_path`)."""
+    ctx = _TreeContext(kv, slots, visible)
+    outputs = graph.run(params, feeds, ctx)
+    return outputs, ctx.state, TreeForward(tuple(ctx.keys), tuple(ctx.values))  # type: ignore[return-value]
+
+
 def forward_tree(
     model: ModelSpec,
     params: Params,
@@ -156,9 +168,27 @@ def forward_tree(
     """:func:`~zgen.runtime.step.forward` for trees: ``tokens`` at RoPE ``positions`` stored at
     ``slots`` (-1: nowhere), each attending to the slots ``visible`` marks; float32 logits at
     ``read_rows`` and the K/V of every token (for :func:`commit_path`)."""
-    ctx = _TreeContext(kv, slots, visible)
-    (logits,) = model.graph.run(params, {TOKENS: tokens, POSITIONS: positions, LOGIT_ROWS: read_rows}, ctx)
-    return logits, ctx.state, TreeForward(tuple(ctx.keys), tuple(ctx.values))  # type: ignore[return-value]
+    feeds = {TOKENS: tokens, POSITIONS: positions, LOGIT_ROWS: read_rows}
+    (logits,), kv, written = run_tree_graph(model.graph, params, kv, feeds, slots, visible)
+    return logits, kv, written
+
+
+def forward_tree_features(
+    model: ModelSpec,
+    params: Params,
+    kv: S,
+    tokens: Int[Array, "B T"],
+    positions: Int[Array, "B T"],
+    slots: Int[Array, "B T"],
+    visible: Bool[Array, "B T S"],
+    read_rows: Int[Array, "B R"],
+    layers: tuple[int, ...],
+) -> tuple[Float[Array, "B R V"], Float[Array, "B T F"], S, TreeForward]:
+    """:func:`forward_tree` that also returns the residual stream after each of ``layers`` at every
+    token, concatenated (as :func:`~zgen.runtime.step.forward_features`: an EAGLE head's features)."""
+    feeds = {TOKENS: tokens, POSITIONS: positions, LOGIT_ROWS: read_rows}
+    (logits, *features), kv, written = run_tree_graph(feature_graph(model.graph, layers), params, kv, feeds, slots, visible)
+    return logits, jnp.concatenate(features, axis=-1), kv, written
 
 
 def commit_path(kv: S, written: TreeForward, path: Int[Array, "B A"], positions: Int[Array, "B A"]) -> S:

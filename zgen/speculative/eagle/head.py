@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from zgen.cache.tensor import DenseAttention, DenseKVState
 from zgen.config import ModelConfig, rope_inverse_frequencies
@@ -38,6 +38,7 @@ from zgen.graph.decoder import LOGIT_ROWS, LOGITS, POSITIONS, TOKENS
 from zgen.graph.nodes import Add, Attention, Embed, GatedMLP, LMHead, RMSNorm, SelectRows, linear
 from zgen.model import Model
 from zgen.runtime.step import run_graph
+from zgen.runtime.tree import run_tree_graph
 
 #: The head's graph inputs besides the decoder's tokens, positions and logit rows.
 FEATURES = "features"
@@ -138,6 +139,24 @@ def draft_step(
     row attends to the :data:`HEAD_WINDOW` rows up to itself."""
     feeds = {TOKENS: tokens, POSITIONS: positions, LOGIT_ROWS: read_rows, FEATURES: features}
     (predicted, logits), kv = run_graph(graph, HEAD_WINDOW, params, kv, feeds)
+    return predicted, logits, kv
+
+
+def draft_tree_step(
+    graph: Graph,
+    params: Mapping[str, jax.Array],
+    kv: DenseKVState,
+    features: Float[Array, "B T H"],
+    tokens: Int[Array, "B T"],
+    positions: Int[Array, "B T"],
+    slots: Int[Array, "B T"],
+    visible: Bool[Array, "B T S"],
+    read_rows: Int[Array, "B R"],
+) -> tuple[Float[Array, "B T H"], Float[Array, "B R V"], DenseKVState]:
+    """:func:`draft_step` over nodes of a draft tree: row ``t`` writes its K/V at ``slots[:, t]`` and
+    attends to the rows ``visible`` marks (the context and its ancestors, :mod:`zgen.runtime.tree`)."""
+    feeds = {TOKENS: tokens, POSITIONS: positions, LOGIT_ROWS: read_rows, FEATURES: features}
+    (predicted, logits), kv, _ = run_tree_graph(graph, params, kv, feeds, slots, visible)
     return predicted, logits, kv
 
 

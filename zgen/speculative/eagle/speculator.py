@@ -35,8 +35,10 @@ from zgen.model import Model
 from zgen.runtime.sampling import filter_logits, sample
 from zgen.runtime.speculation import DraftInput, Proposal
 from zgen.speculative.draft_model import CATCH_UP
-from zgen.speculative.eagle.head import HEAD_WINDOW, EagleHead, draft_step, fingerprint, fuse
+from zgen.runtime.tree import tree_attention_mask
+from zgen.speculative.eagle.head import HEAD_WINDOW, EagleHead, draft_step, draft_tree_step, fingerprint, fuse
 from zgen.speculative.prompt_lookup import check_num_tokens
+from zgen.speculative.tree import Expansion, TreeShape, build_tree
 
 
 @jax.tree_util.register_dataclass
@@ -52,28 +54,47 @@ class Eagle:
 
     ``adaptive``: grow the draft after full acceptance, shrink it after rejections, and decode plainly
     while fewer than 40 % of the drafts are accepted (see :mod:`zgen.runtime.speculation`).
+
+    ``tree``: draft EAGLE-2 dynamic trees of ``num_tokens`` depths instead of chains
+    (:mod:`zgen.speculative.tree`), verified in one target pass. Each node is a head row in a scratch
+    slot past the pending token's, reading its parent's predicted feature and its own token and
+    attending to the true rows and its ancestors only; after the pass the target's features of the
+    accepted path come back like a chain's, and those rows are fed again from them.
     """
 
-    def __init__(self, head: EagleHead, num_tokens: int = 4, *, adaptive: bool = True) -> None:
+    def __init__(self, head: EagleHead, num_tokens: int = 4, *, adaptive: bool = True, tree: TreeShape | None = None) -> None:
         if not isinstance(head, EagleHead):
             raise ConfigError(f"Eagle takes an EagleHead (EagleHead.init or Eagle.load), got {type(head).__name__}")
         if not isinstance(adaptive, bool):
             raise ConfigError(f"Eagle adaptive must be a bool, got {adaptive!r}")
+        if tree is not None and not isinstance(tree, TreeShape):
+            raise ConfigError(f"Eagle tree must be a TreeShape (or None for chains), got {tree!r}")
         self.head = head
         self._num_tokens = check_num_tokens("Eagle", num_tokens)
         self._adaptive = adaptive
+        if tree is not None:
+            tree.check(self._num_tokens)
+        self.tree = tree
         self._fingerprint: str | None = None
 
     @classmethod
-    def load(cls, path: str | Path, model: Model, num_tokens: int = 4, *, adaptive: bool = True) -> Eagle:
+    def load(
+        cls, path: str | Path, model: Model, num_tokens: int = 4, *, adaptive: bool = True, tree: TreeShape | None = None
+    ) -> Eagle:
         """The head trained into ``path`` (``zgen eagle train``) for ``model``; a head made for another
         model is refused (:class:`~zgen.errors.CheckpointError`)."""
         from zgen.speculative.eagle.checkpoint import load_head  # the checkpoint reader imports orbax
 
-        return cls(load_head(path, model), num_tokens, adaptive=adaptive)
+        return cls(load_head(path, model), num_tokens, adaptive=adaptive, tree=tree)
 
     def __repr__(self) -> str:
-        return f"Eagle(feature_layers={self.head.feature_layers}, num_tokens={self._num_tokens}, adaptive={self._adaptive})"
+        tree = "" if self.tree is None else f", tree={self.tree}"
+        return f"Eagle(feature_layers={self.head.feature_layers}, num_tokens={self._num_tokens}, adaptive={self._adaptive}{tree})"
+
+    @property
+    def tree_size(self) -> int | None:
+        """Nodes of each drafted tree (``None``: chains of ``num_tokens``)."""
+        return None if self.tree is None else self.tree.size
 
     @property
     def num_tokens(self) -> int:
@@ -94,7 +115,7 @@ class Eagle:
     def cache_key(self) -> Hashable:
         # The compiled loop keeps this speculator and so the target's graph alive: the id is not reused.
         m = self.head.model
-        return ("eagle", id(m.graph), str(m.dtype), self.head.feature_layers, self._num_tokens, self._adaptive)
+        return ("eagle", id(m.graph), str(m.dtype), self.head.feature_layers, self._num_tokens, self._adaptive, self.tree)
 
     def check_target(self, model: Model) -> None:
         if model is self.head.model:
@@ -117,7 +138,8 @@ class Eagle:
         features = jnp.zeros((b, width, len(self.feature_layers) * c.hidden_size), self.head.model.dtype)
         # The loop hands over the features of the HEAD_WINDOW tokens before the pending one (observe_features);
         # the head rows before them are outside its attention window and never fed.
-        return EagleState(self.head.new_kv(b, width), features, jnp.maximum(length - 1 - HEAD_WINDOW, 0))
+        scratch = 0 if self.tree is None else self.tree.expansions(self._num_tokens)  # the tree nodes' head rows
+        return EagleState(self.head.new_kv(b, width + scratch), features, jnp.maximum(length - 1 - HEAD_WINDOW, 0))
 
     def observe_features(self, state: EagleState, features: Float[Array, "B T F"], positions: Int[Array, "B T"]) -> EagleState:
         rows = jnp.arange(positions.shape[0])[:, None]
@@ -166,6 +188,9 @@ class Eagle:
         rows = p[:, None] - (k + 1) + jnp.arange(k + 1)[None, :]
         positions = jnp.where(active[:, None] & (rows >= 0), rows, -1)
         predicted, logits, kv = self._feed(head_params, shared, state, rows, token_after(rows), positions, kv)
+        if self.tree is not None:
+            proposal, kv = self._propose_tree(joined, kv, draft, predicted[:, -1:], logits[:, 0])
+            return proposal, EagleState(kv, state.features, jnp.where(active, p, state.fed))
 
         def draw(logits: Array, position: Array) -> tuple[Array, Array | None]:
             token = sample(logits, sampling, None, draft.keys, position, flags)
@@ -199,3 +224,37 @@ class Eagle:
         _, kv, _, tokens, probs = jax.lax.while_loop(more, step, start)
         count = jnp.where(active, draft.num_tokens, 0)
         return Proposal(tokens, count, probs), EagleState(kv, state.features, jnp.where(active, p, state.fed))
+
+    def _propose_tree(
+        self, joined: Any, kv: DenseKVState, draft: DraftInput, root: Float[Array, "B 1 H"], logits: Float[Array, "B V"]
+    ) -> tuple[Proposal, DenseKVState]:
+        """EAGLE-2's dynamic tree (:func:`~zgen.speculative.tree.build_tree`) from the head's
+        distributions. Fed node ``e`` (``width`` of them per depth) is head row ``p + depth - 1`` stored
+        in scratch slot ``p + e`` (the true rows end at ``p - 1``): it reads the feature its parent
+        predicted (a depth-1 node: ``root``, predicted by row ``p - 1``) and its own token."""
+        assert self.tree is not None
+        active, p = draft.active, draft.length - 1
+        b, width = p.shape[0], self.tree.width
+        fed = jnp.arange(self.tree.expansions(self._num_tokens))[None, :]
+        scratch = p[:, None] + fed
+        placed = p[:, None] + fed // width  # each fed node's head row
+        graph = self.head.graph
+
+        def expand(carry: tuple[DenseKVState, Array], nodes: Expansion) -> tuple[Array, tuple[DenseKVState, Array]]:
+            kv, predicted = carry
+            if nodes.depth == 1:
+                inputs = jnp.broadcast_to(root, (b, width, root.shape[-1]))
+            else:  # the node one depth up that each one descends from
+                parent = nodes.first - width + jnp.argmax(nodes.sees[:, :, nodes.first - width : nodes.first], axis=2)
+                inputs = jnp.take_along_axis(predicted, parent[..., None], axis=1)
+            positions = jnp.where(active[:, None], jnp.broadcast_to(p[:, None] + nodes.depth - 1, nodes.tokens.shape), -1)
+            slots = jnp.where(active[:, None], scratch[:, nodes.first : nodes.first + width], -1)
+            visible = tree_attention_mask(positions, p, scratch, placed, nodes.sees, kv.capacity, HEAD_WINDOW)
+            reads = jnp.broadcast_to(jnp.arange(width)[None, :], nodes.tokens.shape)
+            out, node_logits, kv = draft_tree_step(graph, joined, kv, inputs.astype(root.dtype), nodes.tokens, positions, slots, visible, reads)
+            predicted = predicted.at[:, nodes.first : nodes.first + width].set(out.astype(predicted.dtype))
+            return jax.nn.log_softmax(node_logits, axis=-1), (kv, predicted)
+
+        start = (kv, jnp.zeros((b, fed.shape[1], root.shape[-1]), root.dtype))
+        proposal, (kv, _) = build_tree(jax.nn.log_softmax(logits, axis=-1), expand, start, self.tree, self._num_tokens)
+        return replace(proposal, count=jnp.where(active, proposal.count, 0)), kv
