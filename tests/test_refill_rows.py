@@ -60,6 +60,29 @@ def test_packed_steps_give_the_same_tokens_and_logprobs(tmp_path: Path, cache: s
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
 
 
+def test_paged_steps_are_never_narrower_than_a_refill_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every step width is a compiled shape: a group of refills and a smaller remainder share one."""
+    from zgen.runtime.engine import Engine
+
+    save_random_checkpoint(small_configs()["llama"], tmp_path)
+    model = load_model(tmp_path)
+    widths: list[int] = []
+    step_rows = Engine._step_rows
+
+    def recorded(self: Engine, rows: list, tokens: int) -> tuple:  # type: ignore[type-arg]
+        out = step_rows(self, rows, tokens)
+        widths.append(out[0])
+        return out
+
+    monkeypatch.setattr(Engine, "_step_rows", recorded)
+    requests = [
+        Request(list(range(5, 12 + 3 * i)), SamplingConfig(temperature=0.0, max_new_tokens=3 + i, ignore_eos=True)) for i in range(10)
+    ]
+    generator = Generator(model, paged_kv(max_memory_mb=4), max_batch_size=8, refill_rows=4, prefill_apart=True)
+    generator.batch_generate(requests)
+    assert widths and min(widths) >= 4  # 10 requests: the last 2 are admitted at a group's width
+
+
 def test_refill_rows_is_checked() -> None:
     with pytest.raises(ConfigError, match="refill_rows"):
         EngineConfig(refill_rows=0)

@@ -631,6 +631,8 @@ class Engine:
 
     def _step_rows(self, rows: list[_Row], tokens: int) -> tuple[int, list[int], KVState]:
         width, index = self.kv.layout([row.job.seq.kv for row in rows])
+        if self.kv.pages:  # refills come in groups: no narrower step shapes (each a compile) than a group's
+            width = max(width, min(next_pow2(self.config.refill_rows), next_pow2(self.config.max_batch)))
         step_rows = []
         for row in rows:
             seq, r = row.job.seq, row.job.request
