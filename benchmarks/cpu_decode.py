@@ -1,12 +1,15 @@
 """zgen vs HF transformers on this CPU: SmolLM2-135M-Instruct, float32, batch 1, same process.
 
 Decode: tokens/s of a 128-token greedy continuation (EOS ignored), prefill excluded.
-Prefill: tokens/s of one 512-token prompt. Each number is the median of several runs after warm-up.
+Prefill: tokens/s of one 512-token prompt, twice: with the logits of every position (zgen's
+``Generator.logits``, HF's plain forward) and to the first token (the last position's logits only:
+zgen's ``generate`` of one token, HF's forward with ``logits_to_keep=1``), which is what a generation
+pays. Each number is the median of several runs after warm-up.
 
     python benchmarks/cpu_decode.py [--runs 5] [--new-tokens 128] [--dense-attention xla]
 
-``--dense-attention`` picks the tensor cache's attention (default "auto": the exact einsum on CPU;
-"xla" is the blocked online-softmax path, which skips key blocks no query can see).
+``--dense-attention`` picks the tensor cache's attention (default "auto": on CPU the einsum for decode
+and "xla", the blocked online-softmax path that skips key blocks no query can see, for prefill).
 
 ``--kv-formats``: instead, every KV storage format of zgen side by side (no HF): the dense ("tensor")
 cache in fp32, bf16 and fp16 and the paged cache (default 512 MB pool) in every format, each answering
@@ -113,6 +116,8 @@ def main() -> None:
     zgen_decode_s()
     zgen_decode = statistics.median(zgen_decode_s() for _ in range(args.runs)) / n_new
     zgen_prefill = median_time(lambda: gen.logits(prompt)[-1], args.runs) / n_prompt
+    first = SamplingConfig(temperature=0.0, max_new_tokens=1, ignore_eos=True)
+    zgen_first = median_time(lambda: gen.generate(prompt, first), args.runs) / n_prompt
 
     path = builtin_model_path("smollm2")
     hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
@@ -128,6 +133,7 @@ def main() -> None:
     with torch.no_grad():
         long_ids = torch.tensor([prompt])
         hf_prefill = median_time(lambda: hf(long_ids), args.runs) / n_prompt
+        hf_first = median_time(lambda: hf(long_ids, logits_to_keep=1).logits.argmax(-1), args.runs) / n_prompt
 
     result = {
         "device": f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads)",
@@ -137,6 +143,9 @@ def main() -> None:
         "zgen_prefill_tok_s": 1 / zgen_prefill,
         "hf_prefill_tok_s": 1 / hf_prefill,
         "prefill_ratio": hf_prefill / zgen_prefill,
+        "zgen_prefill_first_token_tok_s": 1 / zgen_first,
+        "hf_prefill_first_token_tok_s": 1 / hf_first,
+        "prefill_first_token_ratio": hf_first / zgen_first,
     }
     print(json.dumps(result, indent=2))
 

@@ -18,6 +18,7 @@ from zgen import Generator, SamplingConfig, load_model
 from zgen.cache.factory import dense_attention
 from zgen.cache.tensor import DenseAttention, DenseKVState, causal_attention
 from zgen.model import Model
+from zgen.pallas import flash_attention
 from zgen.runtime.runner import runner_for
 
 KERNEL_PATHS = ("xla", "triton")
@@ -77,20 +78,24 @@ def test_greedy_generation_matches_einsum(model: Model) -> None:
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU default")
-def test_auto_is_einsum_on_cpu() -> None:
-    """CPU keeps causal_attention (the HF parity tests rely on its exact numerics): bit-identical."""
+def test_auto_on_cpu_is_einsum_for_decode_and_the_blocked_kernel_for_chunks() -> None:
+    """CPU decodes through causal_attention (bit-identical) and prefills through the blocked XLA
+    kernel, which skips the key blocks no query sees (the same values within float32 rounding)."""
     rng = np.random.default_rng(0)
     state = DenseKVState(
         (jnp.asarray(rng.standard_normal((1, 16, 2, 16)), jnp.float32),),
         (jnp.asarray(rng.standard_normal((1, 16, 2, 16)), jnp.float32),),
     )
     assert state.attention == "auto" and "einsum" in get_args(DenseAttention)
+    k, v = state.k[0], state.v[0]
+    one = jnp.asarray(rng.standard_normal((1, 1, 4, 16)), jnp.float32)
+    at = jnp.asarray([[6]], jnp.int32)
+    np.testing.assert_array_equal(state.attend(0, one, at, sliding_window=None), causal_attention(one, k, v, at, sliding_window=None))
     q = jnp.asarray(rng.standard_normal((1, 3, 4, 16)), jnp.float32)
     positions = jnp.asarray([[4, 5, 6]], jnp.int32)
-    np.testing.assert_array_equal(
-        state.attend(0, q, positions, sliding_window=None),
-        causal_attention(q, state.k[0], state.v[0], positions, sliding_window=None),
-    )
+    chunk = state.attend(0, q, positions, sliding_window=None)
+    np.testing.assert_array_equal(chunk, flash_attention(q, k, v, q_positions=positions, implementation="xla"))
+    np.testing.assert_allclose(chunk, causal_attention(q, k, v, positions, sliding_window=None), atol=1e-5)
 
 
 @pytest.mark.parametrize("attention", KERNEL_PATHS)

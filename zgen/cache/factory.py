@@ -181,7 +181,8 @@ def tiered_kv(config: TieredConfig | None = None, max_memory_mb: float | None = 
 
 def dense_attention(path: DenseAttention) -> CacheOption:
     """The attention implementation of the tensor and flat rows (``"auto"``: the flash kernels on a
-    GPU, the exact einsum elsewhere); tests and benchmarks compare them."""
+    GPU; elsewhere the einsum for decode and the blocked XLA kernel for prefill chunks); tests and
+    benchmarks compare them."""
     return lambda o: replace(o, attention=path)
 
 
