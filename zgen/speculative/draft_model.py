@@ -30,7 +30,7 @@ from zgen.runtime.step import ModelSpec, forward
 from zgen.runtime.tree import forward_tree, tree_attention_mask
 from zgen.shapes import next_pow2
 from zgen.speculative.prompt_lookup import check_num_tokens
-from zgen.speculative.tree import Expansion, TreeShape, build_tree
+from zgen.speculative.tree import Expansion, TreeShape, build_tree, checked_tree
 
 #: Tokens a lagging row feeds per catch-up forward pass (a row falls behind only while it decodes plainly).
 CATCH_UP = next_pow2(PROBE_AFTER + 2)
@@ -61,14 +61,10 @@ class DraftModel:
             raise ConfigError(f"DraftModel takes a loaded zgen Model, got {type(model).__name__}")
         if not isinstance(adaptive, bool):
             raise ConfigError(f"DraftModel adaptive must be a bool, got {adaptive!r}")
-        if tree is not None and not isinstance(tree, TreeShape):
-            raise ConfigError(f"DraftModel tree must be a TreeShape (or None for chains), got {tree!r}")
         self.model = model
         self._num_tokens = check_num_tokens("DraftModel", num_tokens)
         self._adaptive = adaptive
-        if tree is not None:
-            tree.check(self._num_tokens)
-        self.tree = tree
+        self.tree = checked_tree("DraftModel", tree, self._num_tokens)
         self.spec = ModelSpec(model.graph, model.config.sliding_window)
 
     @classmethod

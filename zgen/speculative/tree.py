@@ -62,6 +62,17 @@ class TreeShape:
             )
 
 
+def checked_tree(owner: str, tree: object, depth: int) -> TreeShape | None:
+    """A speculator's ``tree`` argument checked: None (chains) or a :class:`TreeShape` that drafts
+    ``depth`` deep (ConfigError otherwise)."""
+    if tree is None:
+        return None
+    if not isinstance(tree, TreeShape):
+        raise ConfigError(f"{owner} tree must be a TreeShape (or None for chains), got {tree!r}")
+    tree.check(depth)
+    return tree
+
+
 @dataclass(frozen=True)
 class Expansion:
     """Nodes the drafter extends at one depth (trace-time container).

@@ -38,7 +38,7 @@ from zgen.speculative.draft_model import CATCH_UP
 from zgen.runtime.tree import tree_attention_mask
 from zgen.speculative.eagle.head import HEAD_WINDOW, EagleHead, draft_step, draft_tree_step, fingerprint, fuse
 from zgen.speculative.prompt_lookup import check_num_tokens
-from zgen.speculative.tree import Expansion, TreeShape, build_tree
+from zgen.speculative.tree import Expansion, TreeShape, build_tree, checked_tree
 
 
 @jax.tree_util.register_dataclass
@@ -67,14 +67,10 @@ class Eagle:
             raise ConfigError(f"Eagle takes an EagleHead (EagleHead.init or Eagle.load), got {type(head).__name__}")
         if not isinstance(adaptive, bool):
             raise ConfigError(f"Eagle adaptive must be a bool, got {adaptive!r}")
-        if tree is not None and not isinstance(tree, TreeShape):
-            raise ConfigError(f"Eagle tree must be a TreeShape (or None for chains), got {tree!r}")
         self.head = head
         self._num_tokens = check_num_tokens("Eagle", num_tokens)
         self._adaptive = adaptive
-        if tree is not None:
-            tree.check(self._num_tokens)
-        self.tree = tree
+        self.tree = checked_tree("Eagle", tree, self._num_tokens)
         self._fingerprint: str | None = None
 
     @classmethod
