@@ -4,7 +4,8 @@ Random weights of two shapes — SmolLM2-135M and Llama-3-8B — so no checkpoin
 Both frameworks are timed the same way: wall time of generate(N new tokens) minus generate(1), over
 N − 1 tokens, median of several runs after warm-up, EOS never stops early. Each framework (and each
 zgen attention path) runs in its own process (JAX and torch would otherwise fight over GPU memory);
-run with no arguments to do both.
+run with no arguments to do both. Each zgen result also gives the step's roofline: every weight and
+the valid KV (at the decode's mean length) read once, at the read bandwidth measured in the same process.
 
 zgen's default dense cache attends through the Pallas kernels on the GPU (``--attention auto`` =
 ``triton``: the flash prefill kernel and the split-K decode kernel, over the valid slots only);
@@ -91,9 +92,38 @@ def bench_zgen(shape: str, new_tokens: int, runs: int, attention: str, prompt_to
 
     seconds = per_token_s(generate, new_tokens, runs)
     prefill_s = statistics.median(generate(1).timings.prefill_s for _ in range(runs))
+    # The step's bound: every weight and the valid KV (at the decode's mean length) read once.
+    c = model.config
+    weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(model.params))
+    kv_bytes = batch * (prompt_tokens + new_tokens / 2) * c.num_layers * 2 * c.num_kv_heads * c.head_dim * 2
+    bandwidth = read_bandwidth(runs)
+    roofline_s = (weight_bytes + kv_bytes) / bandwidth
     return {"framework": "zgen", "attention": attention, "shape": shape, "device": jax.devices()[0].device_kind,
             "batch": batch, "prompt_tokens": prompt_tokens, "ms_per_token": seconds * 1e3, "tok_s": batch / seconds,
-            "prefill_ms": prefill_s * 1e3, "token_ids": generate(new_tokens).token_ids[:64]}
+            "prefill_ms": prefill_s * 1e3, "read_tb_s": bandwidth / 1e12, "roofline_ms": roofline_s * 1e3,
+            "of_roofline": roofline_s / seconds, "token_ids": generate(new_tokens).token_ids[:64]}
+
+
+def read_bandwidth(runs: int) -> float:
+    """Bytes per second read from a 4 GiB bfloat16 matrix, measured in this process: the faster of a
+    row sum and a matrix-vector product (what a decode step does with its weights)."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((256 * 1024, 8192), jnp.bfloat16)
+    vector = jnp.ones((8192,), jnp.bfloat16)
+    passes = [
+        (jax.jit(lambda x: jnp.sum(x, axis=1, dtype=jnp.float32)), (x,)),
+        (jax.jit(lambda x, v: x @ v), (x, vector)),
+    ]
+    best = float("inf")
+    for fn, args in passes:
+        fn(*args).block_until_ready()
+        for _ in range(max(runs, 5)):
+            start = time.perf_counter()
+            fn(*args).block_until_ready()
+            best = min(best, time.perf_counter() - start)
+    return x.nbytes / best
 
 
 def bench_context(shape: str, new_tokens: int, runs: int, prompt_tokens: int) -> dict[str, Any]:
@@ -202,7 +232,9 @@ def main() -> None:
         hf = next((r for r in timed if r["framework"] == "hf-static-compile"), None)
         zgen = [r for r in timed if r["framework"] == "zgen"]
         for r in zgen:
-            line = f"{shape} zgen[{r['attention']}]: {r['tok_s']:.1f} tok/s, {r['ms_per_token']:.3f} ms/step, prefill {r['prefill_ms']:.1f} ms"
+            line = (f"{shape} zgen[{r['attention']}]: {r['tok_s']:.1f} tok/s, {r['ms_per_token']:.3f} ms/step, prefill "
+                    f"{r['prefill_ms']:.1f} ms; {r['of_roofline']:.0%} of the {r['roofline_ms']:.2f} ms roofline "
+                    f"(weights + valid KV at {r['read_tb_s']:.2f} TB/s read)")
             if hf:
                 line += f"; HF {hf['tok_s']:.1f} tok/s = {r['tok_s'] / hf['tok_s']:.2f}x"
             print(line)

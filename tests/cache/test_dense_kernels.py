@@ -42,7 +42,7 @@ def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 def _chunked_logits(model: Model, attention: DenseAttention) -> np.ndarray:
     """Two rows at different offsets: a 40-token prefill (the Triton prefill kernel; row 1's tail is
     padding at continuing positions, as the generator pads), a 5-token chunk after it and three
-    one-token steps (the Triton decode kernel)."""
+    one-token steps (on the Triton path: the one-kernel step that writes the cache and attends)."""
     c = model.config
     runner = runner_for(model)
     state = DenseKVState.zeros(c.num_layers, 2, 128, c.num_kv_heads, c.head_dim, model.dtype, attention)

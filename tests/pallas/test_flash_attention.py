@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from pallas_cases import DTYPES, FlashCase, assert_close, flash_cases
 
 from zgen.cache.tensor import causal_attention
-from zgen.pallas import flash_attention
+from zgen.pallas import append_and_attend, flash_attention
 from zgen.pallas.common import platform
 from zgen.pallas.flash_attention import triton, xla
 
@@ -274,3 +274,51 @@ def test_kernels_at_every_offset(kernel: str, window: int | None) -> None:
         positions = jnp.asarray([offset, capacity - t - offset], jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)
         want = expected(q, k, v, lengths=lengths, q_positions=positions)
         np.testing.assert_allclose(run(q, k, v, lengths, positions), want, atol=2e-5, err_msg=f"offset {offset}")
+
+
+@st.composite
+def append_cases(draw: st.DrawFn) -> tuple[tuple[jax.Array, ...], dict[str, Any], str]:
+    """One decode token per row over a filled contiguous cache: rows at the first slot, the last, a
+    block boundary, anywhere, or padding (-1); head groups of any size (SmolLM2 has 3)."""
+    batch, kv_heads = draw(st.integers(1, 3)), draw(st.sampled_from([1, 2]))
+    group, head_dim = draw(st.sampled_from([1, 3, 4, 8])), draw(st.sampled_from([32, 64]))
+    slots, dtype = draw(st.sampled_from([32, 64, 96])), draw(st.sampled_from(sorted(DTYPES)))
+    edge = st.sampled_from([-1, 0, 15, 16, slots - 1])
+    positions = draw(st.lists(st.one_of(edge, st.integers(-1, slots - 1)), min_size=batch, max_size=batch))
+    options = dict(
+        sliding_window=draw(st.sampled_from([None, 5])), soft_cap=draw(st.sampled_from([None, 5.0])),
+        num_splits=draw(st.sampled_from([None, 2])),
+    )
+    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+    heads = kv_heads * group
+
+    def normal(*shape: int) -> jax.Array:
+        return jnp.asarray(rng.standard_normal(shape), DTYPES[dtype])
+
+    arrays = (
+        normal(batch, 1, heads, head_dim), normal(batch, 1, kv_heads, head_dim), normal(batch, 1, kv_heads, head_dim),
+        normal(batch, slots, kv_heads, head_dim), normal(batch, slots, kv_heads, head_dim),
+        jnp.asarray(positions, jnp.int32)[:, None],
+    )
+    return arrays, options, dtype
+
+
+def test_append_decode_matches_write_then_attend() -> None:
+    """The one-kernel decode step (interpreted) stores exactly what a write stores and attends as the
+    reference does over the written cache, split or finished in the kernel, rows at -1 left alone."""
+
+    @settings(max_examples=12, deadline=None, derandomize=True)
+    @given(append_cases())
+    def check(case: tuple[tuple[jax.Array, ...], dict[str, Any], str]) -> None:
+        arrays, options, dtype = case
+        window, cap = options["sliding_window"], options["soft_cap"]
+        expected = append_and_attend(*arrays, sliding_window=window, soft_cap=cap, implementation="reference")
+        kernel = functools.partial(triton.append_decode_attention, scale=arrays[0].shape[-1] ** -0.5, interpret=True, block_k=16, **options)
+        out, k, v = jax.jit(kernel)(*arrays)
+        np.testing.assert_array_equal(np.asarray(k, np.float32), np.asarray(expected[1], np.float32))
+        np.testing.assert_array_equal(np.asarray(v, np.float32), np.asarray(expected[2], np.float32))
+        assert_close(out, expected[0], dtype)
+        padding = np.asarray(arrays[5][:, 0]) < 0
+        assert not np.any(np.asarray(out, np.float32)[padding])
+
+    check()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Self, TypeVar
+from typing import Protocol, Self, TypeVar, runtime_checkable
 
 import jax
 import numpy as np
@@ -68,6 +68,25 @@ class KVState(Protocol):
 
     def layer_view(self, layer: int) -> LayerKV:
         """A full-precision copy of one layer, for tests and inspection (never on the hot path)."""
+        ...
+
+
+@runtime_checkable
+class WriteAndAttendKVState(KVState, Protocol):
+    """A state that can store a step's K/V and attend over them in one go (e.g. one kernel for a
+    decode step): the forward pass uses this instead of ``write`` then ``attend`` when a state has it."""
+
+    def write_and_attend(
+        self,
+        layer: int,
+        q: Float[Array, "B T H D"],
+        k: Float[Array, "B T KVH D"],
+        v: Float[Array, "B T KVH D"],
+        positions: Int[Array, "B T"],
+        *,
+        sliding_window: int | None,
+    ) -> tuple[Float[Array, "B T H D"], Self]:
+        """``attend`` after ``write``: the attention output and the new state."""
         ...
 
 

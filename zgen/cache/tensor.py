@@ -24,8 +24,9 @@ from jaxtyping import Array, Bool, Float, Int
 
 from zgen.cache.base import LayerKV, replace_layer
 from zgen.numerics import matmul_precision
-from zgen.pallas import flash_attention
+from zgen.pallas import append_and_attend, flash_attention
 from zgen.pallas.common import platform
+from zgen.pallas.triton_utils import MIN_DOT
 from zgen.pallas.paged_attention.layouts import BIT_CONTAINERS
 
 # How DenseKVState.attend computes attention: "einsum" is causal_attention; "reference", "xla" and
@@ -171,6 +172,32 @@ class DenseKVState:
         if path == "einsum":
             return causal_attention(q, k, v, positions, sliding_window=sliding_window)
         return flash_attention(q, k, v, q_positions=positions, sliding_window=sliding_window, implementation=path)
+
+    def write_and_attend(
+        self,
+        layer: int,
+        q: Float[Array, "B T H D"],
+        k: Float[Array, "B T KVH D"],
+        v: Float[Array, "B T KVH D"],
+        positions: Int[Array, "B T"],
+        *,
+        sliding_window: int | None,
+    ) -> tuple[Float[Array, "B T H D"], Self]:
+        """:meth:`write` then :meth:`attend`; a decode step on the flash kernels is one kernel that
+        updates the buffers in place (five launches fewer per layer, which bound small models' steps)."""
+        one_kernel = (
+            dense_attention_path(self.attention, q.shape[1]) == "triton"
+            and q.shape[1] == 1
+            and self.capacity % MIN_DOT == 0
+            and jnp.issubdtype(self.k[layer].dtype, jnp.floating)
+        )
+        if not one_kernel:
+            state = self.write(layer, k, v, positions)
+            return state.attend(layer, q, positions, sliding_window=sliding_window), state
+        out, new_k, new_v = append_and_attend(
+            q, k, v, self.k[layer], self.v[layer], positions, sliding_window=sliding_window, implementation="triton"
+        )
+        return out, replace(self, k=replace_layer(self.k, layer, new_k), v=replace_layer(self.v, layer, new_v))
 
     def select(self, layer: int) -> DenseKVState:
         """A one-layer state holding ``layer`` (no copy: the same arrays)."""

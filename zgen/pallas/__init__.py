@@ -3,7 +3,7 @@
 See ``zgen/pallas/STATUS.md`` for which backends exist and where each is tested.
 """
 
-from zgen.pallas.flash_attention import flash_attention
+from zgen.pallas.flash_attention import append_and_attend, flash_attention
 from zgen.pallas.paged_attention import paged_attention, paged_decode_attention
 
-__all__ = ["flash_attention", "paged_attention", "paged_decode_attention"]
+__all__ = ["append_and_attend", "flash_attention", "paged_attention", "paged_decode_attention"]

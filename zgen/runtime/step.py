@@ -31,7 +31,7 @@ from jax.experimental import io_callback
 from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int, UInt32
 
-from zgen.cache.base import KVState
+from zgen.cache.base import KVState, WriteAndAttendKVState
 from zgen.cache.sharded import attend_per_shard, write_and_attend_per_shard
 from zgen.graph.core import ForwardContext, Graph
 from zgen.graph.decoder import LOGIT_ROWS, POSITIONS, TOKENS, feature_graph
@@ -66,6 +66,10 @@ class _CacheContext(ForwardContext, Generic[S]):
         k = rotary(k, positions, inv_freq)
         if self.mesh is not None:
             out, self.state = write_and_attend_per_shard(self.state, self.mesh, layer, q, k, v, positions, sliding_window=self.sliding_window)
+            return out
+        if isinstance(self.state, WriteAndAttendKVState):
+            out, state = self.state.write_and_attend(layer, q, k, v, positions, sliding_window=self.sliding_window)
+            self.state = cast(S, state)
             return out
         self.state = cast(S, self.state.write(layer, k, v, positions))
         return self.state.attend(layer, q, positions, sliding_window=self.sliding_window)

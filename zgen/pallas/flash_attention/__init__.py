@@ -1,5 +1,5 @@
 """Flash (prefill) attention."""
 
-from zgen.pallas.flash_attention.api import flash_attention
+from zgen.pallas.flash_attention.api import append_and_attend, flash_attention
 
-__all__ = ["flash_attention"]
+__all__ = ["append_and_attend", "flash_attention"]

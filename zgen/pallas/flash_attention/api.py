@@ -103,3 +103,45 @@ def flash_attention(
         soft_cap=soft_cap,
         scale=resolve_scale(d, scale),
     )
+
+
+def append_and_attend(
+    q: Float[Array, "b 1 h d"],
+    k_new: Float[Array, "b 1 kvh d"],
+    v_new: Float[Array, "b 1 kvh d"],
+    k_cache: Float[Array, "b s kvh d"],
+    v_cache: Float[Array, "b s kvh d"],
+    positions: Int[Array, "b 1"],
+    *,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    scale: float | None = None,
+    implementation: str | None = None,
+) -> tuple[Float[Array, "b 1 h d"], Float[Array, "b s kvh d"], Float[Array, "b s kvh d"]]:
+    """One decode step over a contiguous cache: store each row's new key/value in slot ``positions``
+    (a negative position stores nothing) and attend causally over slots ``0..position``.
+
+    Returns the attention output and the updated buffers. On the GPU (``implementation`` None or
+    "triton") one Triton kernel does both, updating the buffers in place, where a write then
+    :func:`flash_attention` costs five more launches per layer; "reference" is exactly that pair.
+    """
+    b, t, h, d = q.shape
+    if t != 1 or k_new.shape != (b, 1, k_cache.shape[2], d) or v_new.shape != k_new.shape or k_cache.shape != v_cache.shape:
+        raise ValueError(f"append_and_attend takes one token per row: q {q.shape}, k/v {k_new.shape}, caches {k_cache.shape}")
+    impl = ("triton" if platform() == "gpu" else "reference") if implementation is None else check_implementation(implementation)
+    if impl == "triton":
+        from zgen.pallas.flash_attention import triton
+
+        return triton.append_decode_attention(
+            q, k_new, v_new, k_cache, v_cache, positions, sliding_window=sliding_window, soft_cap=soft_cap,
+            scale=resolve_scale(d, scale), interpret=interpret_pallas(),
+        )
+    slots = jnp.where(positions >= 0, positions, k_cache.shape[1])  # -1 → past the end: dropped
+    rows = jnp.arange(b)[:, None]
+    k_cache = k_cache.at[rows, slots].set(k_new.astype(k_cache.dtype), mode="drop")
+    v_cache = v_cache.at[rows, slots].set(v_new.astype(v_cache.dtype), mode="drop")
+    out = flash_attention(
+        q, k_cache, v_cache, q_positions=positions, sliding_window=sliding_window, soft_cap=soft_cap, scale=scale,
+        implementation=impl,
+    )
+    return out, k_cache, v_cache

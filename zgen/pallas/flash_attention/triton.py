@@ -45,6 +45,9 @@ DECODE_MAX_ROWS = 64
 # partial outputs stay small next to the K/V they summarize.
 TARGET_PROGRAMS = 1024
 MIN_BLOCKS_PER_SPLIT = 4
+# The appending decode kernel keeps one split (and finishes the softmax itself, saving the merge's
+# launch) up to this many key blocks: at batch 1 a step is bound by launches, not by these reads.
+FINISH_MAX_BLOCKS = 16
 
 
 def _attend_block(
@@ -297,6 +300,148 @@ def decode_attention(
         name="zgen_flash_decode",
     )(grouped, k, v, positions, lengths[:, None])
     return ungroup_queries(merge_partials(out, lse)[:, :, None], t, h, t).astype(q.dtype)
+
+
+def _append_decode_kernel(
+    heads_ref: jax.Ref,
+    pos_ref: jax.Ref,
+    k_ref: jax.Ref,
+    v_ref: jax.Ref,
+    *out_refs: jax.Ref,
+    kv_heads: int,
+    group: int,
+    rows: int,
+    capacity: int,
+    block_k: int,
+    num_k_blocks: int,
+    num_splits: int,
+    window: int | None,
+    scale: float,
+    soft_cap: float | None,
+) -> None:
+    """One query token per row: store its key/value in slot ``pos`` and attend over slots ``0..pos``.
+
+    ``heads_ref`` holds the row's query heads, then its new keys, then its new values. The stored slots
+    ``< pos`` come from the buffer and the token's own key from registers, so no program waits for the
+    write: split 0 stores the slot after its loop (another split may load that slot meanwhile, old or
+    new, and masks it either way)."""
+    o_ref, k_out_ref, v_out_ref = out_refs[0], out_refs[-2], out_refs[-1]
+    kv_head, split = pl.program_id(1), pl.program_id(2)
+    num_heads = kv_heads * group
+    pos = pos_ref[0]
+    real = pos >= 0
+    row = jnp.arange(rows)
+    in_group = row < group
+    lanes = jnp.arange(heads_ref.shape[-1])[None, :]
+    # The head group (any size) read as a power-of-two tile for the tensor cores; padding rows are 0.
+    q = pltriton.load(heads_ref.at[(kv_head * group + row)[:, None], lanes], mask=in_group[:, None], other=0.0)
+    # The token's own key and value as the cache will hold them (what the other keys are read as).
+    k_new = heads_ref[num_heads + kv_head, :].astype(k_ref.dtype)
+    v_new = heads_ref[num_heads + kv_heads + kv_head, :].astype(v_ref.dtype)
+    q_pos = jnp.where(in_group, pos, -1)
+    lo, hi = key_block_range(pos, pos, pos, block_k=block_k, num_k_blocks=num_k_blocks, causal=True, window=window)
+    per_split = (hi - lo + num_splits - 1) // num_splits
+    start = lo + split * per_split
+    step = functools.partial(
+        _attend_block, q, q_pos, k_ref, v_ref, pos,
+        block_k=block_k, masked=True, causal=True, window=window, scale=scale, soft_cap=soft_cap,
+    )
+    # Split 0 starts from the token's own key (always visible to itself), the others from nothing.
+    own = apply_soft_cap(jnp.sum(q.astype(jnp.float32) * k_new.astype(jnp.float32)[None, :], axis=-1) * scale, soft_cap)
+    first = (split == 0) & real & in_group
+    m0, l0, acc0 = _init_carry(q)
+    carry = (
+        jnp.where(first, own, m0),
+        jnp.where(first, 1.0, l0),
+        jnp.where(first[:, None], jnp.broadcast_to(v_new.astype(jnp.float32)[None, :], acc0.shape), acc0),
+    )
+    m, l, acc = jax.lax.fori_loop(start, jnp.minimum(start + per_split, hi), step, carry)
+    out, lse = finish_softmax(acc, m, l)
+    if num_splits == 1:  # the finished output, written straight into the group's rows
+        pltriton.store(o_ref.at[row[:, None], lanes], out.astype(o_ref.dtype), mask=in_group[:, None])
+    else:
+        o_ref[...] = out
+        out_refs[1][...] = lse
+
+    @pl.when((split == 0) & real & (pos < capacity))
+    def _store() -> None:
+        k_out_ref[pl.ds(pos, 1), :] = k_new[None, :]
+        v_out_ref[pl.ds(pos, 1), :] = v_new[None, :]
+
+
+def append_decode_attention(
+    q: Float[Array, "b 1 h d"],
+    k_new: Float[Array, "b 1 kvh d"],
+    v_new: Float[Array, "b 1 kvh d"],
+    k_cache: Float[Array, "b s kvh d"],
+    v_cache: Float[Array, "b s kvh d"],
+    positions: Int[Array, "b 1"],
+    *,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    scale: float,
+    interpret: bool = False,
+    block_k: int = 64,
+    num_splits: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 3,
+) -> tuple[Float[Array, "b 1 h d"], Float[Array, "b s kvh d"], Float[Array, "b s kvh d"]]:
+    """A decode step's cache write and attention in one kernel (the buffers are updated in place).
+
+    ``k_new`` is already rotated; a row at a negative position writes nothing and gets zeros. The
+    kernel takes q, k and v as one array of heads, which XLA builds in one fusion with whatever
+    produced them (RoPE), where three separate operands cost three. With one split (a buffer of at most
+    ``FINISH_MAX_BLOCKS`` key blocks) the kernel writes the finished output; longer buffers are split
+    over the keys and merged by log-sum-exp outside, as in :func:`decode_attention`.
+    """
+    b, _, h, d = q.shape
+    s, kvh = k_cache.shape[1], k_cache.shape[2]
+    g = h // kvh
+    rows = max(MIN_DOT, next_pow2(g))
+    bk = min(block_k, max(MIN_DOT, next_pow2(s)))
+    if s % bk:
+        raise ValueError(f"a cache of {s} slots is not a whole number of {bk}-slot key blocks")
+    num_k_blocks = s // bk
+    splits = num_splits or (
+        1 if num_k_blocks <= FINISH_MAX_BLOCKS
+        else max(1, min(cdiv(TARGET_PROGRAMS, b * kvh), cdiv(num_k_blocks, MIN_BLOCKS_PER_SPLIT)))
+    )
+    kernel = functools.partial(
+        _append_decode_kernel, kv_heads=kvh, group=g, rows=rows, capacity=s, block_k=bk, num_k_blocks=num_k_blocks,
+        num_splits=splits, window=sliding_window, scale=scale, soft_cap=soft_cap,
+    )
+    heads = jnp.concatenate([q, k_new, v_new], axis=2)[:, 0]  # [b, h + 2 kvh, d]
+    kv_spec = pl.BlockSpec((None, s, None, d), lambda b, h, i: (b, 0, h, 0))
+    if splits == 1:
+        out_specs: list[pl.BlockSpec] = [pl.BlockSpec((None, None, g, d), lambda b, h, i: (b, h, 0, 0))]
+        out_shape = [jax.ShapeDtypeStruct((b, kvh, g, d), q.dtype)]
+    else:
+        out_specs = [
+            pl.BlockSpec((None, None, None, rows, d), lambda b, h, i: (b, h, i, 0, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda b, h, i: (b, h, i, 0)),
+        ]
+        out_shape = [
+            jax.ShapeDtypeStruct((b, kvh, splits, rows, d), jnp.float32),
+            jax.ShapeDtypeStruct((b, kvh, splits, rows), jnp.float32),
+        ]
+    *outs, k_cache, v_cache = pl.pallas_call(
+        kernel,
+        grid=(b, kvh, splits),
+        in_specs=[
+            pl.BlockSpec((None, h + 2 * kvh, d), lambda b, h, i: (b, 0, 0)),
+            pl.BlockSpec((None, 1), lambda b, h, i: (b, 0)),
+            kv_spec,
+            kv_spec,
+        ],
+        out_specs=[*out_specs, kv_spec, kv_spec],
+        out_shape=[*out_shape, jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype), jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)],
+        input_output_aliases={2: len(out_shape), 3: len(out_shape) + 1},
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="zgen_append_decode",
+    )(heads, positions.astype(jnp.int32), k_cache, v_cache)
+    out = outs[0] if splits == 1 else merge_partials(outs[0], outs[1])[:, :, :g].astype(q.dtype)
+    return out.reshape(b, 1, h, d), k_cache, v_cache
 
 
 def flash_attention(
