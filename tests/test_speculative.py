@@ -22,7 +22,7 @@ from zgen.errors import ConfigError
 from zgen.model import Model, random_model
 from zgen.runtime.engine import Engine
 from zgen.runtime.sampling import SamplingFlags, SamplingParams, filter_logits
-from zgen.runtime.speculation import PROBE_AFTER, WINDOW, DraftInput, Proposal, verify
+from zgen.runtime.speculation import PROBE_AFTER, WINDOW, DraftControl, DraftInput, Proposal, draft_cost, update_control, verify
 from zgen.runtime.stop import StopCondition
 from zgen.speculative import DraftModel, PromptLookup
 
@@ -278,3 +278,36 @@ def test_the_draft_model_state_after_rejections_and_plain_steps_is_a_fresh_prefi
         fresh = start(params, jnp.asarray(history), jnp.asarray([length]))
         assert drafts(state, length)[0] == drafts(fresh, length)[0], (accepted, plain_steps)
         np.testing.assert_allclose(distributions(state, length), distributions(fresh, length), atol=1e-5, err_msg=f"{accepted, plain_steps}")
+
+
+def test_a_draft_that_costs_more_than_it_yields_falls_back() -> None:
+    """Half its drafts accepted passes the acceptance-rate rule, but a draft costing 0.9 of a target
+    step per token (an early exit after 27 of 30 layers) loses: 1.5 tokens per pass for 2.8 steps.
+    Falling back again after a successful probe doubles the wait; a window that pays starts it over."""
+
+    def run(control: DraftControl, passes: int, drafted: int, accepted: int, cost: float) -> DraftControl:
+        for _ in range(passes):
+            control = update_control(
+                control, jnp.asarray([drafted]), jnp.asarray([accepted]), jnp.asarray([True]), 4, cost
+            )
+        return control
+
+    start = DraftControl(**{name: jnp.asarray(value) for name, value in DraftControl.initial(1, 4).items()})
+    assert int(run(start, WINDOW, 2, 1, cost=0.0).length[0]) > 0  # free drafts at 50 %: keep drafting
+    fell = run(start, WINDOW, 2, 1, cost=0.9)
+    assert int(fell.length[0]) == 0 and int(fell.wait[0]) == PROBE_AFTER
+    probe = run(fell, PROBE_AFTER, 0, 0, cost=0.9)  # plain steps until the probe
+    assert int(probe.length[0]) == 1 and int(probe.wait[0]) == -1
+    resumed = run(probe, 1, 1, 1, cost=0.9)
+    assert int(resumed.length[0]) > 0
+    again = run(resumed, WINDOW, 2, 1, cost=0.9)
+    assert int(again.length[0]) == 0 and int(again.wait[0]) == 2 * PROBE_AFTER
+    paying = run(run(run(again, 2 * PROBE_AFTER, 0, 0, 0.9), 1, 1, 1, 0.9), WINDOW, 2, 2, cost=0.9)
+    assert int(paying.length[0]) > 0 and int(paying.misses[0]) == 0
+
+
+def test_draft_cost_is_the_share_of_weight_bytes(tiny_llama: Model) -> None:
+    exit_early = DraftModel.early_exit(tiny_llama, layers=1)
+    cost = draft_cost(exit_early.device_params(), tiny_llama.params)
+    assert 0.0 < cost < 1.0 and draft_cost(None, tiny_llama.params) == 0.0
+    assert draft_cost(DraftModel(tiny_llama, 4).device_params(), tiny_llama.params) == pytest.approx(1.0)

@@ -62,10 +62,13 @@ the row key folded with salts of their own. No noise decides two things: a pass 
 indices up to its first rejection, and the next pass starts after them.
 
 Adaptive length (:class:`DraftControl`): grow the draft after a fully accepted one, shrink it after a
-rejection, and fall back to plain decoding (no draft) while the acceptance rate over the last
-``WINDOW`` drafting passes is below ``FALLBACK_RATE``, probing again after ``PROBE_AFTER`` plain steps
-(twice as many after each failed probe in a row, up to ``MAX_PROBE_AFTER``: a probe costs a return
-to this loop). Every pass drafts and verifies, with no conditionals (on a GPU each would copy its
+rejection, and fall back to plain decoding (no draft) while, over the last ``WINDOW`` drafting
+passes, the acceptance rate is below ``FALLBACK_RATE`` or the passes yielded fewer tokens than they
+cost (a pass costs one target step plus, per drafted token or tree level, the draft's share of the
+target's weight bytes, :func:`draft_cost`: an early exit after 27 of 30 layers has to accept about 90 %
+of its drafts to pay). A row probes again after ``PROBE_AFTER`` plain steps, twice as many after each
+fall or failed probe in a row, up to ``MAX_PROBE_AFTER`` (a probe costs a return to this loop); a full
+window that pays resets the wait. Every pass drafts and verifies, with no conditionals (on a GPU each would copy its
 predicate to the host): a row with nothing drafted (in fallback, or prompt lookup found nothing) gets
 its plain token from the verification pass. When every row left is in fallback the loop returns: the
 engine decodes the batch in the plain decode loop until the rows probe again (:func:`fallback_steps`, :func:`after_plain_steps`), so a batch in fallback costs what plain
@@ -102,7 +105,7 @@ from zgen.runtime.step import ModelSpec, Params, forward, forward_features, read
 from zgen.runtime.tree import ancestors, commit_path, forward_tree, forward_tree_features, tree_attention_mask
 
 __all__ = [
-    "DraftControl", "DraftInput", "after_plain_steps", "fallback_steps", "FeatureObserver", "Observer", "Proposal", "SpeculativeLoop", "SpeculativeStats", "Speculator", "speculative_loop",
+    "DraftControl", "DraftInput", "after_plain_steps", "draft_cost", "fallback_steps", "FeatureObserver", "Observer", "Proposal", "SpeculativeLoop", "SpeculativeStats", "Speculator", "speculative_loop",
     "target_draws", "verify",
     "TreeSpeculator", "draft_room", "draws_at", "verify_tree",
 ]
@@ -256,7 +259,7 @@ class DraftControl:
     accepted: Int[Array, "B W"]  # ... and accepted
     slot: Int[Array, " B"]  # where the next pass is recorded
     wait: Int[Array, " B"]  # plain steps left before probing again
-    misses: Int[Array, " B"]  # failed probes in a row (each doubles the wait)
+    misses: Int[Array, " B"]  # falls and failed probes in a row (each doubles the wait)
 
     @staticmethod
     def initial(rows: int, num_tokens: int) -> dict[str, np.ndarray]:
@@ -292,13 +295,30 @@ def after_plain_steps(control: dict[str, np.ndarray], steps: int) -> dict[str, n
     }
 
 
+def draft_cost(draft_params: Any, params: Params) -> float:
+    """What one drafted token (or tree level) costs in target decode steps: the bytes of weights a
+    draft step reads over the target's (decode is bound by them); 0 for drafts without weights."""
+
+    def size(tree: Any) -> int:
+        return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree))
+
+    return size(draft_params) / max(size(params), 1)
+
+
 def update_control(
-    control: DraftControl, drafted: Int[Array, " B"], accepted: Int[Array, " B"], active: Bool[Array, " B"], max_tokens: int
+    control: DraftControl,
+    drafted: Int[Array, " B"],
+    accepted: Int[Array, " B"],
+    active: Bool[Array, " B"],
+    max_tokens: int,
+    cost: float = 0.0,
 ) -> DraftControl:
     """Grow after a fully accepted draft, shrink after a rejection; fall back to plain decoding when a
-    full window's acceptance rate is below :data:`FALLBACK_RATE`; after :data:`PROBE_AFTER` plain steps
+    full window's acceptance rate is below :data:`FALLBACK_RATE` or its passes yielded fewer tokens
+    (accepted + one each) than they cost (one step each + ``cost`` per drafted token); after the wait
     draft one token (a probe, ``wait == -1``): accepted, drafting resumes on a fresh window, else the
-    row falls back again at once, for twice as long as the last time (up to :data:`MAX_PROBE_AFTER`)."""
+    row falls back again at once. Each fall or failed probe in a row doubles the wait (from
+    :data:`PROBE_AFTER` up to :data:`MAX_PROBE_AFTER`); a full window that pays starts it over."""
     drafting = active & (drafted > 0)
     probing = drafting & (control.wait < 0)
     full = accepted >= drafted
@@ -309,13 +329,16 @@ def update_control(
     window_a = control.accepted.at[rows, write].set(accepted, mode="drop")
     slot = jnp.where(drafting & ~probing, (control.slot + 1) % WINDOW, control.slot)
     passes = jnp.sum(window_d > 0, axis=1)
-    rate = jnp.sum(window_a, axis=1) / jnp.maximum(jnp.sum(window_d, axis=1), 1)
+    total_drafted, total_accepted = jnp.sum(window_d, axis=1), jnp.sum(window_a, axis=1)
+    rate = total_accepted / jnp.maximum(total_drafted, 1)
+    losing = passes + total_accepted < passes + cost * total_drafted
+    judged = drafting & ~probing & (passes >= WINDOW)
     missed = probing & ~full
-    fall = (drafting & ~probing & (passes >= WINDOW) & (rate < FALLBACK_RATE)) | missed
+    fall = (judged & ((rate < FALLBACK_RATE) | losing)) | missed
     resume = probing & full
     plain = active & ~drafting & (control.length == 0)
-    misses = jnp.where(missed, control.misses + 1, jnp.where(fall | resume, 0, control.misses))
-    backoff = jnp.minimum(PROBE_AFTER * 2 ** jnp.minimum(misses, 16), MAX_PROBE_AFTER)
+    misses = jnp.where(fall, control.misses + 1, jnp.where(judged, 0, control.misses))
+    backoff = jnp.minimum(PROBE_AFTER * 2 ** jnp.clip(misses - 1, 0, 16), MAX_PROBE_AFTER)
     wait = jnp.where(fall, backoff, jnp.where(plain, control.wait - 1, jnp.where(resume, 0, control.wait)))
     probe = plain & (wait <= 0)
     clear = (fall | resume)[:, None]
@@ -585,6 +608,7 @@ def speculative_loop(
     """Draft, verify, accept ... on the device until every row is done (see the module docstring);
     ``grammar``: the host side of the constrained rows."""
     k = speculator.num_tokens
+    cost = draft_cost(draft_params, params)
 
     def cond(carry: tuple[SpeculativeLoop, KVState, Any]) -> Array:
         s = carry[0]
@@ -709,7 +733,7 @@ def speculative_loop(
             drafted=s.drafted + jnp.where(active, count, 0),
             accepted=s.accepted + jnp.where(active, jnp.minimum(accepted, keep), 0),
             verified=s.verified + (active & (count > 0)).astype(jnp.int32),
-            control=update_control(s.control, count, accepted, active, k) if speculator.adaptive else s.control,
+            control=update_control(s.control, count, accepted, active, k, cost) if speculator.adaptive else s.control,
             step=s.step + 1,
         )
         return s, kv, state
