@@ -41,7 +41,7 @@ from zgen.cache.tensor import causal_attention
 from zgen.evaluation import perplexity
 from zgen.graph.core import ForwardContext
 from zgen.graph.decoder import LOGIT_ROWS, POSITIONS, TOKENS
-from zgen.graph.nodes import rotary
+from zgen.rope import rotary
 from zgen.model import Model
 from zgen.pallas.paged_attention.layouts import Q3_LEVELS, KeyCalibration, hadamard
 from zgen.runtime import ForwardRequest

@@ -30,3 +30,8 @@ def apply_rope(x: Float[Array, "*lead d"], positions: Int[Array, "*lead"], inv_f
     cos, sin = rope_cos_sin(positions, inv_freq)
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate(rotate_halves(x1, x2, cos, sin), axis=-1).astype(x.dtype)
+
+
+def rotary(x: Float[Array, "B T heads D"], positions: Int[Array, "B T"], inv_freq: Float[Array, " half"]) -> Float[Array, "B T heads D"]:
+    """Rotate-half RoPE of every head at its token's position (the paged kernels' rotation, too)."""
+    return apply_rope(x, positions[:, :, None], inv_freq)

@@ -31,7 +31,7 @@ from zgen.cache.tensor import DenseKVState, causal_attention
 from zgen.config import ModelConfig
 from zgen.errors import CacheError, ConfigError, PoolExhaustedError
 from zgen.graph.decoder import build_decoder
-from zgen.graph.nodes import rotary
+from zgen.rope import rotary
 from zgen.model import random_model
 from zgen.pallas.paged_attention.layouts import KeyCalibration, hadamard
 from zgen.runtime.calibration import calibrate_keys
@@ -226,7 +226,7 @@ INV_FREQ = jnp.asarray(10_000.0 ** (-np.arange(0, D, 2) / D), jnp.float32)
 
 @jax.jit
 def _write_and_attend(state: PagedKVState, q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array) -> tuple[jax.Array, PagedKVState]:
-    """What an Attention node does through the step's cache context: q rotated, k not."""
+    """What an Attention node does through the step's cache context (q and k not rotated yet)."""
     ctx = _CacheContext(state, None)
     out = ctx.write_and_attend(0, q, k, v, pos, INV_FREQ)
     return out, ctx.state
@@ -237,9 +237,9 @@ def _context_step(state: PagedKVState, start: int, n: int, seed: int) -> tuple[j
     the keys (before RoPE) and the positions that were given."""
     pos = jnp.broadcast_to(jnp.arange(start, start + n, dtype=jnp.int32), (B, n))
     k, v = _rand(seed, B, n, KVH, D), _rand(seed + 1, B, n, KVH, D)
-    q = rotary(_rand(seed + 2, B, n, H, D), pos, INV_FREQ)
+    q = _rand(seed + 2, B, n, H, D)
     out, state = _write_and_attend(state, q, k, v, pos)
-    return out, state, q, k, pos
+    return out, state, rotary(q, pos, INV_FREQ), k, pos
 
 
 @pytest.mark.parametrize("kv_dtype", ["q4", "q3"])

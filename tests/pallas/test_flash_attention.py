@@ -288,6 +288,7 @@ def append_cases(draw: st.DrawFn) -> tuple[tuple[jax.Array, ...], dict[str, Any]
     options = dict(
         sliding_window=draw(st.sampled_from([None, 5])), soft_cap=draw(st.sampled_from([None, 5.0])),
         num_splits=draw(st.sampled_from([None, 2])),
+        inv_freq=draw(st.sampled_from([None, 10_000.0 ** (-np.arange(0, head_dim, 2) / head_dim)])),
     )
     rng = np.random.default_rng(draw(st.integers(0, 2**16)))
     heads = kv_heads * group
@@ -304,18 +305,24 @@ def append_cases(draw: st.DrawFn) -> tuple[tuple[jax.Array, ...], dict[str, Any]
 
 
 def test_append_decode_matches_write_then_attend() -> None:
-    """The one-kernel decode step (interpreted) stores exactly what a write stores and attends as the
-    reference does over the written cache, split or finished in the kernel, rows at -1 left alone."""
+    """The one-kernel decode step (interpreted) stores what RoPE and a write store (to the last bit
+    without rotation, within one rounding with it) and attends as the reference does over the written
+    cache, split or finished in the kernel, rows at -1 left alone."""
 
     @settings(max_examples=12, deadline=None, derandomize=True)
     @given(append_cases())
     def check(case: tuple[tuple[jax.Array, ...], dict[str, Any], str]) -> None:
         arrays, options, dtype = case
-        window, cap = options["sliding_window"], options["soft_cap"]
-        expected = append_and_attend(*arrays, sliding_window=window, soft_cap=cap, implementation="reference")
-        kernel = functools.partial(triton.append_decode_attention, scale=arrays[0].shape[-1] ** -0.5, interpret=True, block_k=16, **options)
+        window, cap, inv_freq = options["sliding_window"], options["soft_cap"], options["inv_freq"]
+        inv_freq = None if inv_freq is None else jnp.asarray(inv_freq, jnp.float32)
+        expected = append_and_attend(*arrays, inv_freq=inv_freq, sliding_window=window, soft_cap=cap, implementation="reference")
+        kernel = functools.partial(
+            triton.append_decode_attention, scale=arrays[0].shape[-1] ** -0.5, interpret=True, block_k=16,
+            **{**options, "inv_freq": inv_freq},
+        )
         out, k, v = jax.jit(kernel)(*arrays)
-        np.testing.assert_array_equal(np.asarray(k, np.float32), np.asarray(expected[1], np.float32))
+        rounding = 0 if inv_freq is None else 2 ** -7 if dtype == "bf16" else 1e-6
+        np.testing.assert_allclose(np.asarray(k, np.float32), np.asarray(expected[1], np.float32), rtol=rounding, atol=rounding)
         np.testing.assert_array_equal(np.asarray(v, np.float32), np.asarray(expected[2], np.float32))
         assert_close(out, expected[0], dtype)
         padding = np.asarray(arrays[5][:, 0]) < 0

@@ -73,8 +73,8 @@ class KVState(Protocol):
 
 @runtime_checkable
 class WriteAndAttendKVState(KVState, Protocol):
-    """A state that can store a step's K/V and attend over them in one go (e.g. one kernel for a
-    decode step): the forward pass uses this instead of ``write`` then ``attend`` when a state has it."""
+    """A state that can rotate, store and attend over a step's tokens in one go (e.g. one kernel for a
+    decode step): the forward pass uses this instead of RoPE, ``write`` and ``attend`` when a state has it."""
 
     def write_and_attend(
         self,
@@ -84,9 +84,11 @@ class WriteAndAttendKVState(KVState, Protocol):
         v: Float[Array, "B T KVH D"],
         positions: Int[Array, "B T"],
         *,
+        inv_freq: Float[Array, " half"],
         sliding_window: int | None,
     ) -> tuple[Float[Array, "B T H D"], Self]:
-        """``attend`` after ``write``: the attention output and the new state."""
+        """``attend`` after ``write``, given ``q`` and ``k`` before RoPE (rotate-half with ``inv_freq``
+        at ``positions``): the attention output and the new state."""
         ...
 
 

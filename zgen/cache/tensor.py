@@ -27,6 +27,7 @@ from zgen.numerics import matmul_precision
 from zgen.pallas import append_and_attend, flash_attention
 from zgen.pallas.common import platform
 from zgen.pallas.triton_utils import MIN_DOT
+from zgen.rope import rotary
 from zgen.pallas.paged_attention.layouts import BIT_CONTAINERS
 
 # How DenseKVState.attend computes attention: "einsum" is causal_attention; "reference", "xla" and
@@ -181,10 +182,12 @@ class DenseKVState:
         v: Float[Array, "B T KVH D"],
         positions: Int[Array, "B T"],
         *,
+        inv_freq: Float[Array, " half"],
         sliding_window: int | None,
     ) -> tuple[Float[Array, "B T H D"], Self]:
-        """:meth:`write` then :meth:`attend`; a decode step on the flash kernels is one kernel that
-        updates the buffers in place (five launches fewer per layer, which bound small models' steps)."""
+        """RoPE on ``q`` and ``k``, :meth:`write`, then :meth:`attend`; a decode step on the flash
+        kernels is one kernel that also updates the buffers in place (six launches fewer per layer,
+        which bound small models' steps)."""
         one_kernel = (
             dense_attention_path(self.attention, q.shape[1]) == "triton"
             and q.shape[1] == 1
@@ -192,10 +195,12 @@ class DenseKVState:
             and jnp.issubdtype(self.k[layer].dtype, jnp.floating)
         )
         if not one_kernel:
+            q, k = rotary(q, positions, inv_freq), rotary(k, positions, inv_freq)
             state = self.write(layer, k, v, positions)
             return state.attend(layer, q, positions, sliding_window=sliding_window), state
         out, new_k, new_v = append_and_attend(
-            q, k, v, self.k[layer], self.v[layer], positions, sliding_window=sliding_window, implementation="triton"
+            q, k, v, self.k[layer], self.v[layer], positions, inv_freq=inv_freq, sliding_window=sliding_window,
+            implementation="triton",
         )
         return out, replace(self, k=replace_layer(self.k, layer, new_k), v=replace_layer(self.v, layer, new_v))
 

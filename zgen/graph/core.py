@@ -53,9 +53,9 @@ class ForwardContext(ABC):
     ) -> Float[Array, "B T H D"]:
         """Store the new K/V of ``layer`` and attend to the cache with ``q``.
 
-        ``q`` is already rotated (RoPE); ``k`` is not. The cache rotates keys with ``inv_freq``
-        (rotate-half) when it stores them, or, for storage formats that quantize keys before RoPE,
-        after it reads them back.
+        Neither ``q`` nor ``k`` is rotated yet: the context applies RoPE with ``inv_freq``
+        (rotate-half) to both, to keys when it stores them or, for storage formats that quantize keys
+        before RoPE, after it reads them back.
         """
 
 

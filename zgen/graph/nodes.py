@@ -13,7 +13,6 @@ from jaxtyping import Array, Float, Int
 from zgen.graph.core import ForwardContext, Node, TensorType, act, i32, param
 from zgen.numerics import matmul_precision
 from zgen.quantized_weights import QuantizedWeight, quantized_linear
-from zgen.rope import apply_rope
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -37,11 +36,6 @@ Project = Callable[[str, jax.Array], jax.Array]
 
 def plain_projection(params: Mapping[str, jax.Array], prefix: str) -> Project:
     return lambda name, x: linear(x, param(params, prefix, name))
-
-
-def rotary(x: Float[Array, "B T heads D"], positions: Int[Array, "B T"], inv_freq: Float[Array, " half"]) -> Float[Array, "B T heads D"]:
-    """Rotate-half RoPE of every head at its token's position (the paged kernels' rotation, too)."""
-    return apply_rope(x, positions[:, :, None], inv_freq)
 
 
 @dataclass
@@ -157,19 +151,25 @@ class Attention(Node):
         if self.bias:
             qkv = qkv + param(params, self.prefix, "qkv_bias")
         q_size = self.num_heads * self.head_dim
-        qs, ks = q_size // self.shards, self.num_kv_heads * self.head_dim // self.shards  # per shard
-        per_shard = qs + 2 * ks  # (named, not -1: a feed of zero tokens is a valid shape)
-        qkv = qkv.reshape(batch, seq, self.shards, per_shard)  # one shard's heads are contiguous: no data moves between devices
-        q = qkv[..., :qs].reshape(batch, seq, self.num_heads, self.head_dim)
-        k = qkv[..., qs : qs + ks].reshape(batch, seq, self.num_kv_heads, self.head_dim)
-        v = qkv[..., qs + ks :].reshape(batch, seq, self.num_kv_heads, self.head_dim)
+        if self.shards == 1:
+            # Slices of one array of heads, so that a consumer taking them together again (the fused
+            # decode kernel) gets the projection's output itself, not a copy.
+            heads = qkv.reshape(batch, seq, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+            kv_start = self.num_heads + self.num_kv_heads
+            q, k, v = heads[:, :, : self.num_heads], heads[:, :, self.num_heads : kv_start], heads[:, :, kv_start:]
+        else:
+            qs, ks = q_size // self.shards, self.num_kv_heads * self.head_dim // self.shards  # per shard
+            per_shard = qs + 2 * ks  # (named, not -1: a feed of zero tokens is a valid shape)
+            qkv = qkv.reshape(batch, seq, self.shards, per_shard)  # one shard's heads are contiguous: no data moves between devices
+            q = qkv[..., :qs].reshape(batch, seq, self.num_heads, self.head_dim)
+            k = qkv[..., qs : qs + ks].reshape(batch, seq, self.num_kv_heads, self.head_dim)
+            v = qkv[..., qs + ks :].reshape(batch, seq, self.num_kv_heads, self.head_dim)
         if self.qk_norm_eps is not None:
             q = rms_norm(q, param(params, self.prefix, "q_norm"), self.qk_norm_eps)
             k = rms_norm(k, param(params, self.prefix, "k_norm"), self.qk_norm_eps)
         inv_freq = jnp.asarray(np.asarray(self.inv_freq, dtype=np.float32))
-        q = rotary(q, positions, inv_freq)
-        # k goes to the cache un-rotated: the cache applies RoPE before storing it, or (for formats
-        # that quantize keys before RoPE) after reading it back.
+        # q and k go to the cache un-rotated: it applies RoPE (in a fused decode kernel, in registers),
+        # and formats that quantize keys before RoPE rotate them after reading them back.
         out = ctx.write_and_attend(self.layer, q, k, v, positions, inv_freq)
         return project("o", out.reshape(batch, seq, q_size))
 

@@ -47,6 +47,7 @@ class _KeyStatistics(ForwardContext):
     ) -> Float[Array, "B T H D"]:
         b, t, heads, d = q.shape
         kv_heads = k.shape[2]
+        q = apply_rope(q, positions[:, :, None], inv_freq)
         first = (positions == 0)[:, :, None, None]
         k32 = k.astype(jnp.float32)
         q_energy = jnp.sum(jnp.square(q.astype(jnp.float32)).reshape(b, t, kv_heads, heads // kv_heads, d), axis=(0, 1, 3))

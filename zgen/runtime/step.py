@@ -35,10 +35,10 @@ from zgen.cache.base import KVState, WriteAndAttendKVState
 from zgen.cache.sharded import attend_per_shard, write_and_attend_per_shard
 from zgen.graph.core import ForwardContext, Graph
 from zgen.graph.decoder import LOGIT_ROWS, POSITIONS, TOKENS, feature_graph
-from zgen.graph.nodes import rotary
 from zgen.lora.graph import ADAPTER_SLOTS
 from zgen.runtime.grammar import GrammarLoop, allowed_tokens
 from zgen.runtime.sampling import PenaltyState, SamplingFlags, SamplingParams, filter_logits, sample, update_penalty_state
+from zgen.rope import rotary
 from zgen.shapes import next_pow2
 
 Params = Mapping[str, jax.Array]
@@ -50,7 +50,7 @@ class _CacheContext(ForwardContext, Generic[S]):
     (a model split by heads) each layer's write and attention run per device (:mod:`zgen.cache.sharded`)."""
 
     def __init__(self, state: S, sliding_window: int | None, mesh: Mesh | None = None) -> None:
-        self.state = state
+        self.state: S = state
         self.sliding_window = sliding_window
         self.mesh = mesh
 
@@ -63,12 +63,15 @@ class _CacheContext(ForwardContext, Generic[S]):
         positions: Int[Array, "B T"],
         inv_freq: Float[Array, " half"],
     ) -> Float[Array, "B T H D"]:
-        k = rotary(k, positions, inv_freq)
-        if self.mesh is not None:
-            out, self.state = write_and_attend_per_shard(self.state, self.mesh, layer, q, k, v, positions, sliding_window=self.sliding_window)
+        if self.mesh is None and isinstance(self.state, WriteAndAttendKVState):
+            out, state = self.state.write_and_attend(
+                layer, q, k, v, positions, inv_freq=inv_freq, sliding_window=self.sliding_window
+            )
+            self.state = cast(S, state)
             return out
-        if isinstance(self.state, WriteAndAttendKVState):
-            out, state = self.state.write_and_attend(layer, q, k, v, positions, sliding_window=self.sliding_window)
+        q, k = rotary(q, positions, inv_freq), rotary(k, positions, inv_freq)
+        if self.mesh is not None:
+            out, state = write_and_attend_per_shard(self.state, self.mesh, layer, q, k, v, positions, sliding_window=self.sliding_window)
             self.state = cast(S, state)
             return out
         self.state = cast(S, self.state.write(layer, k, v, positions))
@@ -247,6 +250,7 @@ class _ReadingContext(_CacheContext[S]):
         positions: Int[Array, "B T"],
         inv_freq: Float[Array, " half"],
     ) -> Float[Array, "B T H D"]:
+        q = rotary(q, positions, inv_freq)
         if self.mesh is not None:
             return attend_per_shard(self.state, self.mesh, layer, q, positions, sliding_window=self.sliding_window)
         return self.state.attend(layer, q, positions, sliding_window=self.sliding_window)

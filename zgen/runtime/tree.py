@@ -45,7 +45,7 @@ from zgen.cache.paged_state import MaskedPagedState, PagedKVState
 from zgen.cache.tensor import masked_attention
 from zgen.graph.core import ForwardContext, Graph
 from zgen.graph.decoder import LOGIT_ROWS, POSITIONS, TOKENS, feature_graph
-from zgen.graph.nodes import rotary
+from zgen.rope import rotary
 from zgen.runtime.step import ModelSpec, Params, S
 
 __all__ = ["TreeForward", "ancestors", "attend_visible", "commit_path", "forward_tree", "forward_tree_features", "run_tree_graph", "tree_attention_mask"]
@@ -132,7 +132,7 @@ class _TreeContext(ForwardContext):
         self.keys.append(rotated)
         self.values.append(v)
         self.state = self.state.write(layer, rotated, v, self.slots)
-        return attend_visible(self.state, layer, q, positions, self.visible)
+        return attend_visible(self.state, layer, rotary(q, positions, inv_freq), positions, self.visible)
 
 
 @jax.tree_util.register_dataclass

@@ -9,6 +9,7 @@ from jaxtyping import Array, Float, Int
 
 from zgen.errors import ConfigError
 from zgen.pallas.common import Implementation, check_implementation, hopper, interpret_pallas, platform, resolve_scale
+from zgen.rope import apply_rope
 
 
 def _backend(implementation: Implementation) -> Callable[..., Any]:
@@ -113,17 +114,19 @@ def append_and_attend(
     v_cache: Float[Array, "b s kvh d"],
     positions: Int[Array, "b 1"],
     *,
+    inv_freq: Float[Array, " half"] | None = None,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     scale: float | None = None,
     implementation: str | None = None,
 ) -> tuple[Float[Array, "b 1 h d"], Float[Array, "b s kvh d"], Float[Array, "b s kvh d"]]:
-    """One decode step over a contiguous cache: store each row's new key/value in slot ``positions``
-    (a negative position stores nothing) and attend causally over slots ``0..position``.
+    """One decode step over a contiguous cache: rotate ``q`` and ``k_new`` (rotate-half RoPE with
+    ``inv_freq`` at each row's position; no rotation without it), store each row's key/value in slot
+    ``positions`` (a negative position stores nothing) and attend causally over slots ``0..position``.
 
     Returns the attention output and the updated buffers. On the GPU (``implementation`` None or
-    "triton") one Triton kernel does both, updating the buffers in place, where a write then
-    :func:`flash_attention` costs five more launches per layer; "reference" is exactly that pair.
+    "triton") one Triton kernel does it all, updating the buffers in place, where RoPE, a write and
+    :func:`flash_attention` cost six more launches per layer; "reference" is exactly those steps.
     """
     b, t, h, d = q.shape
     if t != 1 or k_new.shape != (b, 1, k_cache.shape[2], d) or v_new.shape != k_new.shape or k_cache.shape != v_cache.shape:
@@ -133,9 +136,11 @@ def append_and_attend(
         from zgen.pallas.flash_attention import triton
 
         return triton.append_decode_attention(
-            q, k_new, v_new, k_cache, v_cache, positions, sliding_window=sliding_window, soft_cap=soft_cap,
-            scale=resolve_scale(d, scale), interpret=interpret_pallas(),
+            q, k_new, v_new, k_cache, v_cache, positions, inv_freq=inv_freq, sliding_window=sliding_window,
+            soft_cap=soft_cap, scale=resolve_scale(d, scale), interpret=interpret_pallas(),
         )
+    if inv_freq is not None:
+        q, k_new = (apply_rope(x, positions[:, :, None], inv_freq) for x in (q, k_new))
     slots = jnp.where(positions >= 0, positions, k_cache.shape[1])  # -1 → past the end: dropped
     rows = jnp.arange(b)[:, None]
     k_cache = k_cache.at[rows, slots].set(k_new.astype(k_cache.dtype), mode="drop")

@@ -36,6 +36,7 @@ from zgen.pallas.common import (
     visible,
 )
 from zgen.pallas.triton_utils import MIN_DOT, dot_nn, dot_nt
+from zgen.rope import rope_cos_sin
 from zgen.shapes import cdiv, next_pow2
 
 # Query rows per kv head up to which the decode kernel runs: beyond, the prefill grid has enough programs.
@@ -236,6 +237,27 @@ def prefill_attention(
     return out[:, :t]
 
 
+def _decode_splits(batch: int, kv_heads: int, num_k_blocks: int) -> int:
+    """Key splits of a decode kernel: enough programs to fill the GPU, each at least a few key blocks."""
+    return max(1, min(cdiv(TARGET_PROGRAMS, batch * kv_heads), cdiv(num_k_blocks, MIN_BLOCKS_PER_SPLIT)))
+
+
+def _split_specs(rows: int, d: int) -> list[pl.BlockSpec]:
+    """Blocks of a split-K decode kernel's partial outputs (grid ``(batch, kv_head, split)``)."""
+    return [
+        pl.BlockSpec((None, None, None, rows, d), lambda b, h, s: (b, h, s, 0, 0)),
+        pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)),
+    ]
+
+
+def _split_shapes(b: int, kvh: int, splits: int, rows: int, d: int) -> list[jax.ShapeDtypeStruct]:
+    """Each split's f32 output over its own keys and their log-sum-exp, merged outside (``merge_partials``)."""
+    return [
+        jax.ShapeDtypeStruct((b, kvh, splits, rows, d), jnp.float32),
+        jax.ShapeDtypeStruct((b, kvh, splits, rows), jnp.float32),
+    ]
+
+
 def decode_attention(
     q: Float[Array, "b t h d"],
     k: Float[Array, "b s kvh d"],
@@ -262,7 +284,7 @@ def decode_attention(
     bk = min(block_k, max(MIN_DOT, next_pow2(s)))
     k, v = _pad_keys(k, v, bk)
     num_k_blocks = k.shape[1] // bk
-    splits = num_splits or max(1, min(cdiv(TARGET_PROGRAMS, b * kvh), cdiv(num_k_blocks, MIN_BLOCKS_PER_SPLIT)))
+    splits = num_splits or _decode_splits(b, kvh, num_k_blocks)
     # All queries of a sequence in one tile per kv head: row t * G + i is query head j * G + i at query t.
     tiles, tile_positions = query_blocks(q, q_positions, kvh, t, rows)
     grouped, positions = tiles[:, :, 0], tile_positions[:, 0]
@@ -287,14 +309,8 @@ def decode_attention(
             pl.BlockSpec((None, rows), lambda b, h, s: (b, 0)),
             pl.BlockSpec((None, 1), lambda b, h, s: (b, 0)),
         ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, rows, d), lambda b, h, s: (b, h, s, 0, 0)),
-            pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((b, kvh, splits, rows, d), jnp.float32),
-            jax.ShapeDtypeStruct((b, kvh, splits, rows), jnp.float32),
-        ],
+        out_specs=_split_specs(rows, d),
+        out_shape=_split_shapes(b, kvh, splits, rows, d),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="zgen_flash_decode",
@@ -304,6 +320,7 @@ def decode_attention(
 
 def _append_decode_kernel(
     heads_ref: jax.Ref,
+    rope_ref: jax.Ref,
     pos_ref: jax.Ref,
     k_ref: jax.Ref,
     v_ref: jax.Ref,
@@ -321,10 +338,11 @@ def _append_decode_kernel(
 ) -> None:
     """One query token per row: store its key/value in slot ``pos`` and attend over slots ``0..pos``.
 
-    ``heads_ref`` holds the row's query heads, then its new keys, then its new values. The stored slots
-    ``< pos`` come from the buffer and the token's own key from registers, so no program waits for the
-    write: split 0 stores the slot after its loop (another split may load that slot meanwhile, old or
-    new, and masks it either way)."""
+    ``heads_ref`` holds the row's query heads, then its new keys, then its new values, before RoPE;
+    ``rope_ref`` the rotation at ``pos`` as full-width cosines and signed sines (rotate-half: lane ``i``
+    pairs with lane ``i + D/2``). The stored slots ``< pos`` come from the buffer and the token's own
+    key from registers, so no program waits for the write: split 0 stores the slot after its loop
+    (another split may load that slot meanwhile, old or new, and masks it either way)."""
     o_ref, k_out_ref, v_out_ref = out_refs[0], out_refs[-2], out_refs[-1]
     kv_head, split = pl.program_id(1), pl.program_id(2)
     num_heads = kv_heads * group
@@ -332,12 +350,24 @@ def _append_decode_kernel(
     real = pos >= 0
     row = jnp.arange(rows)
     in_group = row < group
-    lanes = jnp.arange(heads_ref.shape[-1])[None, :]
+    d = heads_ref.shape[-1]
+    lanes = jnp.arange(d)[None, :]
+    cos, sin = rope_ref[0, :][None, :], rope_ref[1, :][None, :]
+
+    def rotated(head_rows: Array, mask: Array | None = None) -> Array:
+        """Heads (rows of ``heads_ref``) after RoPE, in f32 like :func:`zgen.rope.apply_rope`, then
+        rounded to their dtype; the partner lanes come from a second, permuted load."""
+        masked = {} if mask is None else {"mask": mask, "other": 0.0}
+        x = pltriton.load(heads_ref.at[head_rows[:, None], lanes], **masked).astype(jnp.float32)
+        partner = pltriton.load(heads_ref.at[head_rows[:, None], (lanes + d // 2) % d], **masked)
+        return (x * cos + partner.astype(jnp.float32) * sin).astype(heads_ref.dtype)
+
     # The head group (any size) read as a power-of-two tile for the tensor cores; padding rows are 0.
-    q = pltriton.load(heads_ref.at[(kv_head * group + row)[:, None], lanes], mask=in_group[:, None], other=0.0)
+    q = rotated(kv_head * group + row, in_group[:, None])
     # The token's own key and value as the cache will hold them (what the other keys are read as).
-    k_new = heads_ref[num_heads + kv_head, :].astype(k_ref.dtype)
-    v_new = heads_ref[num_heads + kv_heads + kv_head, :].astype(v_ref.dtype)
+    own_row = jnp.full((1,), num_heads + kv_head, jnp.int32)
+    k_new = rotated(own_row).astype(k_ref.dtype)  # [1, d]
+    v_new = pltriton.load(heads_ref.at[(own_row + kv_heads)[:, None], lanes]).astype(v_ref.dtype)
     q_pos = jnp.where(in_group, pos, -1)
     lo, hi = key_block_range(pos, pos, pos, block_k=block_k, num_k_blocks=num_k_blocks, causal=True, window=window)
     per_split = (hi - lo + num_splits - 1) // num_splits
@@ -347,13 +377,13 @@ def _append_decode_kernel(
         block_k=block_k, masked=True, causal=True, window=window, scale=scale, soft_cap=soft_cap,
     )
     # Split 0 starts from the token's own key (always visible to itself), the others from nothing.
-    own = apply_soft_cap(jnp.sum(q.astype(jnp.float32) * k_new.astype(jnp.float32)[None, :], axis=-1) * scale, soft_cap)
+    own = apply_soft_cap(jnp.sum(q.astype(jnp.float32) * k_new.astype(jnp.float32), axis=-1) * scale, soft_cap)
     first = (split == 0) & real & in_group
     m0, l0, acc0 = _init_carry(q)
     carry = (
         jnp.where(first, own, m0),
         jnp.where(first, 1.0, l0),
-        jnp.where(first[:, None], jnp.broadcast_to(v_new.astype(jnp.float32)[None, :], acc0.shape), acc0),
+        jnp.where(first[:, None], jnp.broadcast_to(v_new.astype(jnp.float32), acc0.shape), acc0),
     )
     m, l, acc = jax.lax.fori_loop(start, jnp.minimum(start + per_split, hi), step, carry)
     out, lse = finish_softmax(acc, m, l)
@@ -365,8 +395,8 @@ def _append_decode_kernel(
 
     @pl.when((split == 0) & real & (pos < capacity))
     def _store() -> None:
-        k_out_ref[pl.ds(pos, 1), :] = k_new[None, :]
-        v_out_ref[pl.ds(pos, 1), :] = v_new[None, :]
+        k_out_ref[pl.ds(pos, 1), :] = k_new
+        v_out_ref[pl.ds(pos, 1), :] = v_new
 
 
 def append_decode_attention(
@@ -377,6 +407,7 @@ def append_decode_attention(
     v_cache: Float[Array, "b s kvh d"],
     positions: Int[Array, "b 1"],
     *,
+    inv_freq: Float[Array, " half"] | None = None,
     sliding_window: int | None,
     soft_cap: float | None,
     scale: float,
@@ -386,13 +417,14 @@ def append_decode_attention(
     num_warps: int = 4,
     num_stages: int = 3,
 ) -> tuple[Float[Array, "b 1 h d"], Float[Array, "b s kvh d"], Float[Array, "b s kvh d"]]:
-    """A decode step's cache write and attention in one kernel (the buffers are updated in place).
+    """A decode step's RoPE, cache write and attention in one kernel (the buffers are updated in place).
 
-    ``k_new`` is already rotated; a row at a negative position writes nothing and gets zeros. The
-    kernel takes q, k and v as one array of heads, which XLA builds in one fusion with whatever
-    produced them (RoPE), where three separate operands cost three. With one split (a buffer of at most
-    ``FINISH_MAX_BLOCKS`` key blocks) the kernel writes the finished output; longer buffers are split
-    over the keys and merged by log-sum-exp outside, as in :func:`decode_attention`.
+    ``q`` and ``k_new`` come before RoPE (rotate-half with ``inv_freq`` at each row's position; none
+    without it); a row at a negative position writes nothing and gets zeros. The kernel takes q, k and
+    v as one array of heads: the projection's output as it is, where separate (or rotated) operands
+    would each cost a copy. With one split (a buffer of at most ``FINISH_MAX_BLOCKS`` key blocks) the
+    kernel writes the finished output; longer buffers are split over the keys and merged by log-sum-exp
+    outside, as in :func:`decode_attention`.
     """
     b, _, h, d = q.shape
     s, kvh = k_cache.shape[1], k_cache.shape[2]
@@ -402,44 +434,40 @@ def append_decode_attention(
     if s % bk:
         raise ValueError(f"a cache of {s} slots is not a whole number of {bk}-slot key blocks")
     num_k_blocks = s // bk
-    splits = num_splits or (
-        1 if num_k_blocks <= FINISH_MAX_BLOCKS
-        else max(1, min(cdiv(TARGET_PROGRAMS, b * kvh), cdiv(num_k_blocks, MIN_BLOCKS_PER_SPLIT)))
-    )
+    splits = num_splits or (1 if num_k_blocks <= FINISH_MAX_BLOCKS else _decode_splits(b, kvh, num_k_blocks))
     kernel = functools.partial(
         _append_decode_kernel, kv_heads=kvh, group=g, rows=rows, capacity=s, block_k=bk, num_k_blocks=num_k_blocks,
         num_splits=splits, window=sliding_window, scale=scale, soft_cap=soft_cap,
     )
     heads = jnp.concatenate([q, k_new, v_new], axis=2)[:, 0]  # [b, h + 2 kvh, d]
+    if inv_freq is None:
+        cos, sin = jnp.ones((b, d // 2), jnp.float32), jnp.zeros((b, d // 2), jnp.float32)
+    else:
+        cos, sin = rope_cos_sin(positions[:, 0], inv_freq)
+    rope = jnp.stack([jnp.concatenate([cos, cos], -1), jnp.concatenate([-sin, sin], -1)], axis=1)  # [b, 2, d]
     kv_spec = pl.BlockSpec((None, s, None, d), lambda b, h, i: (b, 0, h, 0))
     if splits == 1:
         out_specs: list[pl.BlockSpec] = [pl.BlockSpec((None, None, g, d), lambda b, h, i: (b, h, 0, 0))]
         out_shape = [jax.ShapeDtypeStruct((b, kvh, g, d), q.dtype)]
     else:
-        out_specs = [
-            pl.BlockSpec((None, None, None, rows, d), lambda b, h, i: (b, h, i, 0, 0)),
-            pl.BlockSpec((None, None, None, rows), lambda b, h, i: (b, h, i, 0)),
-        ]
-        out_shape = [
-            jax.ShapeDtypeStruct((b, kvh, splits, rows, d), jnp.float32),
-            jax.ShapeDtypeStruct((b, kvh, splits, rows), jnp.float32),
-        ]
+        out_specs, out_shape = _split_specs(rows, d), _split_shapes(b, kvh, splits, rows, d)
     *outs, k_cache, v_cache = pl.pallas_call(
         kernel,
         grid=(b, kvh, splits),
         in_specs=[
             pl.BlockSpec((None, h + 2 * kvh, d), lambda b, h, i: (b, 0, 0)),
+            pl.BlockSpec((None, 2, d), lambda b, h, i: (b, 0, 0)),
             pl.BlockSpec((None, 1), lambda b, h, i: (b, 0)),
             kv_spec,
             kv_spec,
         ],
         out_specs=[*out_specs, kv_spec, kv_spec],
         out_shape=[*out_shape, jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype), jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)],
-        input_output_aliases={2: len(out_shape), 3: len(out_shape) + 1},
+        input_output_aliases={3: len(out_shape), 4: len(out_shape) + 1},
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="zgen_append_decode",
-    )(heads, positions.astype(jnp.int32), k_cache, v_cache)
+    )(heads, rope, positions.astype(jnp.int32), k_cache, v_cache)
     out = outs[0] if splits == 1 else merge_partials(outs[0], outs[1])[:, :, :g].astype(q.dtype)
     return out.reshape(b, 1, h, d), k_cache, v_cache
 
