@@ -329,3 +329,17 @@ def test_append_decode_matches_write_then_attend() -> None:
         assert not np.any(np.asarray(out, np.float32)[padding])
 
     check()
+
+
+def test_append_decode_takes_any_multiple_of_16_slots() -> None:
+    """Key blocks are the largest power of two dividing the buffer (48 slots: 16), which it updates in
+    place; a buffer no 16-slot block divides is refused."""
+    rng = np.random.default_rng(3)
+    q, kv = jnp.asarray(rng.standard_normal((1, 1, 4, 32)), jnp.float32), jnp.asarray(rng.standard_normal((1, 1, 2, 32)), jnp.float32)
+    cache = jnp.asarray(rng.standard_normal((1, 48, 2, 32)), jnp.float32)
+    positions = jnp.asarray([[40]], jnp.int32)
+    expected = append_and_attend(q, kv, kv, cache, cache, positions, implementation="reference")
+    got = triton.append_decode_attention(q, kv, kv, cache, cache, positions, sliding_window=None, soft_cap=None, scale=32**-0.5, interpret=True)
+    assert_close(got[0], expected[0], "f32")
+    with pytest.raises(ValueError, match="16-slot"):
+        triton.append_decode_attention(q, kv, kv, cache[:, :40], cache[:, :40], positions, sliding_window=None, soft_cap=None, scale=0.1, interpret=True)

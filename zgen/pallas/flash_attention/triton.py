@@ -430,9 +430,9 @@ def append_decode_attention(
     s, kvh = k_cache.shape[1], k_cache.shape[2]
     g = h // kvh
     rows = max(MIN_DOT, next_pow2(g))
-    bk = min(block_k, max(MIN_DOT, next_pow2(s)))
-    if s % bk:
-        raise ValueError(f"a cache of {s} slots is not a whole number of {bk}-slot key blocks")
+    bk = min(block_k, s & -s)  # the largest power of two that divides the buffer (the kernel writes it in place: no padding)
+    if bk < MIN_DOT:
+        raise ValueError(f"a cache of {s} slots is not a whole number of {MIN_DOT}-slot key blocks")
     num_k_blocks = s // bk
     splits = num_splits or (1 if num_k_blocks <= FINISH_MAX_BLOCKS else _decode_splits(b, kvh, num_k_blocks))
     kernel = functools.partial(
