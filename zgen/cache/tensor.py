@@ -26,9 +26,9 @@ from zgen.cache.base import LayerKV, replace_layer
 from zgen.numerics import matmul_precision
 from zgen.pallas import append_and_attend, flash_attention
 from zgen.pallas.common import platform
+from zgen.pallas.paged_attention.layouts import BIT_CONTAINERS
 from zgen.pallas.triton_utils import MIN_DOT
 from zgen.rope import rotary
-from zgen.pallas.paged_attention.layouts import BIT_CONTAINERS
 
 # How DenseKVState.attend computes attention: "einsum" is causal_attention; "reference", "xla" and
 # "triton" force that zgen.pallas.flash_attention implementation (Triton runs interpreted on CPU);

@@ -68,8 +68,8 @@ cost (a pass costs one target step plus, per drafted token or tree level, the dr
 target's weight bytes, :func:`draft_cost`: an early exit after 27 of 30 layers has to accept about 90 %
 of its drafts to pay). A row probes again after ``PROBE_AFTER`` plain steps, twice as many after each
 fall or failed probe in a row, up to ``MAX_PROBE_AFTER`` (a probe costs a return to this loop); a full
-window that pays resets the wait. Every pass drafts and verifies, with no conditionals (on a GPU each would copy its
-predicate to the host): a row with nothing drafted (in fallback, or prompt lookup found nothing) gets
+window that pays resets the wait. Every pass drafts and verifies, with no conditionals (on a GPU each
+would copy its predicate to the host): a row with nothing drafted (in fallback, or prompt lookup found nothing) gets
 its plain token from the verification pass. When every row left is in fallback the loop returns: the
 engine decodes the batch in the plain decode loop until the rows probe again (:func:`fallback_steps`, :func:`after_plain_steps`), so a batch in fallback costs what plain
 decoding costs, not a verification pass of ``k + 1`` positions and this loop's larger carry. The plain
@@ -329,12 +329,12 @@ def update_control(
     window_a = control.accepted.at[rows, write].set(accepted, mode="drop")
     slot = jnp.where(drafting & ~probing, (control.slot + 1) % WINDOW, control.slot)
     passes = jnp.sum(window_d > 0, axis=1)
-    total_drafted, total_accepted = jnp.sum(window_d, axis=1), jnp.sum(window_a, axis=1)
-    rate = total_accepted / jnp.maximum(total_drafted, 1)
-    losing = passes + total_accepted < passes + cost * total_drafted
+    rate = jnp.sum(window_a, axis=1) / jnp.maximum(jnp.sum(window_d, axis=1), 1)
     judged = drafting & ~probing & (passes >= WINDOW)
     missed = probing & ~full
-    fall = (judged & ((rate < FALLBACK_RATE) | losing)) | missed
+    # The window's passes yielded passes + accepted tokens for passes + cost * drafted steps: they
+    # lose exactly when the acceptance rate is below the cost of a drafted token.
+    fall = (judged & (rate < max(FALLBACK_RATE, cost))) | missed
     resume = probing & full
     plain = active & ~drafting & (control.length == 0)
     misses = jnp.where(fall, control.misses + 1, jnp.where(judged, 0, control.misses))

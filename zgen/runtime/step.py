@@ -71,8 +71,7 @@ class _CacheContext(ForwardContext, Generic[S]):
             return out
         q, k = rotary(q, positions, inv_freq), rotary(k, positions, inv_freq)
         if self.mesh is not None:
-            out, state = write_and_attend_per_shard(self.state, self.mesh, layer, q, k, v, positions, sliding_window=self.sliding_window)
-            self.state = cast(S, state)
+            out, self.state = write_and_attend_per_shard(self.state, self.mesh, layer, q, k, v, positions, sliding_window=self.sliding_window)
             return out
         self.state = cast(S, self.state.write(layer, k, v, positions))
         return self.state.attend(layer, q, positions, sliding_window=self.sliding_window)
