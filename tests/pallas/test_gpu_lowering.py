@@ -19,6 +19,7 @@ from zgen.pallas.paged_attention import mosaic_gpu as paged_mosaic_gpu
 from zgen.pallas.paged_attention import quantize
 from zgen.pallas.paged_attention.layouts import KeyCalibration
 from zgen.pallas.paged_attention import triton as paged_triton
+from zgen.pallas.rms_norm import triton as rms_norm_triton
 
 TRITON_CALL = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
 
@@ -141,3 +142,14 @@ def test_append_decode_lowers(head_dim: int, heads: int, kv_heads: int, slots: i
         return flash_triton.append_decode_attention(q, kn, vn, k, v, p, sliding_window=window, soft_cap=cap, scale=0.1)
 
     assert "xla.gpu.triton" in lower_for_cuda(fn, q, new, new, cache, cache, positions)
+
+
+@pytest.mark.parametrize("size", [576, 4096])
+def test_add_rms_norm_lowers(size: int) -> None:
+    """The fused residual add + norm: SmolLM2's width (padded lanes) and Llama-3-8B's."""
+    x = jnp.zeros((3, 1, size), jnp.bfloat16)
+
+    def fn(x: jax.Array, d: jax.Array, w: jax.Array) -> Any:
+        return rms_norm_triton.add_rms_norm(x, d, w, 1e-5)
+
+    assert "xla.gpu.triton" in lower_for_cuda(fn, x, x, jnp.ones((size,), jnp.bfloat16))

@@ -17,6 +17,7 @@ import jax
 from jaxtyping import Array, Float, Int
 
 from zgen.errors import GraphTypeError
+from zgen.numerics import add_rms_norm
 
 Dim = int | str
 
@@ -58,6 +59,13 @@ class ForwardContext(ABC):
         before RoPE, after it reads them back.
         """
 
+    def add_rms_norm(
+        self, x: Float[Array, "B T E"], delta: Float[Array, "B T E"], weight: Float[Array, " E"], eps: float
+    ) -> tuple[Float[Array, "B T E"], Float[Array, "B T E"]]:
+        """``x + delta`` and its RMS norm (:func:`zgen.numerics.add_rms_norm`); a context may run
+        both as one kernel."""
+        return add_rms_norm(x, delta, weight, eps)
+
 
 class Node(ABC):
     """One typed operation. ``inputs`` name the values it consumes (graph inputs or other nodes)."""
@@ -83,6 +91,14 @@ class Node(ABC):
     @abstractmethod
     def apply(self, params: Mapping[str, jax.Array], args: Sequence[jax.Array], ctx: ForwardContext) -> jax.Array: ...
 
+    def outputs(self) -> dict[str, TensorType]:
+        """The values this node produces, by name: its own, first, then any it computes with it."""
+        return {self.name: self.output_type()}
+
+    def apply_outputs(self, params: Mapping[str, jax.Array], args: Sequence[jax.Array], ctx: ForwardContext) -> tuple[jax.Array, ...]:
+        """The values of :meth:`outputs`, in its order."""
+        return (self.apply(params, args, ctx),)
+
 
 @dataclass
 class Graph:
@@ -101,7 +117,9 @@ class Graph:
         return name
 
     def add(self, node: Node) -> str:
-        self._check_new(node.name)
+        outputs = node.outputs()
+        for name in outputs:
+            self._check_new(name)
         declared = node.input_types()
         if len(declared) != len(node.inputs):
             raise GraphTypeError(
@@ -112,7 +130,7 @@ class Graph:
                 raise GraphTypeError(f"node {node.name!r}: input {position} names unknown value {source!r}")
             self._unify(node.name, position, source, self._types[source], expected)
         self.nodes.append(node)
-        self._types[node.name] = node.output_type()
+        self._types.update(outputs)
         return node.name
 
     def set_outputs(self, *names: str) -> None:
@@ -138,13 +156,14 @@ class Graph:
         """Evaluate the graph (under a JAX trace this builds the XLA program once)."""
         values: dict[str, jax.Array] = dict(feeds)
         for node in self.nodes:
-            values[node.name] = node.apply(params, [values[name] for name in node.inputs], ctx)
+            values.update(zip(node.outputs(), node.apply_outputs(params, [values[name] for name in node.inputs], ctx), strict=True))
         return tuple(values[name] for name in self.outputs)
 
     def describe(self) -> str:
         lines = [f"input  {name}: {t}" for name, t in self.inputs.items()]
         for node in self.nodes:
-            lines.append(f"{type(node).__name__:<12} {node.name}({', '.join(node.inputs)}) -> {node.output_type()}")
+            produced = ", ".join(str(t) if name == node.name else f"{name}: {t}" for name, t in node.outputs().items())
+            lines.append(f"{type(node).__name__:<12} {node.name}({', '.join(node.inputs)}) -> {produced}")
         return "\n".join(lines)
 
     def _check_new(self, name: str) -> None:

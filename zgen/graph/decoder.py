@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from zgen.config import ModelConfig, rope_inverse_frequencies
 from zgen.graph.core import Graph, i32
-from zgen.graph.nodes import Add, Attention, Embed, GatedMLP, LMHead, RMSNorm, SelectRows
+from zgen.graph.nodes import AddRMSNorm, Attention, Embed, GatedMLP, LMHead, RMSNorm, SelectRows
 
 # Graph inputs: the token ids, their positions, and which rows to return logits for.
 TOKENS, POSITIONS, LOGIT_ROWS = "tokens", "positions", "logit_rows"
@@ -26,9 +26,9 @@ def build_decoder(config: ModelConfig, shards: int = 1) -> Graph:
     rows = graph.add_input(LOGIT_ROWS, i32("batch", "rows"))
     inv_freq = tuple(rope_inverse_frequencies(c))
     h = graph.add(Embed("embed", (tokens,), c.vocab_size, c.hidden_size))
+    normed = graph.add(RMSNorm("layers.0.attn_norm", (h,), c.hidden_size, c.rms_norm_eps, "layers.0.input_norm"))
     for i in range(c.num_layers):
         p = f"layers.{i}"
-        normed = graph.add(RMSNorm(f"{p}.attn_norm", (h,), c.hidden_size, c.rms_norm_eps, f"{p}.input_norm"))
         attn = graph.add(
             Attention(
                 f"{p}.attn",
@@ -45,12 +45,15 @@ def build_decoder(config: ModelConfig, shards: int = 1) -> Graph:
                 shards=shards,
             )
         )
-        h = graph.add(Add(f"{p}.attn_residual", (h, attn), c.hidden_size))
-        normed = graph.add(RMSNorm(f"{p}.mlp_norm", (h,), c.hidden_size, c.rms_norm_eps, f"{p}.post_norm"))
-        mlp = graph.add(GatedMLP(f"{p}.mlp", (normed,), c.hidden_size, c.intermediate_size, p, shards))
-        h = graph.add(Add(f"{p}.mlp_residual", (h, mlp), c.hidden_size))
-    h = graph.add(RMSNorm("final_norm", (h,), c.hidden_size, c.rms_norm_eps, "final_norm"))
-    selected = graph.add(SelectRows("select_rows", (h, rows), c.hidden_size))
+        # Each residual add also yields the norm the next block reads (the next layer's input norm,
+        # after the last layer the final norm).
+        h = graph.add(AddRMSNorm(f"{p}.attn_residual", (h, attn), c.hidden_size, c.rms_norm_eps, f"{p}.post_norm", f"{p}.mlp_norm"))
+        mlp = graph.add(GatedMLP(f"{p}.mlp", (f"{p}.mlp_norm",), c.hidden_size, c.intermediate_size, p, shards))
+        last = i == c.num_layers - 1
+        normed = HIDDEN if last else f"layers.{i + 1}.attn_norm"
+        weight = "final_norm" if last else f"layers.{i + 1}.input_norm"
+        h = graph.add(AddRMSNorm(f"{p}.mlp_residual", (h, mlp), c.hidden_size, c.rms_norm_eps, weight, normed))
+    selected = graph.add(SelectRows("select_rows", (HIDDEN, rows), c.hidden_size))
     head_weight = "embed" if c.tie_word_embeddings else "lm_head"
     graph.add(LMHead(LOGITS, (selected,), c.hidden_size, c.vocab_size, head_weight))
     graph.set_outputs(LOGITS)
@@ -66,7 +69,7 @@ def hidden_state_graph(graph: Graph) -> Graph:
             out.add_input(name, type_)
     for node in graph.nodes:
         out.add(node)
-        if node.name == HIDDEN:
+        if HIDDEN in node.outputs():
             break
     out.set_outputs(HIDDEN)
     return out

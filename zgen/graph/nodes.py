@@ -11,15 +11,8 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from zgen.graph.core import ForwardContext, Node, TensorType, act, i32, param
-from zgen.numerics import matmul_precision
+from zgen.numerics import matmul_precision, rms_norm
 from zgen.quantized_weights import QuantizedWeight, quantized_linear
-
-
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    # Normalize in float32 whatever the activation dtype, as HF does.
-    x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (normed.astype(x.dtype) * weight).astype(x.dtype)
 
 
 def linear(x: jax.Array, weight: jax.Array | QuantizedWeight) -> jax.Array:
@@ -94,6 +87,38 @@ class Add(Node):
 
     def apply(self, params: Mapping[str, jax.Array], args: Sequence[jax.Array], ctx: ForwardContext) -> jax.Array:
         return args[0] + args[1]
+
+
+@dataclass
+class AddRMSNorm(Node):
+    """A residual add and the RMS norm of its sum: the sum is this node's value, the norm the value
+    ``normed``. Computed together so the context can run both as one kernel (a decode step's
+    residual adds and norms are otherwise four small launches per layer)."""
+
+    name: str
+    inputs: tuple[str, ...]  # (residual stream, block output)
+    size: int
+    eps: float
+    weight: str
+    normed: str
+
+    def input_types(self) -> tuple[TensorType, ...]:
+        return (act("batch", "seq", self.size), act("batch", "seq", self.size))
+
+    def output_type(self) -> TensorType:
+        return act("batch", "seq", self.size)
+
+    def outputs(self) -> dict[str, TensorType]:
+        return {self.name: self.output_type(), self.normed: self.output_type()}
+
+    def param_shapes(self) -> Mapping[str, tuple[int, ...]]:
+        return {self.weight: (self.size,)}
+
+    def apply(self, params: Mapping[str, jax.Array], args: Sequence[jax.Array], ctx: ForwardContext) -> jax.Array:
+        return self.apply_outputs(params, args, ctx)[0]
+
+    def apply_outputs(self, params: Mapping[str, jax.Array], args: Sequence[jax.Array], ctx: ForwardContext) -> tuple[jax.Array, ...]:
+        return ctx.add_rms_norm(args[0], args[1], params[self.weight], self.eps)
 
 
 @dataclass

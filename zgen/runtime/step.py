@@ -36,6 +36,7 @@ from zgen.cache.sharded import attend_per_shard, write_and_attend_per_shard
 from zgen.graph.core import ForwardContext, Graph
 from zgen.graph.decoder import LOGIT_ROWS, POSITIONS, TOKENS, feature_graph
 from zgen.lora.graph import ADAPTER_SLOTS
+from zgen.pallas.rms_norm import add_rms_norm
 from zgen.runtime.grammar import GrammarLoop, allowed_tokens
 from zgen.runtime.sampling import PenaltyState, SamplingFlags, SamplingParams, filter_logits, sample, update_penalty_state
 from zgen.rope import rotary
@@ -45,7 +46,22 @@ Params = Mapping[str, jax.Array]
 S = TypeVar("S", bound=KVState)
 
 
-class _CacheContext(ForwardContext, Generic[S]):
+class KernelContext(ForwardContext):
+    """A context that runs the graph's fusable work (residual add + RMS norm) through zgen's kernels,
+    one launch each where the platform has one; a model split over a ``mesh`` keeps XLA's form, which
+    the partitioner can split."""
+
+    mesh: Mesh | None = None
+
+    def add_rms_norm(
+        self, x: Float[Array, "B T E"], delta: Float[Array, "B T E"], weight: Float[Array, " E"], eps: float
+    ) -> tuple[Float[Array, "B T E"], Float[Array, "B T E"]]:
+        if self.mesh is not None:
+            return super().add_rms_norm(x, delta, weight, eps)
+        return add_rms_norm(x, delta, weight, eps)
+
+
+class _CacheContext(KernelContext, Generic[S]):
     """Threads the KV state through the attention nodes while the graph is traced; with a ``mesh``
     (a model split by heads) each layer's write and attention run per device (:mod:`zgen.cache.sharded`)."""
 
@@ -116,13 +132,14 @@ class Packing:
         return x.reshape(-1, *x.shape[2:])[self.order][None]
 
 
-class _PackedContext(ForwardContext):
+class _PackedContext(KernelContext):
     """Attention of a packed step (:class:`Packing`): each layer's q/k/v go back to their rows for the
     cache's write and attention, and the output back into the stream."""
 
     def __init__(self, inner: _CacheContext[Any], packing: Packing) -> None:
         self.inner = inner
         self.packing = packing
+        self.mesh = inner.mesh
 
     def write_and_attend(
         self,

@@ -46,7 +46,7 @@ from zgen.cache.tensor import masked_attention
 from zgen.graph.core import ForwardContext, Graph
 from zgen.graph.decoder import LOGIT_ROWS, POSITIONS, TOKENS, feature_graph
 from zgen.rope import rotary
-from zgen.runtime.step import ModelSpec, Params, S
+from zgen.runtime.step import KernelContext, ModelSpec, Params, S
 
 __all__ = ["TreeForward", "ancestors", "attend_visible", "commit_path", "forward_tree", "forward_tree_features", "run_tree_graph", "tree_attention_mask"]
 
@@ -108,7 +108,7 @@ def attend_visible(
     return masked_attention(q, view.k.astype(q.dtype), view.v.astype(q.dtype), visible)
 
 
-class _TreeContext(ForwardContext):
+class _TreeContext(KernelContext):
     """Writes each token's K/V (key rotated to its position) at its slot and attends through the mask;
     keeps every layer's K/V for :func:`commit_path`."""
 

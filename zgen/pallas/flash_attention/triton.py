@@ -415,7 +415,7 @@ def append_decode_attention(
     block_k: int = 64,
     num_splits: int | None = None,
     num_warps: int = 4,
-    num_stages: int = 3,
+    num_stages: int = 2,  # SmolLM2 batch 1 on an H200: 0.511 ms/token against 0.528-0.532 with 3, 0.540 with 1
 ) -> tuple[Float[Array, "b 1 h d"], Float[Array, "b s kvh d"], Float[Array, "b s kvh d"]]:
     """A decode step's RoPE, cache write and attention in one kernel (the buffers are updated in place).
 
