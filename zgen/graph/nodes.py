@@ -74,22 +74,6 @@ class RMSNorm(Node):
 
 
 @dataclass
-class Add(Node):
-    name: str
-    inputs: tuple[str, ...]
-    size: int
-
-    def input_types(self) -> tuple[TensorType, ...]:
-        return (act("batch", "seq", self.size), act("batch", "seq", self.size))
-
-    def output_type(self) -> TensorType:
-        return act("batch", "seq", self.size)
-
-    def apply(self, params: Mapping[str, jax.Array], args: Sequence[jax.Array], ctx: ForwardContext) -> jax.Array:
-        return args[0] + args[1]
-
-
-@dataclass
 class AddRMSNorm(Node):
     """A residual add and the RMS norm of its sum: the sum is this node's value, the norm the value
     ``normed``. Computed together so the context can run both as one kernel (a decode step's

@@ -35,7 +35,7 @@ from zgen.config import ModelConfig, rope_inverse_frequencies
 from zgen.errors import ConfigError
 from zgen.graph.core import ForwardContext, Graph, Node, TensorType, act, i32
 from zgen.graph.decoder import LOGIT_ROWS, LOGITS, POSITIONS, TOKENS
-from zgen.graph.nodes import Add, Attention, Embed, GatedMLP, LMHead, RMSNorm, SelectRows, linear
+from zgen.graph.nodes import AddRMSNorm, Attention, Embed, GatedMLP, LMHead, RMSNorm, SelectRows, linear
 from zgen.model import Model
 from zgen.runtime.step import run_graph
 from zgen.runtime.tree import run_tree_graph
@@ -107,12 +107,10 @@ def head_graph(config: ModelConfig) -> Graph:
             num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, inv_freq=tuple(rope_inverse_frequencies(c)), prefix=LAYER,
         )
     )
-    h = graph.add(Add(f"{LAYER}.attn_residual", (h, attn), c.hidden_size))
-    normed = graph.add(RMSNorm(f"{LAYER}.mlp_norm", (h,), c.hidden_size, c.rms_norm_eps, f"{LAYER}.post_norm"))
-    mlp = graph.add(GatedMLP(f"{LAYER}.mlp", (normed,), c.hidden_size, c.intermediate_size, LAYER))
-    predicted = graph.add(Add(PREDICTED, (h, mlp), c.hidden_size))
-    normed = graph.add(RMSNorm("eagle.final_norm", (predicted,), c.hidden_size, c.rms_norm_eps, "final_norm"))
-    selected = graph.add(SelectRows("eagle.select_rows", (normed, rows), c.hidden_size))
+    h = graph.add(AddRMSNorm(f"{LAYER}.attn_residual", (h, attn), c.hidden_size, c.rms_norm_eps, f"{LAYER}.post_norm", f"{LAYER}.mlp_norm"))
+    mlp = graph.add(GatedMLP(f"{LAYER}.mlp", (f"{LAYER}.mlp_norm",), c.hidden_size, c.intermediate_size, LAYER))
+    graph.add(AddRMSNorm(PREDICTED, (h, mlp), c.hidden_size, c.rms_norm_eps, "final_norm", "eagle.final_norm"))
+    selected = graph.add(SelectRows("eagle.select_rows", ("eagle.final_norm", rows), c.hidden_size))
     graph.add(LMHead(LOGITS, (selected,), c.hidden_size, c.vocab_size, "embed" if c.tie_word_embeddings else "lm_head"))
     graph.set_outputs(PREDICTED, LOGITS)
     return graph
