@@ -694,6 +694,7 @@ class Engine:
         params, flags, keys, penalties = self._sampling(rows, index, width)
         host_choice = any(row.job.sampling.choose is not None for row in rows)
         want_logits = host_choice or any(p in row.job.request.logits_at for row in rows for p in row.reads if not row.job.generating)
+        want_draws = any(row.job.generating or p in row.job.request.sample_at for row in rows for p in row.reads)
         slots, bank = self._banks.for_rows([row.job.adapters for row in rows], index, width)
         packing = None
         if self.config.packed_steps and slots is None and t > 1:
@@ -717,7 +718,9 @@ class Engine:
                     self._fail(row.job, failed[i])
             out = self.runner.draw(out_logits, batch, jax.device_put(masks), flags=flags, logits=want_logits, filtered=host_choice)
         else:
-            out, state = self.runner.mixed(state, batch, flags=flags, logits=want_logits, filtered=host_choice, adapters=bank)
+            out, state = self.runner.mixed(
+                state, batch, flags=flags, logits=want_logits, filtered=host_choice, draws=want_draws, adapters=bank
+            )
             self.kv.absorb(state)
         sampled, logprobs, logits, filtered = jax.device_get((out.tokens, out.logprobs, out.logits, out.filtered))
         self.stats.steps += 1

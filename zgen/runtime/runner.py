@@ -79,14 +79,14 @@ class Runner:
 
     def mixed(
         self, kv: S, batch: MixedBatch, *, flags: SamplingFlags, logits: bool = False, filtered: bool = False,
-        adapters: LoraBank | None = None,
+        draws: bool = True, adapters: LoraBank | None = None,
     ) -> tuple[MixedOutput, S]:
-        key = ("mixed", _shape_key(kv), _shape_key(batch), flags, logits, filtered, None if adapters is None else adapters.shapes)
+        key = ("mixed", _shape_key(kv), _shape_key(batch), flags, logits, filtered, draws, None if adapters is None else adapters.shapes)
         args = (self._params(adapters), kv, batch)
 
         def lower() -> Any:
-            fn = jax.jit(self._mixed, donate_argnums=(1,), static_argnames=("flags", "logits", "filtered"))
-            return fn.lower(*args, flags=flags, logits=logits, filtered=filtered)
+            fn = jax.jit(self._mixed, donate_argnums=(1,), static_argnames=("flags", "logits", "filtered", "draws"))
+            return fn.lower(*args, flags=flags, logits=logits, filtered=filtered, draws=draws)
 
         return self._compiled(key, lower)(*args)
 
@@ -175,9 +175,9 @@ class Runner:
         return forward(self.spec, params, kv, tokens, positions, read_rows, adapter_slots, packing)
 
     def _mixed(
-        self, params: Any, kv: S, batch: MixedBatch, *, flags: SamplingFlags, logits: bool, filtered: bool
+        self, params: Any, kv: S, batch: MixedBatch, *, flags: SamplingFlags, logits: bool, filtered: bool, draws: bool
     ) -> tuple[MixedOutput, S]:
-        return mixed_step(self.spec, params, kv, batch, flags=flags, logits=logits, filtered=filtered)
+        return mixed_step(self.spec, params, kv, batch, flags=flags, logits=logits, filtered=filtered, draws=draws)
 
     def _decode(
         self, params: Any, kv: S, loop: DecodeLoop, sampling: SamplingParams, *, flags: SamplingFlags,

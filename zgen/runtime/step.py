@@ -337,10 +337,17 @@ class MixedOutput:
 
 
 def mixed_step(
-    model: ModelSpec, params: Params, kv: S, batch: MixedBatch, *, flags: SamplingFlags, logits: bool, filtered: bool
+    model: ModelSpec, params: Params, kv: S, batch: MixedBatch, *, flags: SamplingFlags, logits: bool, filtered: bool,
+    draws: bool = True,
 ) -> tuple[MixedOutput, S]:
-    """One forward of ``batch``, then a draw at every read row (a row's reads share its penalties)."""
+    """One forward of ``batch``, then a draw at every read row (a row's reads share its penalties).
+    Without ``draws`` (no read samples: a step that only reads logits) the tokens and log-probabilities
+    are zeros, computed from nothing: a vocabulary-wide draw per read costs as much as a fifth of a
+    long prompt's forward on a CPU."""
     out, kv = forward(model, params, kv, batch.tokens, batch.positions, batch.read_rows, batch.adapter_slots, batch.packing)
+    if not draws:
+        nothing = jnp.zeros(batch.read_rows.shape, jnp.int32)
+        return MixedOutput(nothing, nothing.astype(jnp.float32), out if logits else None, None), kv
     return draw_reads(out, batch, None, flags=flags, logits=logits, filtered=filtered), kv
 
 
