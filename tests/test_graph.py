@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from zgen.config import ModelConfig
 from zgen.errors import GraphTypeError
-from zgen.graph.core import Graph, i32
-from zgen.graph.decoder import build_decoder
-from zgen.graph.nodes import Embed, GatedMLP, RMSNorm
+from zgen.graph.core import ForwardContext, Graph, i32
+from zgen.graph.decoder import HIDDEN, build_decoder, hidden_state_graph, residual_stream
+from zgen.graph.nodes import AddRMSNorm, Embed, GatedMLP, RMSNorm
 
 CONFIG = ModelConfig(
     architecture="llama",
@@ -62,3 +65,37 @@ def test_unknown_input_and_duplicate_names() -> None:
         graph.add(Embed("embed", ("nope",), vocab=64, hidden=32))
     with pytest.raises(GraphTypeError, match="already exists"):
         graph.add_input("tokens", i32("batch", "seq"))
+
+
+def test_a_residual_add_also_yields_the_next_norm() -> None:
+    """Each ``AddRMSNorm`` gives the residual stream (its own name, what feature taps read) and the
+    norm the next block reads; the last one gives the final norm, where the hidden-state graph ends.
+    Run on the graph's own XLA form, the pair is the add and the norm as separate operations."""
+    graph = build_decoder(CONFIG)
+    assert graph.type_of("layers.0.mlp_norm") == graph.type_of("layers.0.attn_residual")
+    assert "layers.0.mlp_residual(layers.0.attn_residual, layers.0.mlp) -> act[batch, seq, 32], layers.1.attn_norm:" in graph.describe()
+    hidden = hidden_state_graph(graph)
+    assert hidden.nodes[-1].name == residual_stream(CONFIG.num_layers - 1) and hidden.outputs == (HIDDEN,)
+
+    rng = np.random.default_rng(0)
+    x, delta = (jnp.asarray(rng.standard_normal((2, 3, 32)), jnp.float32) for _ in range(2))
+    weight = jnp.asarray(rng.standard_normal(32), jnp.float32)
+    node = AddRMSNorm("sum", ("x", "delta"), size=32, eps=1e-5, weight="w", normed="normed")
+    total, normed = node.apply_outputs({"w": weight}, [x, delta], _NoCache())
+    np.testing.assert_array_equal(total, x + delta)
+    rms = jnp.sqrt(jnp.mean((x + delta) ** 2, axis=-1, keepdims=True) + 1e-5)
+    np.testing.assert_allclose(normed, (x + delta) / rms * weight, rtol=1e-6, atol=1e-6)
+
+
+def test_a_second_value_may_not_reuse_a_name() -> None:
+    graph = Graph()
+    tokens = graph.add_input("tokens", i32("batch", "seq"))
+    h = graph.add(Embed("embed", (tokens,), vocab=64, hidden=32))
+    with pytest.raises(GraphTypeError, match="'embed' already exists"):
+        graph.add(AddRMSNorm("sum", (h, h), size=32, eps=1e-5, weight="w", normed="embed"))
+    assert [node.name for node in graph.nodes] == ["embed"]
+
+
+class _NoCache(ForwardContext):
+    def write_and_attend(self, *args: object) -> jax.Array:
+        raise AssertionError("no attention here")
