@@ -15,7 +15,7 @@ import pytest
 
 from hf_reference import hf_teacher_forced
 from zgen import Generator, SamplingConfig
-from zgen.cache.factory import CacheOption, compressed_kv, dense_attention, flat_kv, kv_dtype, paged_kv, tiered_kv
+from zgen.cache.factory import CacheOption, compressed_kv, flat_kv, kv_dtype, paged_kv, tiered_kv
 from zgen.config import ModelConfig
 from zgen.contexts import Context, NgramDrafter
 from zgen.errors import ConfigError
@@ -63,12 +63,11 @@ def _request(prompt: str, sampling: SamplingConfig = GREEDY) -> Any:
 
 
 # Every KV format's write-then-roll-back exactness: property_tests/test_speculative_rollback.py; here the
-# cache kinds end to end, with one coded format (q4: keys coded before they are stored), and the default
-# cache through the GPU's kernels (interpreted: each verification pass writes and attends in one kernel).
+# cache kinds end to end, with one coded format (q4: keys coded before they are stored).
 @pytest.mark.parametrize(
     "options",
-    [(flat_kv(),), (paged_kv(4),), (paged_kv(4), kv_dtype("q4")), (tiered_kv(),), (dense_attention("triton"),)],
-    ids=["flat", "paged", "paged-q4", "tiered", "tensor-kernels"],
+    [(flat_kv(),), (paged_kv(4),), (paged_kv(4), kv_dtype("q4")), (tiered_kv(),)],
+    ids=["flat", "paged", "paged-q4", "tiered"],
 )
 def test_greedy_equals_plain_on_every_cache_kind(tiny_llama: Model, options: tuple[CacheOption, ...]) -> None:
     """A draft of other weights (kept drafting: not adaptive) has most drafts rejected and rolled back."""

@@ -278,17 +278,13 @@ def test_kernels_at_every_offset(kernel: str, window: int | None) -> None:
 
 @st.composite
 def append_cases(draw: st.DrawFn) -> tuple[tuple[jax.Array, ...], dict[str, Any], str]:
-    """One decode token per row, or a few (a verification pass), over a filled contiguous cache: rows
-    starting at the first slot, the last, a block boundary, anywhere, or padding (-1), some with fewer
-    tokens than others (-1 after them); head groups of any size (SmolLM2 has 3)."""
+    """One decode token per row over a filled contiguous cache: rows at the first slot, the last, a
+    block boundary, anywhere, or padding (-1); head groups of any size (SmolLM2 has 3)."""
     batch, kv_heads = draw(st.integers(1, 3)), draw(st.sampled_from([1, 2]))
     group, head_dim = draw(st.sampled_from([1, 3, 4, 8])), draw(st.sampled_from([32, 64]))
     slots, dtype = draw(st.sampled_from([32, 64, 96])), draw(st.sampled_from(sorted(DTYPES)))
-    tokens = draw(st.sampled_from([1, 1, 2, 5]))
-    edge = st.sampled_from([-1, 0, 15, 16, slots - tokens])
-    starts = draw(st.lists(st.one_of(edge, st.integers(-1, slots - tokens)), min_size=batch, max_size=batch))
-    counts = draw(st.lists(st.integers(1, tokens), min_size=batch, max_size=batch))
-    positions = [[p + i if p >= 0 and i < n else -1 for i in range(tokens)] for p, n in zip(starts, counts)]
+    edge = st.sampled_from([-1, 0, 15, 16, slots - 1])
+    positions = draw(st.lists(st.one_of(edge, st.integers(-1, slots - 1)), min_size=batch, max_size=batch))
     options = dict(
         sliding_window=draw(st.sampled_from([None, 5])), soft_cap=draw(st.sampled_from([None, 5.0])),
         num_splits=draw(st.sampled_from([None, 2])),
@@ -301,19 +297,19 @@ def append_cases(draw: st.DrawFn) -> tuple[tuple[jax.Array, ...], dict[str, Any]
         return jnp.asarray(rng.standard_normal(shape), DTYPES[dtype])
 
     arrays = (
-        normal(batch, tokens, heads, head_dim), normal(batch, tokens, kv_heads, head_dim),
-        normal(batch, tokens, kv_heads, head_dim), normal(batch, slots, kv_heads, head_dim),
-        normal(batch, slots, kv_heads, head_dim), jnp.asarray(positions, jnp.int32),
+        normal(batch, 1, heads, head_dim), normal(batch, 1, kv_heads, head_dim), normal(batch, 1, kv_heads, head_dim),
+        normal(batch, slots, kv_heads, head_dim), normal(batch, slots, kv_heads, head_dim),
+        jnp.asarray(positions, jnp.int32)[:, None],
     )
     return arrays, options, dtype
 
 
 def test_append_decode_matches_write_then_attend() -> None:
-    """The one-kernel decode step or verification pass (interpreted) stores what RoPE and a write
-    store (to the last bit without rotation, within one rounding with it) and attends as the reference
-    does over the written cache, split or finished in the kernel, tokens at -1 left alone."""
+    """The one-kernel decode step (interpreted) stores what RoPE and a write store (to the last bit
+    without rotation, within one rounding with it) and attends as the reference does over the written
+    cache, split or finished in the kernel, rows at -1 left alone."""
 
-    @settings(max_examples=20, deadline=None, derandomize=True)
+    @settings(max_examples=12, deadline=None, derandomize=True)
     @given(append_cases())
     def check(case: tuple[tuple[jax.Array, ...], dict[str, Any], str]) -> None:
         arrays, options, dtype = case
@@ -329,7 +325,7 @@ def test_append_decode_matches_write_then_attend() -> None:
         np.testing.assert_allclose(np.asarray(k, np.float32), np.asarray(expected[1], np.float32), rtol=rounding, atol=rounding)
         np.testing.assert_array_equal(np.asarray(v, np.float32), np.asarray(expected[2], np.float32))
         assert_close(out, expected[0], dtype)
-        padding = np.asarray(arrays[5]) < 0
+        padding = np.asarray(arrays[5][:, 0]) < 0
         assert not np.any(np.asarray(out, np.float32)[padding])
 
     check()

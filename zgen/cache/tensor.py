@@ -25,7 +25,7 @@ from jaxtyping import Array, Bool, Float, Int
 from zgen.cache.base import LayerKV, replace_layer
 from zgen.numerics import matmul_precision
 from zgen.pallas import append_and_attend, flash_attention
-from zgen.pallas.common import DECODE_MAX_ROWS, platform
+from zgen.pallas.common import platform
 from zgen.pallas.paged_attention.layouts import BIT_CONTAINERS
 from zgen.pallas.triton_utils import MIN_DOT
 from zgen.rope import rotary
@@ -185,12 +185,12 @@ class DenseKVState:
         inv_freq: Float[Array, " half"],
         sliding_window: int | None,
     ) -> tuple[Float[Array, "B T H D"], Self]:
-        """RoPE on ``q`` and ``k``, :meth:`write`, then :meth:`attend`; a decode step or a verification
-        pass (a few tokens per row) on the flash kernels is one kernel that also updates the buffers in
-        place (six launches fewer per layer, which bound small models' steps)."""
+        """RoPE on ``q`` and ``k``, :meth:`write`, then :meth:`attend`; a decode step on the flash
+        kernels is one kernel that also updates the buffers in place (six launches fewer per layer,
+        which bound small models' steps)."""
         one_kernel = (
             dense_attention_path(self.attention, q.shape[1]) == "triton"
-            and q.shape[1] * (q.shape[2] // k.shape[2]) <= DECODE_MAX_ROWS
+            and q.shape[1] == 1
             and self.capacity % MIN_DOT == 0
             and jnp.issubdtype(self.k[layer].dtype, jnp.floating)
         )

@@ -13,11 +13,6 @@ from zgen.shapes import cdiv
 Implementation = Literal["reference", "xla", "triton", "mosaic_gpu", "mosaic_tpu"]
 IMPLEMENTATIONS: tuple[Implementation, ...] = get_args(Implementation)
 
-# Query rows per kv head (tokens x query group) up to which a step runs the decode kernels (one
-# program per kv head takes every row; the appending kernel also writes the tokens' K/V): beyond, the
-# prefill grid has enough programs.
-DECODE_MAX_ROWS = 64
-
 # Running maxima start finite so that a fully masked tile gives exp(-inf - m) = 0, never NaN.
 RUNNING_MAX_INIT = -1e30
 

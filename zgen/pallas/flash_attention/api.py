@@ -107,31 +107,30 @@ def flash_attention(
 
 
 def append_and_attend(
-    q: Float[Array, "b t h d"],
-    k_new: Float[Array, "b t kvh d"],
-    v_new: Float[Array, "b t kvh d"],
+    q: Float[Array, "b 1 h d"],
+    k_new: Float[Array, "b 1 kvh d"],
+    v_new: Float[Array, "b 1 kvh d"],
     k_cache: Float[Array, "b s kvh d"],
     v_cache: Float[Array, "b s kvh d"],
-    positions: Int[Array, "b t"],
+    positions: Int[Array, "b 1"],
     *,
     inv_freq: Float[Array, " half"] | None = None,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     scale: float | None = None,
     implementation: str | None = None,
-) -> tuple[Float[Array, "b t h d"], Float[Array, "b s kvh d"], Float[Array, "b s kvh d"]]:
-    """A decode step (or a verification pass of a few tokens) over a contiguous cache: rotate ``q``
-    and ``k_new`` (rotate-half RoPE with ``inv_freq`` at each token's position; no rotation without
-    it), store each token's key/value in slot ``positions`` (a negative position stores nothing; a row's
-    tokens at distinct positions) and attend causally over slots ``0..position``.
+) -> tuple[Float[Array, "b 1 h d"], Float[Array, "b s kvh d"], Float[Array, "b s kvh d"]]:
+    """One decode step over a contiguous cache: rotate ``q`` and ``k_new`` (rotate-half RoPE with
+    ``inv_freq`` at each row's position; no rotation without it), store each row's key/value in slot
+    ``positions`` (a negative position stores nothing) and attend causally over slots ``0..position``.
 
     Returns the attention output and the updated buffers. On the GPU (``implementation`` None or
     "triton") one Triton kernel does it all, updating the buffers in place, where RoPE, a write and
     :func:`flash_attention` cost six more launches per layer; "reference" is exactly those steps.
     """
     b, t, h, d = q.shape
-    if k_new.shape != (b, t, k_cache.shape[2], d) or v_new.shape != k_new.shape or k_cache.shape != v_cache.shape:
-        raise ValueError(f"append_and_attend needs q, k and v of the same tokens and heads of the cache's size: q {q.shape}, k/v {k_new.shape}, caches {k_cache.shape}")
+    if t != 1 or k_new.shape != (b, 1, k_cache.shape[2], d) or v_new.shape != k_new.shape or k_cache.shape != v_cache.shape:
+        raise ValueError(f"append_and_attend takes one token per row: q {q.shape}, k/v {k_new.shape}, caches {k_cache.shape}")
     impl = ("triton" if platform() == "gpu" else "reference") if implementation is None else check_implementation(implementation)
     if impl == "triton":
         from zgen.pallas.flash_attention import triton

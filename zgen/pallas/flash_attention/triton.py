@@ -22,7 +22,6 @@ from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int
 
 from zgen.pallas.common import (
-    DECODE_MAX_ROWS,
     RUNNING_MAX_INIT,
     finish_softmax,
     is_query,
@@ -40,6 +39,8 @@ from zgen.pallas.triton_utils import MIN_DOT, dot_nn, dot_nt
 from zgen.rope import rope_cos_sin
 from zgen.shapes import cdiv, next_pow2
 
+# Query rows per kv head up to which the decode kernel runs: beyond, the prefill grid has enough programs.
+DECODE_MAX_ROWS = 64
 # Decode splits: enough (batch, kv head, split) programs to fill ~132 SMs several times over, but each
 # split at least MIN_BLOCKS_PER_SPLIT key blocks of the buffer so its loads can pipeline and the f32
 # partial outputs stay small next to the K/V they summarize.
@@ -65,42 +66,15 @@ def _attend_block(
     window: int | None,
     scale: float,
     soft_cap: float | None,
-    skip: Array | None = None,
 ) -> tuple[Array, Array, Array]:
-    """One online-softmax step of the query tile over key block ``j``; the slots at the positions
-    ``skip`` are left out (their keys are being replaced by the caller's)."""
+    """One online-softmax step of the query tile over key block ``j``."""
+    m, l, acc = carry
     k = k_ref[pl.ds(j * block_k, block_k), :]
     v = v_ref[pl.ds(j * block_k, block_k), :]
-    k_pos = (j * block_k + jnp.arange(block_k))[None, :]
-    if skip is not None:
-        replaced = jnp.max((k_pos == skip[:, None]).astype(jnp.int32), axis=0, keepdims=True) > 0  # Triton has no reduce_or
-        k_pos = jnp.where(replaced, length, k_pos)
-    return _attend_loaded(q, q_pos, k, v, length, k_pos, carry, block_k=block_k, masked=masked, causal=causal,
-                          window=window, scale=scale, soft_cap=soft_cap)
-
-
-def _attend_loaded(
-    q: Array,
-    q_pos: Array,
-    k: Array,
-    v: Array,
-    length: Array,
-    k_pos: Array,
-    carry: tuple[Array, Array, Array],
-    *,
-    block_k: int,
-    masked: bool,
-    causal: bool,
-    window: int | None,
-    scale: float,
-    soft_cap: float | None,
-) -> tuple[Array, Array, Array]:
-    """:func:`_attend_block` over keys already loaded, at positions ``k_pos`` (``[1, keys]``; a key at
-    ``length`` or past it is invisible)."""
-    m, l, acc = carry
     s = apply_soft_cap(dot_nt(q, k) * scale, soft_cap)
     if masked:
-        s = jnp.where(visible(q_pos[:, None], k_pos, length, causal=causal, window=window), s, -jnp.inf)
+        k_pos = j * block_k + jnp.arange(block_k)
+        s = jnp.where(visible(q_pos[:, None], k_pos[None, :], length, causal=causal, window=window), s, -jnp.inf)
     m, l, p, alpha = softmax_rescale(m, l, s)
     return m, l, acc * alpha[:, None] + dot_nn(p.astype(v.dtype), v)
 
@@ -353,9 +327,7 @@ def _append_decode_kernel(
     *out_refs: jax.Ref,
     kv_heads: int,
     group: int,
-    tokens: int,
     rows: int,
-    new_rows: int,
     capacity: int,
     block_k: int,
     num_k_blocks: int,
@@ -364,113 +336,76 @@ def _append_decode_kernel(
     scale: float,
     soft_cap: float | None,
 ) -> None:
-    """``tokens`` query tokens per row (a decode step: one; a verification pass: a few): store their
-    keys/values in slots ``pos`` and attend, each token over the slots up to its position.
+    """One query token per row: store its key/value in slot ``pos`` and attend over slots ``0..pos``.
 
-    ``heads_ref`` holds each token's query heads, then its new keys, then its new values, before RoPE;
-    ``rope_ref`` each token's rotation as full-width cosines, then signed sines (rotate-half: lane ``i``
-    pairs with lane ``i + D/2``). Query row ``r`` is head ``r % group`` of token ``r // group``. The
-    tokens' own keys come from registers and their slots in the buffer are skipped, so no program waits
-    for the write: split 0 stores the slots after its loop (another split may load them meanwhile, old
-    or new, and masks them either way). One token keeps the cheaper register forms (its key as one
-    vector, its position a scalar)."""
+    ``heads_ref`` holds the row's query heads, then its new keys, then its new values, before RoPE;
+    ``rope_ref`` the rotation at ``pos`` as full-width cosines and signed sines (rotate-half: lane ``i``
+    pairs with lane ``i + D/2``). The stored slots ``< pos`` come from the buffer and the token's own
+    key from registers, so no program waits for the write: split 0 stores the slot after its loop
+    (another split may load that slot meanwhile, old or new, and masks it either way)."""
     o_ref, k_out_ref, v_out_ref = out_refs[0], out_refs[-2], out_refs[-1]
     kv_head, split = pl.program_id(1), pl.program_id(2)
     num_heads = kv_heads * group
+    pos = pos_ref[0]
+    real = pos >= 0
+    row = jnp.arange(rows)
+    in_group = row < group
     d = heads_ref.shape[-1]
     lanes = jnp.arange(d)[None, :]
-    row = jnp.arange(rows)
-    in_group = row < tokens * group
-    token = jnp.minimum(row // group, tokens - 1)  # clamped: padding rows read a real token, masked
-    head = kv_head * group + row % group
+    cos, sin = rope_ref[0, :][None, :], rope_ref[1, :][None, :]
 
-    def rotated(at: Array, head_rows: Array, mask: Array | None = None) -> Array:
-        """Heads (token ``at``, head ``head_rows``, one per row) after RoPE at their token's position,
-        in f32 like :func:`zgen.rope.apply_rope`, then rounded to their dtype; the partner lanes come
-        from a second, permuted load."""
+    def rotated(head_rows: Array, mask: Array | None = None) -> Array:
+        """Heads (rows of ``heads_ref``) after RoPE, in f32 like :func:`zgen.rope.apply_rope`, then
+        rounded to their dtype; the partner lanes come from a second, permuted load."""
         masked = {} if mask is None else {"mask": mask, "other": 0.0}
-        x = pltriton.load(heads_ref.at[at[:, None], head_rows[:, None], lanes], **masked).astype(jnp.float32)
-        partner = pltriton.load(heads_ref.at[at[:, None], head_rows[:, None], (lanes + d // 2) % d], **masked)
-        if tokens == 1:
-            cos, sin = rope_ref[0, pl.ds(0, d)][None, :], rope_ref[0, pl.ds(d, d)][None, :]
-        else:
-            cos = pltriton.load(rope_ref.at[at[:, None], lanes])
-            sin = pltriton.load(rope_ref.at[at[:, None], lanes + d])
+        x = pltriton.load(heads_ref.at[head_rows[:, None], lanes], **masked).astype(jnp.float32)
+        partner = pltriton.load(heads_ref.at[head_rows[:, None], (lanes + d // 2) % d], **masked)
         return (x * cos + partner.astype(jnp.float32) * sin).astype(heads_ref.dtype)
 
-    # The query group of every token (any size) read as a power-of-two tile for the tensor cores.
-    q = rotated(token, head, in_group[:, None])
-    own_key, own_value = num_heads + kv_head, num_heads + kv_heads + kv_head
-    options = {"block_k": block_k, "masked": True, "causal": True, "window": window, "scale": scale, "soft_cap": soft_cap}
-    m0, l0, acc0 = _init_carry(q)
-    if tokens == 1:
-        pos = pos_ref[0]
-        real = pos >= 0
-        q_pos = jnp.where(in_group, pos, -1)
-        lo, hi = key_block_range(pos, pos, pos, block_k=block_k, num_k_blocks=num_k_blocks, causal=True, window=window)
-        # The token's own key and value as the cache will hold them (what the other keys are read as).
-        one = jnp.zeros((1,), jnp.int32)
-        k_new = rotated(one, one + own_key).astype(k_ref.dtype)  # [1, d]
-        v_new = pltriton.load(heads_ref.at[one[:, None], (one + own_value)[:, None], lanes]).astype(v_ref.dtype)
-        # Split 0 starts from the token's own key (always visible to itself), the others from nothing.
-        own = apply_soft_cap(jnp.sum(q.astype(jnp.float32) * k_new.astype(jnp.float32), axis=-1) * scale, soft_cap)
-        first = (split == 0) & real & in_group
-        carry = (
-            jnp.where(first, own, m0),
-            jnp.where(first, 1.0, l0),
-            jnp.where(first[:, None], jnp.broadcast_to(v_new.astype(jnp.float32), acc0.shape), acc0),
-        )
-        step = functools.partial(_attend_block, q, q_pos, k_ref, v_ref, pos, **options)
-
-        def store_new_keys() -> None:
-            @pl.when((split == 0) & real & (pos < capacity))
-            def _() -> None:
-                k_out_ref[pl.ds(pos, 1), :] = k_new
-                v_out_ref[pl.ds(pos, 1), :] = v_new
-
-    else:
-        new_pos = pos_ref[...]  # [new_rows], -1 past the row's tokens
-        q_pos = jnp.where(in_group, pltriton.load(pos_ref.at[token]), -1)
-        last = jnp.max(new_pos)
-        first_pos = jnp.min(jnp.where(new_pos >= 0, new_pos, last))
-        lo, hi = key_block_range(first_pos, last, last + 1, block_k=block_k, num_k_blocks=num_k_blocks, causal=True, window=window)
-        new = jnp.arange(new_rows)
-        new_token = jnp.minimum(new, tokens - 1)
-        k_new = rotated(new_token, new_token * 0 + own_key).astype(k_ref.dtype)  # [new_rows, d]
-        v_new = pltriton.load(heads_ref.at[new_token[:, None], (new_token * 0 + own_value)[:, None], lanes]).astype(v_ref.dtype)
-        # Split 0 starts from the tokens' own keys, the others from nothing.
-        k_pos = jnp.where((split == 0) & (new_pos >= 0), new_pos, capacity)[None, :]
-        carry = _attend_loaded(q, q_pos, k_new, v_new, last + 1, k_pos, (m0, l0, acc0), **options)
-        step = functools.partial(_attend_block, q, q_pos, k_ref, v_ref, last + 1, skip=new_pos, **options)
-
-        def store_new_keys() -> None:
-            @pl.when(split == 0)
-            def _() -> None:
-                stored = (new_pos >= 0) & (new_pos < capacity)
-                slots = jnp.where(stored, new_pos, capacity)[:, None]  # masked: past the buffer, as above
-                pltriton.store(k_out_ref.at[slots, lanes], k_new, mask=stored[:, None])
-                pltriton.store(v_out_ref.at[slots, lanes], v_new, mask=stored[:, None])
+    # The head group (any size) read as a power-of-two tile for the tensor cores; padding rows are 0.
+    q = rotated(kv_head * group + row, in_group[:, None])
+    # The token's own key and value as the cache will hold them (what the other keys are read as).
+    own_row = jnp.full((1,), num_heads + kv_head, jnp.int32)
+    k_new = rotated(own_row).astype(k_ref.dtype)  # [1, d]
+    v_new = pltriton.load(heads_ref.at[(own_row + kv_heads)[:, None], lanes]).astype(v_ref.dtype)
+    q_pos = jnp.where(in_group, pos, -1)
+    lo, hi = key_block_range(pos, pos, pos, block_k=block_k, num_k_blocks=num_k_blocks, causal=True, window=window)
     per_split = (hi - lo + num_splits - 1) // num_splits
     start = lo + split * per_split
+    step = functools.partial(
+        _attend_block, q, q_pos, k_ref, v_ref, pos,
+        block_k=block_k, masked=True, causal=True, window=window, scale=scale, soft_cap=soft_cap,
+    )
+    # Split 0 starts from the token's own key (always visible to itself), the others from nothing.
+    own = apply_soft_cap(jnp.sum(q.astype(jnp.float32) * k_new.astype(jnp.float32), axis=-1) * scale, soft_cap)
+    first = (split == 0) & real & in_group
+    m0, l0, acc0 = _init_carry(q)
+    carry = (
+        jnp.where(first, own, m0),
+        jnp.where(first, 1.0, l0),
+        jnp.where(first[:, None], jnp.broadcast_to(v_new.astype(jnp.float32), acc0.shape), acc0),
+    )
     m, l, acc = jax.lax.fori_loop(start, jnp.minimum(start + per_split, hi), step, carry)
     out, lse = finish_softmax(acc, m, l)
-    if num_splits == 1:  # the finished output, written straight into the tokens' rows
-        # Padding rows index past the block (masked; the interpreter drops them rather than clamping
-        # onto a real row).
-        pltriton.store(o_ref.at[(row // group)[:, None], head[:, None], lanes], out.astype(o_ref.dtype), mask=in_group[:, None])
+    if num_splits == 1:  # the finished output, written straight into the group's rows
+        pltriton.store(o_ref.at[row[:, None], lanes], out.astype(o_ref.dtype), mask=in_group[:, None])
     else:
         o_ref[...] = out
         out_refs[1][...] = lse
-    store_new_keys()
+
+    @pl.when((split == 0) & real & (pos < capacity))
+    def _store() -> None:
+        k_out_ref[pl.ds(pos, 1), :] = k_new
+        v_out_ref[pl.ds(pos, 1), :] = v_new
 
 
 def append_decode_attention(
-    q: Float[Array, "b t h d"],
-    k_new: Float[Array, "b t kvh d"],
-    v_new: Float[Array, "b t kvh d"],
+    q: Float[Array, "b 1 h d"],
+    k_new: Float[Array, "b 1 kvh d"],
+    v_new: Float[Array, "b 1 kvh d"],
     k_cache: Float[Array, "b s kvh d"],
     v_cache: Float[Array, "b s kvh d"],
-    positions: Int[Array, "b t"],
+    positions: Int[Array, "b 1"],
     *,
     inv_freq: Float[Array, " half"] | None = None,
     sliding_window: int | None,
@@ -481,51 +416,48 @@ def append_decode_attention(
     num_splits: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,  # SmolLM2 batch 1 on an H200: 0.511 ms/token against 0.528-0.532 with 3, 0.540 with 1
-) -> tuple[Float[Array, "b t h d"], Float[Array, "b s kvh d"], Float[Array, "b s kvh d"]]:
-    """A few tokens' RoPE, cache write and attention in one kernel (the buffers are updated in place):
-    a decode step (one token per row) or a verification pass (the drafts).
+) -> tuple[Float[Array, "b 1 h d"], Float[Array, "b s kvh d"], Float[Array, "b s kvh d"]]:
+    """A decode step's RoPE, cache write and attention in one kernel (the buffers are updated in place).
 
-    ``q`` and ``k_new`` come before RoPE (rotate-half with ``inv_freq`` at each token's position; none
-    without it); a token at a negative position writes nothing and gets zeros, and two tokens of a row
-    may not share a position. The kernel takes q, k and v as one array of heads: the projection's output
-    as it is, where separate (or rotated) operands would each cost a copy. With one split (a buffer of
-    at most ``FINISH_MAX_BLOCKS`` key blocks) the kernel writes the finished output; longer buffers are
-    split over the keys and merged by log-sum-exp outside, as in :func:`decode_attention`.
+    ``q`` and ``k_new`` come before RoPE (rotate-half with ``inv_freq`` at each row's position; none
+    without it); a row at a negative position writes nothing and gets zeros. The kernel takes q, k and
+    v as one array of heads: the projection's output as it is, where separate (or rotated) operands
+    would each cost a copy. With one split (a buffer of at most ``FINISH_MAX_BLOCKS`` key blocks) the
+    kernel writes the finished output; longer buffers are split over the keys and merged by log-sum-exp
+    outside, as in :func:`decode_attention`.
     """
-    b, t, h, d = q.shape
+    b, _, h, d = q.shape
     s, kvh = k_cache.shape[1], k_cache.shape[2]
     g = h // kvh
-    rows = max(MIN_DOT, next_pow2(t * g))
-    new_rows = 1 if t == 1 else max(MIN_DOT, next_pow2(t))
+    rows = max(MIN_DOT, next_pow2(g))
     bk = min(block_k, s & -s)  # the largest power of two that divides the buffer (the kernel writes it in place: no padding)
     if bk < MIN_DOT:
         raise ValueError(f"a cache of {s} slots is not a whole number of {MIN_DOT}-slot key blocks")
     num_k_blocks = s // bk
     splits = num_splits or (1 if num_k_blocks <= FINISH_MAX_BLOCKS else _decode_splits(b, kvh, num_k_blocks))
     kernel = functools.partial(
-        _append_decode_kernel, kv_heads=kvh, group=g, tokens=t, rows=rows, new_rows=new_rows, capacity=s, block_k=bk,
-        num_k_blocks=num_k_blocks, num_splits=splits, window=sliding_window, scale=scale, soft_cap=soft_cap,
+        _append_decode_kernel, kv_heads=kvh, group=g, rows=rows, capacity=s, block_k=bk, num_k_blocks=num_k_blocks,
+        num_splits=splits, window=sliding_window, scale=scale, soft_cap=soft_cap,
     )
-    heads = jnp.concatenate([q, k_new, v_new], axis=2)  # [b, t, h + 2 kvh, d]
+    heads = jnp.concatenate([q, k_new, v_new], axis=2)[:, 0]  # [b, h + 2 kvh, d]
     if inv_freq is None:
-        cos, sin = jnp.ones((b, t, d // 2), jnp.float32), jnp.zeros((b, t, d // 2), jnp.float32)
+        cos, sin = jnp.ones((b, d // 2), jnp.float32), jnp.zeros((b, d // 2), jnp.float32)
     else:
-        cos, sin = rope_cos_sin(positions, inv_freq)
-    rope = jnp.concatenate([cos, cos, -sin, sin], axis=-1)  # [b, t, 2d]
-    padded = jnp.pad(positions.astype(jnp.int32), ((0, 0), (0, new_rows - t)), constant_values=-1)
+        cos, sin = rope_cos_sin(positions[:, 0], inv_freq)
+    rope = jnp.stack([jnp.concatenate([cos, cos], -1), jnp.concatenate([-sin, sin], -1)], axis=1)  # [b, 2, d]
     kv_spec = pl.BlockSpec((None, s, None, d), lambda b, h, i: (b, 0, h, 0))
     if splits == 1:
-        out_specs: list[pl.BlockSpec] = [pl.BlockSpec((None, t, h, d), lambda b, h, i: (b, 0, 0, 0))]
-        out_shape = [jax.ShapeDtypeStruct((b, t, h, d), q.dtype)]
+        out_specs: list[pl.BlockSpec] = [pl.BlockSpec((None, None, g, d), lambda b, h, i: (b, h, 0, 0))]
+        out_shape = [jax.ShapeDtypeStruct((b, kvh, g, d), q.dtype)]
     else:
         out_specs, out_shape = _split_specs(rows, d), _split_shapes(b, kvh, splits, rows, d)
     *outs, k_cache, v_cache = pl.pallas_call(
         kernel,
         grid=(b, kvh, splits),
         in_specs=[
-            pl.BlockSpec((None, t, h + 2 * kvh, d), lambda b, h, i: (b, 0, 0, 0)),
-            pl.BlockSpec((None, t, 2 * d), lambda b, h, i: (b, 0, 0)),
-            pl.BlockSpec((None, new_rows), lambda b, h, i: (b, 0)),
+            pl.BlockSpec((None, h + 2 * kvh, d), lambda b, h, i: (b, 0, 0)),
+            pl.BlockSpec((None, 2, d), lambda b, h, i: (b, 0, 0)),
+            pl.BlockSpec((None, 1), lambda b, h, i: (b, 0)),
             kv_spec,
             kv_spec,
         ],
@@ -535,11 +467,9 @@ def append_decode_attention(
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="zgen_append_decode",
-    )(heads, rope, padded, k_cache, v_cache)
-    if splits == 1:
-        return outs[0], k_cache, v_cache
-    merged = merge_partials(outs[0], outs[1])[:, :, None]  # [b, kvh, 1, rows, d]
-    return ungroup_queries(merged, t, h, t).astype(q.dtype), k_cache, v_cache
+    )(heads, rope, positions.astype(jnp.int32), k_cache, v_cache)
+    out = outs[0] if splits == 1 else merge_partials(outs[0], outs[1])[:, :, :g].astype(q.dtype)
+    return out.reshape(b, 1, h, d), k_cache, v_cache
 
 
 def flash_attention(
