@@ -8,7 +8,6 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int
 
 from zgen.graph.core import ForwardContext, Node, TensorType, act, i32, param
 from zgen.numerics import matmul_precision, rms_norm
@@ -76,8 +75,8 @@ class RMSNorm(Node):
 @dataclass
 class AddRMSNorm(Node):
     """A residual add and the RMS norm of its sum: the sum is this node's value, the norm the value
-    ``normed``. Computed together so the context can run both as one kernel (a decode step's
-    residual adds and norms are otherwise four small launches per layer)."""
+    ``normed``. Computed together so the context can run both as one kernel (XLA makes each add and
+    norm three small launches: the add, the sum of squares, the scaling)."""
 
     name: str
     inputs: tuple[str, ...]  # (residual stream, block output)

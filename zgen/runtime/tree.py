@@ -43,7 +43,7 @@ from jaxtyping import Array, Bool, Float, Int
 from zgen.cache.base import KVState
 from zgen.cache.paged_state import MaskedPagedState, PagedKVState
 from zgen.cache.tensor import masked_attention
-from zgen.graph.core import ForwardContext, Graph
+from zgen.graph.core import Graph
 from zgen.graph.decoder import LOGIT_ROWS, POSITIONS, TOKENS, feature_graph
 from zgen.rope import rotary
 from zgen.runtime.step import KernelContext, ModelSpec, Params, S
