@@ -54,11 +54,16 @@ class PagedCase:
 
 @st.composite
 def paged_cases(
-    draw: st.DrawFn, formats: tuple[str, ...] = ("native", "fp8", "q4", "q3"), page_options: bool = True, max_queries: int = 1
+    draw: st.DrawFn,
+    formats: tuple[str, ...] = ("native", "fp8", "q4", "q3"),
+    page_options: bool = True,
+    max_queries: int = 1,
+    page_masks: bool = True,
 ) -> PagedCase:
     """A random problem: each row holds ``length`` tokens and its queries are the last ``T`` of them
     (decode when T = 1, a prefill chunk after a cached prefix otherwise), rows shorter than T padded
-    with position -1. ``page_options=False`` leaves out page masks and sliding windows."""
+    with position -1. ``page_options=False`` leaves out page masks and sliding windows,
+    ``page_masks=False`` page masks only."""
     batch = draw(st.integers(1, 3))
     kv_heads = draw(st.sampled_from([1, 2]))
     group = draw(st.sampled_from([1, 2, 4, 8]))
@@ -72,7 +77,7 @@ def paged_cases(
     edge = st.sampled_from(sorted({0, 1, page_size - 1, page_size, page_size + 1, capacity}))
     lengths = draw(st.lists(st.one_of(edge, st.integers(0, capacity)).map(lambda n: min(n, capacity)), min_size=batch, max_size=batch))
     num_queries = draw(st.integers(1, max_queries))
-    masked = page_options and draw(st.booleans())
+    masked = page_options and page_masks and draw(st.booleans())
     seed = draw(st.integers(0, 2**16))
     soft_cap = draw(st.sampled_from([None, None, 5.0]))
     sliding_window = draw(st.sampled_from([None, None, 1, page_size + 3])) if page_options else None

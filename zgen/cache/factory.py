@@ -43,7 +43,7 @@ from zgen.cache.tensor import DenseAttention, DenseKVState
 from zgen.cache.tiered import TieredConfig, TieredKVManager
 from zgen.config import ModelConfig
 from zgen.errors import ConfigError
-from zgen.pallas.common import IMPLEMENTATIONS
+from zgen.pallas.paged_attention.api import PAGED_IMPLEMENTATIONS
 from zgen.pallas.paged_attention.layouts import KeyCalibration
 from zgen.shapes import next_pow2
 
@@ -90,9 +90,9 @@ class CacheOptions:
             raise ConfigError(f"prefix_cache capacity_blocks must be an integer >= 0, got {blocks!r}")
         if self.attention not in get_args(DenseAttention):
             raise ConfigError(f"unknown dense attention {self.attention!r}; choose one of {', '.join(get_args(DenseAttention))}")
-        if self.paged_attention is not None and self.paged_attention not in IMPLEMENTATIONS:
+        if self.paged_attention is not None and self.paged_attention not in PAGED_IMPLEMENTATIONS:
             raise ConfigError(
-                f"unknown paged attention implementation {self.paged_attention!r}; choose one of {', '.join(IMPLEMENTATIONS)} or None"
+                f"unknown paged attention implementation {self.paged_attention!r}; choose one of {', '.join(PAGED_IMPLEMENTATIONS)} or None"
             )
         kind = self.resolved_kind
         if self.prefix_cache_blocks is not None and kind not in PAGED_KINDS:

@@ -25,7 +25,7 @@ from zgen.cache.formats import empty_pages, kv_format
 from zgen.cache.paged_state import PagedKVState, device_calibration
 from zgen.cache.sharded import pages_split_by_heads
 from zgen.errors import CacheError, ConfigError
-from zgen.pallas.common import IMPLEMENTATIONS
+from zgen.pallas.paged_attention.api import PAGED_IMPLEMENTATIONS
 from zgen.pallas.paged_attention.layouts import KeyCalibration, KVPages
 from zgen.shapes import next_pow2
 
@@ -107,8 +107,8 @@ class PagedConfig:
         for name in ("num_layers", "kv_heads", "head_dim", "page_size"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"PagedConfig.{name} must be positive, got {getattr(self, name)}")
-        if self.attention is not None and self.attention not in IMPLEMENTATIONS:
-            raise ConfigError(f"unknown paged attention implementation {self.attention!r}; choose one of {', '.join(IMPLEMENTATIONS)} or None")
+        if self.attention is not None and self.attention not in PAGED_IMPLEMENTATIONS:
+            raise ConfigError(f"unknown paged attention implementation {self.attention!r}; choose one of {', '.join(PAGED_IMPLEMENTATIONS)} or None")
         kv_format(self.kv_dtype, self.head_dim)
         device_calibration(self.key_calibration, self.num_layers, self.kv_heads, self.head_dim)  # checks shapes
 

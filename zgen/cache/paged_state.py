@@ -8,7 +8,9 @@ is the dense one (key at ``j`` visible to a query at ``p`` iff ``j <= p`` and ``
 
 Writes quantize each token as it is stored; attention -- decode, verification and prefill chunks
 alike -- hands the stored pages to :func:`zgen.pallas.paged_attention`, which reads only the pages each
-query can see and dequantizes them inside the kernel, so no full-precision copy of the cache exists.
+query can see and dequantizes them inside the kernel; long prefill chunks on the GPU gather their rows'
+pages into a transient full-precision copy once per layer instead (see
+:mod:`zgen.pallas.paged_attention.gathered`).
 
 Coded formats (q4, q3) code what they store, KVQuant-style:
 
@@ -47,12 +49,10 @@ from zgen.pallas import paged_attention
 from zgen.pallas.paged_attention.layouts import (
     KeyCalibration,
     KVPages,
-    dequantize,
-    float_pages,
+    gather_sequences,
     hadamard,
     head_dim_of,
     stored_like,
-    take_pages,
 )
 from zgen.shapes import cdiv
 
@@ -82,22 +82,6 @@ def _scatter_tokens(pages: KVPages, new: KVPages, page: Array, offset: Array) ->
         return jax.lax.bitcast_convert_type(stored, leaf.dtype)
 
     return jax.tree_util.tree_map(scatter, pages, stored_like(pages, new))
-
-
-def _gather_dense(pages: KVPages, block_tables: Array, dtype: Any | None) -> Array:
-    """``[B, pages_per_seq * page_size, KVH, D]``: each row's pages in order (``-1`` entries read page 0).
-
-    ``dtype=None`` keeps a plain array's stored dtype; quantized pages are dequantized to ``dtype``
-    (float32 if None).
-    """
-    num_pages = _num_pages(pages)
-    gathered = float_pages(take_pages(pages, jnp.clip(block_tables, 0, num_pages - 1)))  # [KVH, B, pps, ps, ...]
-    if isinstance(gathered, jax.Array):
-        dense = gathered if dtype is None else gathered.astype(dtype)
-    else:
-        dense = dequantize(gathered, jnp.float32 if dtype is None else dtype)
-    kvh, b, pps, ps, d = dense.shape
-    return dense.reshape(kvh, b, pps * ps, d).transpose(1, 2, 0, 3)
 
 
 @dataclass(frozen=True)
@@ -252,8 +236,8 @@ class PagedKVState:
         """All ``capacity`` slots of every row, dequantized (and decoded) to ``dtype`` (tests and
         inspection only): keys as they were written (after RoPE)."""
         dtype = jnp.dtype(self.dtype)
-        k = _gather_dense(self.k[layer], self.block_tables, dtype)
-        v = _gather_dense(self.v[layer], self.block_tables, dtype)
+        k = gather_sequences(self.k[layer], self.block_tables, dtype)
+        v = gather_sequences(self.v[layer], self.block_tables, dtype)
         coding = self._key_coding(layer)
         if coding is not None:
             k = coding.decode(k, jnp.arange(k.shape[1])[None, :, None], head_axis=-2).astype(dtype)

@@ -4,14 +4,15 @@ sequence."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Literal, get_args
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from zgen.errors import ConfigError, InputError
-from zgen.pallas.common import Implementation, check_implementation, interpret_pallas, platform, resolve_scale
+from zgen.pallas.common import interpret_pallas, platform, resolve_scale
+from zgen.pallas.paged_attention import gathered
 from zgen.pallas.paged_attention.common import visible_pages
 from zgen.pallas.paged_attention.layouts import KeyCalibration, KVPages, float_pages, head_dim_of, leading_shape
 
@@ -34,14 +35,30 @@ def _check(q: Array, k_pages: KVPages, v_pages: KVPages, block_tables: Array, q_
         raise ValueError("block_tables [B, pages_per_seq] and q_positions [B, T] must match the queries [B, T, H, D]")
 
 
+# "gathered": the rows' pages copied to one full-precision buffer, then flash attention (long chunks).
+PagedImplementation = Literal["reference", "xla", "triton", "gathered", "mosaic_gpu", "mosaic_tpu"]
+PAGED_IMPLEMENTATIONS: tuple[PagedImplementation, ...] = get_args(PagedImplementation)
 # Backends that take any number of queries per sequence; the Mosaic ones are decode kernels.
-_MULTI_QUERY = ("reference", "xla", "triton")
+_MULTI_QUERY = ("reference", "xla", "triton", "gathered")
+
+
+def _check_implementation(implementation: str) -> PagedImplementation:
+    if implementation not in PAGED_IMPLEMENTATIONS:
+        raise ConfigError(
+            f"unknown paged attention implementation {implementation!r}; choose one of {', '.join(PAGED_IMPLEMENTATIONS)} or None"
+        )
+    return implementation  # type: ignore[return-value]
 
 
 def _backend(
-    implementation: Implementation, k_pages: KVPages, page_mask_given: bool, window: int | None, coded_keys: bool, num_queries: int
+    implementation: PagedImplementation, k_pages: KVPages, page_mask_given: bool, window: int | None, coded_keys: bool, num_queries: int
 ) -> Callable[..., Any]:
     """The backend, called as ``fn(q [B, T, H, D], k, v, tables, q_positions [B, T], pages, **options)``."""
+    if implementation == "gathered" and page_mask_given:
+        raise ConfigError(
+            "implementation='gathered' cannot skip masked pages (a page_mask); "
+            "use reference, xla or triton, or pass implementation=None to let zgen choose"
+        )
     if coded_keys and implementation in ("mosaic_gpu", "mosaic_tpu"):
         raise ConfigError(
             f"implementation={implementation!r} cannot read coded keys (key_calibration); "
@@ -64,6 +81,8 @@ def _backend(
         from zgen.pallas.paged_attention import triton
 
         return lambda *a, **kw: triton.paged_attention(*a, **kw, interpret=interpret_pallas())
+    if implementation == "gathered":
+        return gathered.paged_attention
     if implementation == "mosaic_gpu":
         from zgen.pallas.paged_attention import mosaic_gpu
 
@@ -93,11 +112,19 @@ def _as_multi_query(decode: Callable[..., Array]) -> Callable[..., Array]:
 
 
 def default_implementation(
-    k_pages: KVPages, page_mask_given: bool, window: int | None, coded_keys: bool = False, num_queries: int = 1
-) -> Implementation:
-    """Best implementation for the current platform that supports these pages and options."""
+    k_pages: KVPages,
+    page_mask_given: bool,
+    window: int | None,
+    coded_keys: bool = False,
+    num_queries: int = 1,
+    gathered_bytes: int | None = None,
+) -> PagedImplementation:
+    """Best implementation for the current platform that supports these pages and options
+    (``gathered_bytes``: the size of the "gathered" backend's copy, None if unknown)."""
     where = platform()
     if where == "gpu":
+        if not page_mask_given and gathered_bytes is not None and gathered.fits(num_queries, gathered_bytes):
+            return "gathered"
         # The Mosaic GPU kernel (bf16 pages only) stays opt-in: slower than Triton in the GPU runs.
         from zgen.pallas.paged_attention import triton
 
@@ -143,7 +170,9 @@ def paged_attention(
       key_calibration: the coding the keys were stored with (:class:`KeyCalibration`: ``[KVH, D]``
         statistics and RoPE frequencies); a key's position is page index * page_size + offset.
         None: the stored keys are used as they are.
-      implementation: None (best for the platform), "reference", "xla", "triton", or one query per
+      implementation: None (best for the platform), "reference", "xla", "triton", "gathered" (the
+        rows' pages dequantized into one buffer, then flash attention; no ``page_mask``; the GPU's
+        choice for long query chunks, see :mod:`~zgen.pallas.paged_attention.gathered`), or one query per
         sequence only: "mosaic_gpu" (Hopper; bf16/f16 pages, page_size a multiple of 64), "mosaic_tpu".
     """
     _check(q, k_pages, v_pages, block_tables, q_positions)
@@ -158,17 +187,19 @@ def paged_attention(
         )
     coded_keys = key_calibration is not None
     num_queries = q.shape[1]
+    b = q.shape[0]
+    copy_bytes = gathered.gathered_bytes(b, block_tables.shape[1], k_pages, q.dtype)
     impl = (
-        default_implementation(k_pages, page_mask is not None, sliding_window, coded_keys, num_queries)
+        default_implementation(k_pages, page_mask is not None, sliding_window, coded_keys, num_queries, copy_bytes)
         if implementation is None
-        else check_implementation(implementation)
+        else _check_implementation(implementation)
     )
     q_positions = q_positions.astype(jnp.int32)
     pages = visible_pages(block_tables, q_positions, page_mask, page_size, sliding_window)
     # Invisible table entries may be stale or -1: point them at page 0 so no backend reads out of bounds.
     tables = jnp.where(pages, block_tables, 0).astype(jnp.int32)
     fn = _backend(impl, k_pages, page_mask is not None, sliding_window, coded_keys, num_queries)
-    if impl not in ("reference", "xla"):
+    if impl not in ("reference", "xla", "gathered"):
         # The kernels read float leaves; the XLA paths bitcast only the pages they gather.
         k_pages, v_pages = float_pages(k_pages), float_pages(v_pages)
     # Only backends that can read coded keys get the argument, so the others keep their signatures.

@@ -47,10 +47,12 @@ rotation is undone on the attention output, outside the kernels.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Literal, Protocol, TypeAlias
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int, Shaped, UInt8
 
 from zgen.rope import apply_rope
@@ -323,6 +325,20 @@ def take_pages(pages: KVPages, index: Array) -> KVPages:
     return jax.tree_util.tree_map(lambda leaf: jnp.take(leaf, index, axis=1), pages)
 
 
+def gather_sequences(pages: KVPages, block_tables: Int[Array, "b pages_per_seq"], dtype: jnp.dtype | None) -> Array:
+    """``[B, pages_per_seq * page_size, KVH, D]``: each row's pages in table order, so slot ``j`` holds
+    position ``j`` (``-1`` entries read page 0). ``dtype=None`` keeps a plain array's stored dtype;
+    quantized pages are dequantized to ``dtype`` (float32 if None)."""
+    num_pages = leading_shape(pages)[1]
+    gathered = float_pages(take_pages(pages, jnp.clip(block_tables, 0, num_pages - 1)))  # [KVH, B, pps, ps, ...]
+    if isinstance(gathered, jax.Array):
+        dense = gathered if dtype is None else gathered.astype(dtype)
+    else:
+        dense = dequantize(gathered, jnp.float32 if dtype is None else dtype)
+    kvh, b, pps, ps, d = dense.shape
+    return dense.reshape(kvh, b, pps * ps, d).transpose(1, 2, 0, 3)
+
+
 def bytes_per_token(pages: KVPages) -> int:
     """Bytes one token of one kv head occupies in this layout (what decode must read per key)."""
     kvh, num_pages, page_size = leading_shape(pages)
@@ -330,22 +346,31 @@ def bytes_per_token(pages: KVPages) -> int:
     return total // (kvh * num_pages * page_size)
 
 
-def hadamard(x: Float[Array, "*lead d"]) -> Float[Array, "*lead d"]:
-    """Orthonormal Walsh–Hadamard transform of the last axis, in f32 (its own inverse).
+def hadamard(x: Float[Array, "*lead d"], dot_dtype: jnp.dtype = jnp.float32) -> Float[Array, "*lead d"]:
+    """Orthonormal Walsh–Hadamard transform of the last axis, f32 out (its own inverse).
 
-    Blocks of the largest power of two dividing ``D`` (all of it for D = 64 or 128), as a fast
-    transform: log2(block) butterfly stages instead of a ``D x D`` matmul.
+    Blocks of the largest power of two dividing ``D`` (all of it for D = 64 or 128), as one dot with
+    Sylvester's ``±1`` matrix (exact entries) accumulated in f32, scaled after: on a GPU the log2(block)
+    butterfly stages of a fast transform became one XLA kernel each (7 launches per transform at
+    D = 128, four transforms per layer and decode step of a coded cache). ``dot_dtype`` bfloat16 runs
+    it on the tensor cores for inputs already in bf16 (the products stay exact).
     """
     d = x.shape[-1]
     block = d & -d
-    y = x.astype(jnp.float32).reshape(*x.shape[:-1], d // block, block)
-    half = 1
-    while half < block:
-        pairs = y.reshape(*y.shape[:-1], block // (2 * half), 2, half)
-        low, high = pairs[..., 0, :], pairs[..., 1, :]
-        y = jnp.stack([low + high, low - high], axis=-2).reshape(y.shape)
-        half *= 2
+    y = x.astype(dot_dtype).reshape(*x.shape[:-1], d // block, block)
+    sylvester = jnp.asarray(_sylvester(block), dot_dtype)
+    exact = jax.lax.Precision.HIGHEST if jnp.dtype(dot_dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
+    y = jnp.einsum("...i,ij->...j", y, sylvester, precision=exact, preferred_element_type=jnp.float32)
     return y.reshape(x.shape) * (block**-0.5)
+
+
+@functools.cache
+def _sylvester(n: int) -> np.ndarray:
+    """Sylvester's ``n x n`` Hadamard matrix of ``±1`` (``n`` a power of two), symmetric."""
+    h = np.ones((1, 1), np.float32)
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h
 
 
 def hadamard_matrix(d: int) -> Float[Array, "d d"]:
@@ -403,9 +428,11 @@ class KeyCalibration:
         centred = k.astype(jnp.float32) - self._shift(positions, k.ndim, head_axis)
         return hadamard(centred * self._per_head(self.scale, k.ndim, head_axis))
 
-    def decode(self, coded: Float[Array, "*lead d"], positions: Int[Array, "..."], head_axis: int) -> Float[Array, "*lead d"]:
-        """Invert :meth:`encode` (on dequantized values)."""
-        unscaled = hadamard(coded) / self._per_head(self.scale, coded.ndim, head_axis)
+    def decode(
+        self, coded: Float[Array, "*lead d"], positions: Int[Array, "..."], head_axis: int, dot_dtype: jnp.dtype = jnp.float32
+    ) -> Float[Array, "*lead d"]:
+        """Invert :meth:`encode` (on dequantized values; f32 out), the rotation's dot in ``dot_dtype``."""
+        unscaled = hadamard(coded, dot_dtype) / self._per_head(self.scale, coded.ndim, head_axis)
         return unscaled + self._shift(positions, coded.ndim, head_axis)
 
     def fold_into_queries(self, q: Float[Array, "*lead d"], head_axis: int) -> Float[Array, "*lead d"]:
