@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from gpu_decode import SHAPES, per_token_s, prompt_ids, random_bf16_model  # benchmarks/ is on sys.path when this script runs
 from zgen import Generator, SamplingConfig
 from zgen.model import Model, load_model, quantize_model
+from zgen.pallas.quantized_matmul import quantized_matmul
 from zgen.quantized_weights import MATMULS, QuantizedWeight, WeightQuantization, quantize, quantized_linear
 
 TEXT = Path(__file__).resolve().parent.parent / "docs" / "eval" / "english.txt"
@@ -57,6 +58,11 @@ def decode_ms(model: Model, new_tokens: int, runs: int, prompt_tokens: int) -> t
     return seconds * 1e3, tokens
 
 
+def product(x: jax.Array, weight: QuantizedWeight) -> jax.Array:
+    """The product as a decode step computes it: "kernel" weights through zgen's Triton kernel."""
+    return quantized_matmul(x, weight) if weight.matmul == "kernel" else quantized_linear(x, weight)
+
+
 def matmul_ms(hidden: int, intermediate: int, schemes: dict[str, WeightQuantization | None], runs: int) -> dict[str, float]:
     """x [1, intermediate] @ W.T, W [hidden, intermediate] (the down projection), per format."""
     key = jax.random.key(0)
@@ -65,7 +71,7 @@ def matmul_ms(hidden: int, intermediate: int, schemes: dict[str, WeightQuantizat
     times: dict[str, float] = {}
     for name, scheme in schemes.items():
         w = weight if scheme is None else quantize(weight, scheme, jnp.dtype(jnp.float16))
-        fn = jax.jit(lambda x, w: quantized_linear(x, w) if isinstance(w, QuantizedWeight) else x @ w.T)
+        fn = jax.jit(lambda x, w: product(x, w) if isinstance(w, QuantizedWeight) else x @ w.T)
         fn(x, w).block_until_ready()
         samples = []
         for _ in range(runs):

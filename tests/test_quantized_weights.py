@@ -21,6 +21,7 @@ from zgen.contexts.snapshot import model_fingerprint
 from zgen.errors import ConfigError, UnsupportedModelError
 from zgen.loading.gguf_quantized import fuse, read_codes
 from zgen.model import Model, load_model, quantize_model
+from zgen.pallas.quantized_matmul import quantized_matmul
 from zgen.quantized_weights import QuantizedWeight, WeightQuantization, dequantize, quantize, quantized_linear
 
 F32 = jnp.dtype(jnp.float32)
@@ -147,6 +148,26 @@ def test_every_matmul_form_computes_the_same_logits(tiny_float: Model) -> None:
     }
     for matmul in ("grouped", "reduce"):
         np.testing.assert_allclose(logits[matmul], logits["dequantize"], rtol=0, atol=1e-5 * np.abs(logits["dequantize"]).max())
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_kernel_matmul_runs_through_the_runtime(tiny_float: Model, bits: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``matmul="kernel"``: the runtime's contexts hand the products of a decode-sized step to the
+    Triton kernel on a GPU (here the platform check says GPU and the kernel runs interpreted): the
+    same logits and greedy tokens as dequantize-then-dot in float32."""
+    import zgen.runtime.step as step
+
+    scheme = lambda matmul: WeightQuantization(bits, 32, matmul)  # noqa: E731
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+    plain = Generator(quantize_model(tiny_float, scheme("dequantize")))
+    monkeypatch.setattr(step, "platform", lambda: "gpu")
+    calls: list[int] = []
+    monkeypatch.setattr(step, "quantized_matmul", lambda x, w: calls.append(1) or quantized_matmul(x, w))
+    kernel = Generator(quantize_model(tiny_float, scheme("kernel")))
+    expected = plain.logits(IDS[:6])
+    np.testing.assert_allclose(kernel.logits(IDS[:6]), expected, rtol=0, atol=1e-4 * np.abs(expected).max())
+    assert calls, "the kernel was not called"
+    assert kernel.generate(IDS, greedy).token_ids == plain.generate(IDS, greedy).token_ids
 
 
 def test_unsupported_weight_choices_are_typed_errors(tiny_dir: Path) -> None:

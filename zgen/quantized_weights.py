@@ -25,6 +25,8 @@ static choice of the weight (``matmul``), so that XLA reads the weights at their
 * ``"reduce"``: for a step of at most :data:`REDUCE_MAX_ROWS` rows (decode), an elementwise product
   with the dequantized weights summed over the inputs — one reduction that reads each weight once,
   in place of a dot whose operand XLA might not fuse; more rows (prefill) dequantize and dot.
+* ``"kernel"``: zgen's Triton kernel (:func:`zgen.pallas.quantized_matmul`) where the runtime can run
+  it (a GPU, a step of at most 16 rows, a model on one device); elsewhere ``"dequantize"``.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from zgen.numerics import matmul_precision
 # A leaf is a device array once loaded, a numpy array while a checkpoint is assembled on the host.
 Leaf = Any
 INT4_GROUP_SIZES = (128, 64, 32)  # the default int4 group: the largest of these a matrix's width allows
-MATMULS = ("dequantize", "grouped", "reduce")
+MATMULS = ("dequantize", "grouped", "reduce", "kernel")
 REDUCE_MAX_ROWS = 8  # "reduce" multiplies and sums for at most this many rows (decode), else dots
 
 

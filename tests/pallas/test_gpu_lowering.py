@@ -19,7 +19,9 @@ from zgen.pallas.paged_attention import mosaic_gpu as paged_mosaic_gpu
 from zgen.pallas.paged_attention import quantize
 from zgen.pallas.paged_attention.layouts import KeyCalibration
 from zgen.pallas.paged_attention import triton as paged_triton
+from zgen.pallas.quantized_matmul import triton as quantized_matmul_triton
 from zgen.pallas.rms_norm import triton as rms_norm_triton
+from zgen.quantized_weights import WeightQuantization, quantize as quantize_weight
 
 TRITON_CALL = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
 
@@ -153,3 +155,12 @@ def test_add_rms_norm_lowers(size: int) -> None:
         return rms_norm_triton.add_rms_norm(x, d, w, 1e-5)
 
     assert "xla.gpu.triton" in lower_for_cuda(fn, x, x, jnp.ones((size,), jnp.bfloat16))
+
+
+@pytest.mark.parametrize(("bits", "group", "out", "inp"), [(8, None, 1024, 4096), (4, 128, 14336, 4096), (4, 32, 4096, 14336), (8, 32, 576, 1536)])
+def test_quantized_matmul_lowers(bits: int, group: int | None, out: int, inp: int) -> None:
+    """Decode-shaped products: int8 one group per row (chunks looped inside a group), int4 groups of
+    128 and GGUF-style 32 (several groups per step), outputs that need splits over the groups."""
+    weight = quantize_weight(jnp.zeros((out, inp), jnp.float32), WeightQuantization(bits, group), jnp.dtype(jnp.float16))
+    x = jnp.zeros((1, inp), jnp.bfloat16)
+    assert "xla.gpu.triton" in lower_for_cuda(lambda x, w: quantized_matmul_triton.quantized_matmul(x, w), x, weight)

@@ -18,6 +18,7 @@ from jaxtyping import Array, Float, Int
 
 from zgen.errors import GraphTypeError
 from zgen.numerics import add_rms_norm
+from zgen.quantized_weights import QuantizedWeight, quantized_linear
 
 Dim = int | str
 
@@ -65,6 +66,11 @@ class ForwardContext(ABC):
         """``x + delta`` and its RMS norm (:func:`zgen.numerics.add_rms_norm`); a context may run
         both as one kernel."""
         return add_rms_norm(x, delta, weight, eps)
+
+    def quantized_linear(self, x: Float[Array, "*rows inp"], weight: QuantizedWeight) -> Float[Array, "*rows out"]:
+        """``x @ W.T`` for a quantized weight (:func:`zgen.quantized_weights.quantized_linear`); a
+        context may run it as a kernel."""
+        return quantized_linear(x, weight)
 
 
 class Node(ABC):

@@ -14,10 +14,11 @@ from zgen.numerics import matmul_precision, rms_norm
 from zgen.quantized_weights import QuantizedWeight, quantized_linear
 
 
-def linear(x: jax.Array, weight: jax.Array | QuantizedWeight) -> jax.Array:
-    """x @ weight.T with weight in the checkpoint's [out, in] layout (or quantized in that shape)."""
+def linear(x: jax.Array, weight: jax.Array | QuantizedWeight, ctx: ForwardContext | None = None) -> jax.Array:
+    """x @ weight.T with weight in the checkpoint's [out, in] layout (or quantized in that shape, then
+    through ``ctx``, which may run a kernel)."""
     if isinstance(weight, QuantizedWeight):
-        return quantized_linear(x, weight)
+        return quantized_linear(x, weight) if ctx is None else ctx.quantized_linear(x, weight)
     return jnp.einsum("...i,oi->...o", x, weight, precision=matmul_precision(x.dtype, weight.dtype))
 
 
@@ -26,8 +27,8 @@ def linear(x: jax.Array, weight: jax.Array | QuantizedWeight) -> jax.Array:
 Project = Callable[[str, jax.Array], jax.Array]
 
 
-def plain_projection(params: Mapping[str, jax.Array], prefix: str) -> Project:
-    return lambda name, x: linear(x, param(params, prefix, name))
+def plain_projection(params: Mapping[str, jax.Array], prefix: str, ctx: ForwardContext) -> Project:
+    return lambda name, x: linear(x, param(params, prefix, name), ctx)
 
 
 @dataclass
@@ -149,7 +150,7 @@ class Attention(Node):
 
     def apply(self, params: Mapping[str, jax.Array], args: Sequence[jax.Array], ctx: ForwardContext) -> jax.Array:
         x, positions = args
-        return self.attend(params, x, positions, ctx, plain_projection(params, self.prefix))
+        return self.attend(params, x, positions, ctx, plain_projection(params, self.prefix, ctx))
 
     def attend(
         self, params: Mapping[str, jax.Array], x: jax.Array, positions: jax.Array, ctx: ForwardContext, project: Project
@@ -209,7 +210,7 @@ class GatedMLP(Node):
         return (f"{self.prefix}.gate_up", f"{self.prefix}.down")
 
     def apply(self, params: Mapping[str, jax.Array], args: Sequence[jax.Array], ctx: ForwardContext) -> jax.Array:
-        return self.feed_forward(args[0], plain_projection(params, self.prefix))
+        return self.feed_forward(args[0], plain_projection(params, self.prefix, ctx))
 
     def feed_forward(self, x: jax.Array, project: Project) -> jax.Array:
         gate_up = project("gate_up", x).reshape(*x.shape[:-1], self.shards, 2 * self.intermediate // self.shards)
@@ -256,4 +257,4 @@ class LMHead(Node):
         return {self.weight: (self.vocab, self.hidden)}
 
     def apply(self, params: Mapping[str, jax.Array], args: Sequence[jax.Array], ctx: ForwardContext) -> jax.Array:
-        return linear(args[0], params[self.weight]).astype(jnp.float32)
+        return linear(args[0], params[self.weight], ctx).astype(jnp.float32)

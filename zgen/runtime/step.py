@@ -36,7 +36,10 @@ from zgen.cache.sharded import attend_per_shard, write_and_attend_per_shard
 from zgen.graph.core import ForwardContext, Graph
 from zgen.graph.decoder import LOGIT_ROWS, POSITIONS, TOKENS, feature_graph
 from zgen.lora.graph import ADAPTER_SLOTS
+from zgen.pallas.common import platform
+from zgen.pallas.quantized_matmul import quantized_matmul
 from zgen.pallas.rms_norm import add_rms_norm
+from zgen.quantized_weights import QuantizedWeight
 from zgen.runtime.grammar import GrammarLoop, allowed_tokens
 from zgen.runtime.sampling import PenaltyState, SamplingFlags, SamplingParams, filter_logits, sample, update_penalty_state
 from zgen.rope import rotary
@@ -47,11 +50,16 @@ S = TypeVar("S", bound=KVState)
 
 
 class KernelContext(ForwardContext):
-    """A context that runs the graph's fusable work (residual add + RMS norm) through zgen's kernels,
-    one launch each where the platform has one; a model split over a ``mesh`` keeps XLA's form, which
-    the partitioner can split."""
+    """A context that runs the graph's fusable work (residual add + RMS norm) and the products of
+    weights quantized with ``matmul="kernel"`` through zgen's kernels, where the platform has them; a
+    model split over a ``mesh`` keeps XLA's forms, which the partitioner can split."""
 
     mesh: Mesh | None = None
+
+    def quantized_linear(self, x: Float[Array, "*rows inp"], weight: QuantizedWeight) -> Float[Array, "*rows out"]:
+        if self.mesh is None and weight.matmul == "kernel" and platform() == "gpu":
+            return quantized_matmul(x, weight)
+        return super().quantized_linear(x, weight)
 
     def add_rms_norm(
         self, x: Float[Array, "B T E"], delta: Float[Array, "B T E"], weight: Float[Array, " E"], eps: float

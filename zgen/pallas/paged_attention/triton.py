@@ -49,7 +49,7 @@ from zgen.pallas.paged_attention.layouts import (
     Q4Pages,
     leading_shape,
 )
-from zgen.pallas.triton_utils import MIN_DOT, dot_nn, dot_nt, prev_pow2
+from zgen.pallas.triton_utils import MIN_DOT, dot_nn, dot_nt, nibble_tiles, prev_pow2, widen_metadata
 from zgen.rope import rope_cos_sin
 from zgen.shapes import cdiv, next_pow2
 
@@ -89,13 +89,6 @@ def _columns(ref: jax.Ref, p: Array, n: int) -> list[Array]:
             cols.append(jax.lax.bitcast_convert_type((word >> 16) << 16, jnp.float32))
         return cols[:n]
     return [ref[p, :, j].astype(jnp.float32) for j in range(n)]
-
-
-def widen_metadata(leaf: Array) -> Array:
-    """Bitcast a 2-byte metadata leaf ``[..., n]`` (n even) to u32 pairs ``[..., n/2]`` (free in XLA)."""
-    if leaf.dtype.itemsize != 2 or leaf.shape[-1] % 2:
-        return leaf
-    return jax.lax.bitcast_convert_type(leaf.reshape(*leaf.shape[:-1], leaf.shape[-1] // 2, 2), jnp.uint32)
 
 
 def _scaled(p: Array, col: Array, dtype: jnp.dtype) -> Array:
@@ -150,21 +143,9 @@ def _fp8_reader(head_dim: int, dtype: jnp.dtype) -> PageReader:
     return PageReader(((0, head_dim),), 2, logits, values, prepare)
 
 
-# bf16 128.0: with a nibble ``c`` or'ed into the low mantissa bits it reads 128 + c (the unit in the last
-# place of 128 is 1), exact, so bit operations on the raw byte replace an int->float convert.
-_BF16_128 = 0x4300
-
-
-def _nibble_tiles(byte: Array, dtype: jnp.dtype) -> tuple[Array, Array]:
-    """The low and high nibbles of a byte tile as ``128 + c``."""
-    wide = byte.astype(jnp.uint16)
-    as_bf16 = lambda bits: jax.lax.bitcast_convert_type(bits | _BF16_128, jnp.bfloat16).astype(dtype)  # noqa: E731
-    return as_bf16(wide & 0xF), as_bf16(wide >> 4)
-
-
 def _q4_reader(head_dim: int, group: int, dtype: jnp.dtype) -> PageReader:
     """The dots run on ``L = 128 + c`` for the codes ``c``, exact in bf16 and made by bit operations on
-    the byte (``_nibble_tiles``); a group's scale ``s`` and min ``z`` (``k = s c + z = s L + z'``, ``z' = z - 128 s``) act
+    the byte (``nibble_tiles``); a group's scale ``s`` and min ``z`` (``k = s c + z = s L + z'``, ``z' = z - 128 s``) act
     on whole rows:
 
         q . k_t = sum_g s_tg (q_g . L_tg) + z'_tg sum(q_g)       (K: sum(q_g) computed once)
@@ -181,7 +162,7 @@ def _q4_reader(head_dim: int, group: int, dtype: jnp.dtype) -> PageReader:
         """Nibble tiles in group order (low nibbles: dims [0, D/2), high nibbles: [D/2, D))."""
         lows, highs = [], []
         for j in range(n):
-            low, high = _nibble_tiles(packed[p, :, pl.ds(j * group, group)], dtype)
+            low, high = nibble_tiles(packed[p, :, pl.ds(j * group, group)], dtype)
             lows.append(low)
             highs.append(high)
         return lows + highs

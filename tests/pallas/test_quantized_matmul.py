@@ -1,0 +1,82 @@
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from zgen.errors import ConfigError
+from zgen.pallas.quantized_matmul import quantized_matmul, supports
+from zgen.quantized_weights import QuantizedWeight, WeightQuantization, dequantize, quantize
+
+TOLERANCE = {"bfloat16": 2e-2, "float32": 1e-4}
+
+
+@st.composite
+def problems(draw: st.DrawFn) -> tuple[jax.Array, QuantizedWeight]:
+    """Rows of a decode step against a random int8 or int4 weight: group sizes from 16 to a whole row
+    (int8's default), outputs that need one or several blocks and splits."""
+    bits = draw(st.sampled_from([4, 8]))
+    dtype = draw(st.sampled_from(["bfloat16", "float32"]))
+    group = draw(st.sampled_from([16, 32, 64, 128] + ([None] if bits == 8 else [])))
+    width = draw(st.sampled_from([256, 512])) if group is None else group * draw(st.sampled_from([2, 4, 6]))
+    out = draw(st.sampled_from([16, 48, 64, 192]))
+    rows = draw(st.integers(1, 16))
+    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+    weight = jnp.asarray(rng.standard_normal((out, width)) * width**-0.5, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((rows, width)), dtype)
+    scale_dtype = jnp.float32 if dtype == "float32" else jnp.float16
+    return x, quantize(weight, WeightQuantization(bits, group), jnp.dtype(scale_dtype))
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(problems())
+def test_matches_the_dequantized_product(problem: tuple[jax.Array, QuantizedWeight]) -> None:
+    """The kernel (interpreted on CPU) against x @ dequantize(W).T in float32."""
+    x, weight = problem
+    assert supports(x, weight)
+    got = jax.jit(lambda x, w: quantized_matmul(x, w, implementation="triton"))(x, weight)
+    expected = x.astype(jnp.float32) @ dequantize(weight).T
+    tol = TOLERANCE[str(x.dtype)]
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(expected), atol=tol, rtol=tol)
+    assert got.dtype == x.dtype
+
+
+@pytest.mark.parametrize(("bits", "group", "width", "scale_dtype"), [(4, 32, 192, "float16"), (4, 64, 384, "bfloat16"), (8, None, 96, "float16")])
+def test_one_row_in_bfloat16(bits: int, group: int | None, width: int, scale_dtype: str) -> None:
+    """Batch-1 decode, the kernel's main case: one row padded in registers; 2-byte scales read in u32
+    pairs (int8's single scale per row, an odd count, stays as it is)."""
+    rng = np.random.default_rng(bits)
+    weight = quantize(jnp.asarray(rng.standard_normal((64, width)) * 0.1, jnp.float32), WeightQuantization(bits, group), jnp.dtype(scale_dtype))
+    x = jnp.asarray(rng.standard_normal((1, 1, width)), jnp.bfloat16)
+    got = quantized_matmul(x, weight)
+    expected = x.astype(jnp.float32) @ dequantize(weight).T
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(expected), atol=2e-2, rtol=2e-2)
+
+
+def test_symmetric_int8_with_offsets_and_leading_axes() -> None:
+    """8-bit codes with offsets (a layout the loaders may give) and a [B, T, in] input."""
+    rng = np.random.default_rng(1)
+    codes = jnp.asarray(rng.integers(-127, 128, (32, 64)), jnp.int8)
+    scales = jnp.asarray(rng.uniform(0.01, 0.1, (32, 2)), jnp.float32)
+    offsets = jnp.asarray(rng.uniform(-0.1, 0.1, (32, 2)), jnp.float32)
+    weight = QuantizedWeight(codes, scales, offsets, bits=8, group_size=32)
+    x = jnp.asarray(rng.standard_normal((2, 3, 64)), jnp.float32)
+    got = quantized_matmul(x, weight)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(x @ dequantize(weight).T), atol=1e-4, rtol=1e-4)
+
+
+def test_products_the_kernel_does_not_take_go_to_xla() -> None:
+    weight = quantize(jnp.ones((40, 64), jnp.float32), WeightQuantization(8), jnp.dtype(jnp.float32))  # 40 outputs
+    many_rows = jnp.ones((17, 64), jnp.float32)
+    assert not supports(jnp.ones((1, 64)), weight) and not supports(many_rows, weight)
+    np.testing.assert_allclose(np.asarray(quantized_matmul(many_rows, weight)), np.asarray(many_rows @ dequantize(weight).T), rtol=1e-5)
+
+
+def test_rejects_mismatched_inputs_and_unknown_implementations() -> None:
+    weight = quantize(jnp.ones((16, 64), jnp.float32), WeightQuantization(8), jnp.dtype(jnp.float32))
+    with pytest.raises(ConfigError, match="inputs"):
+        quantized_matmul(jnp.ones((1, 32)), weight)
+    with pytest.raises(ConfigError, match="unknown quantized_matmul implementation"):
+        quantized_matmul(jnp.ones((1, 64)), weight, implementation="cuda")
