@@ -20,6 +20,7 @@ from zgen.pallas.common import RUNNING_MAX_INIT, finish_softmax, platform, soft_
 from zgen.shapes import cdiv
 from zgen.pallas.paged_attention.common import query_bounds
 from zgen.pallas.paged_attention.layouts import KeyCalibration, KVPages, dequantize, leading_shape, take_pages
+from zgen.rope import rope_cos_sin
 
 DEFAULT_CHUNK_TOKENS = 512
 # On CPU a smaller chunk keeps its dequantized K/V and logits in cache, and a short sequence computes
@@ -28,16 +29,24 @@ DEFAULT_CHUNK_TOKENS = 512
 CPU_CHUNK_TOKENS = 128
 
 
-def _mean_logits(calibration: KeyCalibration, qg: Float[Array, "b kvh g t d"]) -> Callable[[Array], Array]:
-    """``mean(pos)``: ``q . rope(shift, pos)`` of each query and key at ``pos``, ``[B, KVH, G, T, len(pos)]``."""
+def _mean_logits(calibration: KeyCalibration, qg: Float[Array, "b kvh g t d"], chunk_tokens: int) -> Callable[[Array], Array]:
+    """``mean(start)``: ``q . rope(shift, pos)`` of each query and the keys of the chunk at positions
+    ``start .. start + chunk_tokens - 1``, ``[B, KVH, G, T, chunk_tokens]``. As in the Triton kernel,
+    the angle ``(start + i) f`` splits by angle addition: the query-mean products are rotated by the
+    chunk's start angle, then dotted with the in-chunk offsets' cosines and sines (one table for the
+    whole loop), so a chunk costs ``D / 2`` sines instead of ``chunk_tokens * D / 2``."""
     mean_a, mean_b, sink_gap = calibration.mean_products(qg, head_axis=1)
     exact = matmul_precision(jnp.float32)
+    cos_off, sin_off = rope_cos_sin(jnp.arange(chunk_tokens), calibration.inv_freq)  # [chunk, D/2]
 
-    def mean(pos: Array) -> Array:
-        angles = pos.astype(jnp.float32)[:, None] * calibration.inv_freq
-        out = jnp.einsum("bkgqh,th->bkgqt", mean_a, jnp.cos(angles), precision=exact)
-        out += jnp.einsum("bkgqh,th->bkgqt", mean_b, jnp.sin(angles), precision=exact)
-        return out + jnp.where(pos == 0, sink_gap[..., None], 0.0)
+    def mean(start: Array) -> Array:
+        cos_start, sin_start = rope_cos_sin(start, calibration.inv_freq)
+        a = mean_a * cos_start + mean_b * sin_start
+        b = mean_b * cos_start - mean_a * sin_start
+        out = jnp.einsum("bkgqh,th->bkgqt", a, cos_off, precision=exact)
+        out += jnp.einsum("bkgqh,th->bkgqt", b, sin_off, precision=exact)
+        first = start + jnp.arange(chunk_tokens) == 0
+        return out + jnp.where(first, sink_gap[..., None], 0.0)
 
     return mean
 
@@ -78,7 +87,7 @@ def paged_attention(
     qpos = q_positions[:, :, None]
     mean_logits = None
     if key_calibration is not None:
-        mean_logits = _mean_logits(key_calibration, qg)
+        mean_logits = _mean_logits(key_calibration, qg, chunk_tokens)
         qg = key_calibration.fold_into_queries(qg, head_axis=1).astype(compute_dtype)
 
     def body(c: Array, carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
@@ -89,7 +98,7 @@ def paged_attention(
         v = dequantize(take_pages(v_pages, idx), compute_dtype).reshape(kvh, b, chunk_tokens, d)
         s = jnp.einsum("bkgqd,kbtd->bkgqt", qg, k, preferred_element_type=jnp.float32, precision=precision)
         if mean_logits is not None:
-            s += mean_logits(pos)
+            s += mean_logits(c * chunk_tokens)
         s = s * scale
         ok = visible(qpos, pos[None, None, :], qpos + 1, causal=True, window=sliding_window)  # [B, T, chunk]
         ok &= jnp.repeat(jax.lax.dynamic_slice_in_dim(valid_pages, c * chunk, chunk, axis=1), page_size, axis=1)[:, None, :]
