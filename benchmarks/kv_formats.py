@@ -8,9 +8,15 @@ other. Per format: ms per decode step (wall time of N new tokens minus 1, over N
 every row), both as ratios to the dense bf16 cache, and the KV bytes the format holds for the batch.
 Each paged pool gets the pages the batch needs (with 10 % to spare), nothing more.
 
+``--capacity-gb X`` is the capacity run instead: every paged format gets a pool of X GB and runs at the
+largest batch that pool admits for the prompt and new tokens (the pool's own block count over each
+row's blocks), so a smaller format runs more rows; the table gives each format's batch and its decode
+tokens/s (rows over ms per step), both against the first format's.
+
     python benchmarks/kv_formats.py                                   # Llama-3-8B, batch 8, 8,000-token prompt
     python benchmarks/kv_formats.py --prompt-tokens 512               # where KV bytes are negligible
     python benchmarks/kv_formats.py --shape smollm2 --formats dense-bf16 paged-q4
+    python benchmarks/kv_formats.py --capacity-gb 40 --prompt-tokens 32000 --formats paged-bf16 paged-q4
 """
 
 from __future__ import annotations
@@ -31,7 +37,22 @@ FORMATS = ("dense-bf16", "paged-bf16", "paged-fp8", "paged-q4", "paged-q3")
 PAGE_SIZE = 16
 
 
-def run_format(model: Any, name: str, batch: int, prompt_tokens: int, new_tokens: int, runs: int) -> dict[str, Any]:
+def admitted_rows(model: Any, name: str, pool_gb: float, tokens_per_row: int) -> int:
+    """Rows of ``tokens_per_row`` a pool of ``pool_gb`` GB in this paged format holds (its own block count)."""
+    from zgen.cache.block_pool import BlockPool, blocks_for
+    from zgen.cache.page_store import PagedConfig
+
+    c = model.config
+    config = PagedConfig(c.num_layers, c.num_kv_heads, c.head_dim, PAGE_SIZE, name.split("-")[1])
+    blocks = BlockPool.blocks_in_budget(pool_gb * 1e9 / 2**20, config.bytes_per_token * PAGE_SIZE, PAGE_SIZE)
+    return blocks // blocks_for(tokens_per_row, PAGE_SIZE)
+
+
+def run_format(
+    model: Any, name: str, batch: int, prompt_tokens: int, new_tokens: int, runs: int, pool_gb: float | None = None
+) -> dict[str, Any]:
+    """One format's decode step and first-token time; a paged pool of ``pool_gb`` GB, or (None) of what
+    the batch needs with 10 % to spare."""
     from zgen import Generator, Request, SamplingConfig
     from zgen.cache.factory import cache_kind, kv_dtype, paged_kv
     from zgen.cache.formats import bytes_per_token_per_layer
@@ -40,7 +61,8 @@ def run_format(model: Any, name: str, batch: int, prompt_tokens: int, new_tokens
     c = model.config
     tokens = batch * (prompt_tokens + new_tokens + PAGE_SIZE)
     kv_bytes = tokens * c.num_layers * bytes_per_token_per_layer(storage, c.num_kv_heads, c.head_dim, PAGE_SIZE)
-    options = (cache_kind("tensor"),) if kind == "dense" else (paged_kv(1.1 * kv_bytes / 2**20, PAGE_SIZE), kv_dtype(storage))
+    pool_mb = 1.1 * kv_bytes / 2**20 if pool_gb is None else pool_gb * 1e9 / 2**20
+    options = (cache_kind("tensor"),) if kind == "dense" else (paged_kv(pool_mb, PAGE_SIZE), kv_dtype(storage))
     gen = Generator(model, *options, max_batch_size=batch)
     prompt = prompt_ids(prompt_tokens)
 
@@ -51,7 +73,10 @@ def run_format(model: Any, name: str, batch: int, prompt_tokens: int, new_tokens
     first_s = statistics.median(min(r.timings.prefill_s for r in generate(1)) for _ in range(runs))
     tokens_out = generate(new_tokens)[0].token_ids
     gen.close()
-    return {"format": name, "ms_per_step": step_s * 1e3, "ttft_s": first_s, "kv_gb": kv_bytes / 1e9, "token_ids": tokens_out[:16]}
+    return {
+        "format": name, "batch": batch, "ms_per_step": step_s * 1e3, "tok_s": batch / step_s, "ttft_s": first_s,
+        "kv_gb": kv_bytes / 1e9, "token_ids": tokens_out[:16],
+    }
 
 
 def main() -> None:
@@ -62,11 +87,15 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=8000)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--capacity-gb", type=float, help="the capacity run: paged pools of this many GB, each at the batch it admits")
     args = parser.parse_args()
 
     import jax
 
     model = random_bf16_model(args.shape)
+    if args.capacity_gb is not None:
+        capacity(model, args)
+        return
     rows = []
     for name in args.formats:
         rows.append(run_format(model, name, args.batch, args.prompt_tokens, args.new_tokens, args.runs))
@@ -79,6 +108,24 @@ def main() -> None:
     for r in rows:
         print(f"| {r['format']} | {r['ms_per_step']:.2f} | {r['ms_per_step'] / base['ms_per_step']:.2f} | "
               f"{r['ttft_s']:.2f} | {r['ttft_s'] / base['ttft_s']:.2f} | {r['kv_gb']:.2f} |")
+
+
+def capacity(model: Any, args: argparse.Namespace) -> None:
+    import jax
+
+    names = [name for name in args.formats if name.startswith("paged-")]
+    rows = []
+    for name in names:
+        batch = admitted_rows(model, name, args.capacity_gb, args.prompt_tokens + args.new_tokens)
+        rows.append(run_format(model, name, batch, args.prompt_tokens, args.new_tokens, args.runs, pool_gb=args.capacity_gb))
+        gc.collect()
+        print(json.dumps(rows[-1]), flush=True)
+    base = rows[0]
+    print(f"\n{jax.devices()[0].device_kind}, {args.shape}, pools of {args.capacity_gb:g} GB, {args.prompt_tokens}-token prompt, {args.new_tokens} new tokens")
+    print(f"| cache | rows admitted | vs {base['format']} | ms/step | decode tok/s | vs {base['format']} |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        print(f"| {r['format']} | {r['batch']} | {r['batch'] / base['batch']:.2f} | {r['ms_per_step']:.2f} | {r['tok_s']:.0f} | {r['tok_s'] / base['tok_s']:.2f} |")
 
 
 if __name__ == "__main__":
