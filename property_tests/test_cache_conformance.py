@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from zgen.cache.factory import cache_kind, kv_dtype, paged_kv, prefix_cache
 from zgen.errors import ConfigError
@@ -60,3 +60,16 @@ def test_the_compressed_cache_is_refused() -> None:
 
     with pytest.raises(ConfigError, match="pools old tokens"):
         Compressed()
+
+
+@settings(max_examples=1, deadline=None)
+@given(st.just(None))
+def test_paged_q4_codes_a_token_the_same_alone_or_in_a_chunk(_: None) -> None:
+    """A case this suite found: with the Hadamard rotation as one dot (whose summation order may
+    depend on how many rows it takes), tokens [2] then [2] were coded one q4 step apart from [2, 2]
+    written together. The coding of stored tokens is exact per row."""
+    machine = PagedQ4()
+    live = machine.start(tokens=[2], base=0, repeat=False)
+    machine.extend(live, tokens=[2], pieces=1)
+    machine.every_sequence_reads_its_own_tokens()
+    machine.teardown()

@@ -162,6 +162,7 @@ def test_damaged_safetensors_load_or_are_refused(checkpoint: Path, cut: int | No
 
 
 @given(**DAMAGE)
+@example(cut=None, flips=[6359], header=1024)  # a token string that is no longer UTF-8 (found by this test)
 def test_damaged_gguf_loads_or_is_refused(gguf_file: Path, cut: int | None, flips: list[int], header: int) -> None:
     with tempfile.TemporaryDirectory() as scratch:
         path = Path(scratch) / "damaged.gguf"

@@ -105,7 +105,10 @@ def _byte_level_tokenizer(
 
 def _gguf_value(reader: gguf.GGUFReader, key: str) -> Any:
     field_ = reader.get_field(key)
-    return None if field_ is None else field_.contents()
+    try:
+        return None if field_ is None else field_.contents()
+    except UnicodeDecodeError as err:  # gguf decodes a string only when it is asked for
+        raise CheckpointError(f"GGUF metadata {key!r} holds a string that is not UTF-8 ({err.reason}); the file is corrupt") from err
 
 
 def _gguf_typed(reader: gguf.GGUFReader, key: str, kind: type | tuple[type, ...], what: str) -> Any:

@@ -51,6 +51,7 @@ from zgen.pallas.paged_attention.layouts import (
     KVPages,
     gather_sequences,
     hadamard,
+    hadamard_dot,
     head_dim_of,
     stored_like,
 )
@@ -209,7 +210,7 @@ class PagedKVState:
             key_calibration=coding,
             implementation=self.attention,
         )
-        return out if coding is None else hadamard(out).astype(q.dtype)
+        return out if coding is None else hadamard_dot(out).astype(q.dtype)
 
     def select(self, layer: int) -> PagedKVState:
         """A one-layer state holding ``layer`` (no copy: the same arrays)."""

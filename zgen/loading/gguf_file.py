@@ -49,8 +49,13 @@ def open_gguf(path: Path) -> gguf.GGUFReader:
 
 
 def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+    """The metadata value under ``key`` (``default`` if absent); a string that is not UTF-8 is a
+    ``CheckpointError`` (gguf decodes strings only when they are asked for)."""
     field = reader.fields.get(key)
-    return default if field is None else field.contents()
+    try:
+        return default if field is None else field.contents()
+    except UnicodeDecodeError as err:
+        raise CheckpointError(f"GGUF metadata {key!r} holds a string that is not UTF-8 ({err.reason}); the file is corrupt") from err
 
 
 def config_from_gguf(reader: gguf.GGUFReader, path: Path) -> ModelConfig:

@@ -346,15 +346,33 @@ def bytes_per_token(pages: KVPages) -> int:
     return total // (kvh * num_pages * page_size)
 
 
-def hadamard(x: Float[Array, "*lead d"], dot_dtype: jnp.dtype = jnp.float32) -> Float[Array, "*lead d"]:
-    """Orthonormal Walsh–Hadamard transform of the last axis, f32 out (its own inverse).
+def hadamard(x: Float[Array, "*lead d"]) -> Float[Array, "*lead d"]:
+    """Orthonormal Walsh–Hadamard transform of the last axis, in f32 (its own inverse).
 
-    Blocks of the largest power of two dividing ``D`` (all of it for D = 64 or 128), as one dot with
-    Sylvester's ``±1`` matrix (exact entries) accumulated in f32, scaled after: on a GPU the log2(block)
-    butterfly stages of a fast transform became one XLA kernel each (7 launches per transform at
-    D = 128, four transforms per layer and decode step of a coded cache). ``dot_dtype`` bfloat16 runs
-    it on the tensor cores for inputs already in bf16 (the products stay exact).
+    Blocks of the largest power of two dividing ``D`` (all of it for D = 64 or 128), as a fast
+    transform: log2(block) butterfly stages of adds and subtracts, so each row's result is the same
+    however many rows are transformed together -- what coding a stored token needs (a token is
+    quantized the same written alone or in a chunk, so a cache does not depend on its history).
+    Reads use :func:`hadamard_dot`.
     """
+    d = x.shape[-1]
+    block = d & -d
+    y = x.astype(jnp.float32).reshape(*x.shape[:-1], d // block, block)
+    half = 1
+    while half < block:
+        pairs = y.reshape(*y.shape[:-1], block // (2 * half), 2, half)
+        low, high = pairs[..., 0, :], pairs[..., 1, :]
+        y = jnp.stack([low + high, low - high], axis=-2).reshape(y.shape)
+        half *= 2
+    return y.reshape(x.shape) * (block**-0.5)
+
+
+def hadamard_dot(x: Float[Array, "*lead d"], dot_dtype: jnp.dtype = jnp.float32) -> Float[Array, "*lead d"]:
+    """:func:`hadamard` as one dot with Sylvester's ``±1`` matrix accumulated in f32, for what is read
+    back (attention outputs, folded queries, decoded keys): on a GPU each butterfly stage of the fast
+    transform is an XLA kernel of its own (7 at D = 128), the dot one. A dot's summation order may
+    depend on how many rows it takes, so stored tokens are coded with :func:`hadamard`. ``dot_dtype``
+    bfloat16 runs it on the tensor cores for inputs already in bf16 (the products stay exact)."""
     d = x.shape[-1]
     block = d & -d
     y = x.astype(dot_dtype).reshape(*x.shape[:-1], d // block, block)
@@ -429,16 +447,18 @@ class KeyCalibration:
         return hadamard(centred * self._per_head(self.scale, k.ndim, head_axis))
 
     def decode(
-        self, coded: Float[Array, "*lead d"], positions: Int[Array, "..."], head_axis: int, dot_dtype: jnp.dtype = jnp.float32
+        self, coded: Float[Array, "*lead d"], positions: Int[Array, "..."], head_axis: int, dot_dtype: jnp.dtype | None = None
     ) -> Float[Array, "*lead d"]:
-        """Invert :meth:`encode` (on dequantized values; f32 out), the rotation's dot in ``dot_dtype``."""
-        unscaled = hadamard(coded, dot_dtype) / self._per_head(self.scale, coded.ndim, head_axis)
+        """Invert :meth:`encode` (on dequantized values; f32 out); the rotation exact per key
+        (:func:`hadamard`), or one dot in ``dot_dtype`` (:func:`hadamard_dot`)."""
+        rotated = hadamard(coded) if dot_dtype is None else hadamard_dot(coded, dot_dtype)
+        unscaled = rotated / self._per_head(self.scale, coded.ndim, head_axis)
         return unscaled + self._shift(positions, coded.ndim, head_axis)
 
     def fold_into_queries(self, q: Float[Array, "*lead d"], head_axis: int) -> Float[Array, "*lead d"]:
         """``hadamard(q / scale)`` in f32: its dot with a stored code is ``q``'s dot with the key's
         uncentred part."""
-        return hadamard(q.astype(jnp.float32) / self._per_head(self.scale, q.ndim, head_axis))
+        return hadamard_dot(q.astype(jnp.float32) / self._per_head(self.scale, q.ndim, head_axis))
 
     def mean_products(
         self, q: Float[Array, "*lead d"], head_axis: int
