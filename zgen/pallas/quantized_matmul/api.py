@@ -37,7 +37,7 @@ def quantized_matmul(
     """``x @ W.T`` for the matrix ``weight`` stands for, in ``x``'s dtype.
 
     ``implementation``: "triton" (the kernel; interpreted on CPU; products it does not
-    :func:`support` go to XLA) or "xla" / "reference" (:func:`zgen.quantized_weights.quantized_linear`).
+    :func:`supports` go to XLA) or "xla" / "reference" (:func:`zgen.quantized_weights.quantized_linear`).
     """
     if x.shape[-1] != weight.shape[1]:
         raise ConfigError(f"quantized_matmul: x has {x.shape[-1]} inputs, the weight {weight.shape[1]}")
