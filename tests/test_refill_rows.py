@@ -13,6 +13,7 @@ from zgen import Generator, Request, SamplingConfig, load_model
 from zgen.cache.factory import paged_kv
 from zgen.errors import ConfigError
 from zgen.runtime.engine import EngineConfig
+from zgen.runtime.runner import runner_for
 
 
 def test_grouped_refills_give_the_same_tokens_in_fewer_steps(tmp_path: Path) -> None:
@@ -88,3 +89,18 @@ def test_refill_rows_is_checked() -> None:
         EngineConfig(refill_rows=0)
     with pytest.raises(ConfigError, match="packed_steps"):
         EngineConfig(packed_steps=1)  # type: ignore[arg-type]
+
+
+def test_decode_loops_never_narrow_their_output(tmp_path: Path) -> None:
+    """A short answer after a long one runs the long one's compiled decode loop (its output columns
+    never narrow; its draws are bounded by a traced step count) and gives the tokens it gives alone."""
+    save_random_checkpoint(small_configs()["llama"], tmp_path)
+    prompt = list(range(5, 12))
+    short = SamplingConfig(temperature=0.0, max_new_tokens=5, ignore_eos=True)
+    alone = Generator(load_model(tmp_path)).generate(prompt, short).token_ids
+    model = load_model(tmp_path)
+    generator = Generator(model)
+    generator.generate(prompt, SamplingConfig(temperature=0.0, max_new_tokens=40, ignore_eos=True))
+    loops = {key for key in runner_for(model)._executables if key[0] == "decode"}
+    assert generator.generate(prompt, short).token_ids == alone
+    assert {key for key in runner_for(model)._executables if key[0] == "decode"} == loops
