@@ -391,11 +391,6 @@ def _sylvester(n: int) -> np.ndarray:
     return h
 
 
-def hadamard_matrix(d: int) -> Float[Array, "d d"]:
-    """The (symmetric) matrix of :func:`hadamard`, for kernels that apply it as a dot."""
-    return hadamard(jnp.eye(d, dtype=jnp.float32))
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KeyCalibration:
