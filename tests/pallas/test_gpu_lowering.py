@@ -15,6 +15,7 @@ from jax import export
 
 from zgen.pallas.flash_attention import mosaic_gpu as flash_mosaic_gpu
 from zgen.pallas.flash_attention import triton as flash_triton
+from zgen.pallas.page_write import triton as page_write_triton
 from zgen.pallas.paged_attention import mosaic_gpu as paged_mosaic_gpu
 from zgen.pallas.paged_attention import quantize
 from zgen.pallas.paged_attention.layouts import KeyCalibration
@@ -164,3 +165,11 @@ def test_quantized_matmul_lowers(bits: int, group: int | None, out: int, inp: in
     weight = quantize_weight(jnp.zeros((out, inp), jnp.float32), WeightQuantization(bits, group), jnp.dtype(jnp.float16))
     x = jnp.zeros((1, inp), jnp.bfloat16)
     assert "xla.gpu.triton" in lower_for_cuda(lambda x, w: quantized_matmul_triton.quantized_matmul(x, w), x, weight)
+
+
+@pytest.mark.parametrize(("dtype", "rest"), [(jnp.bfloat16, (128,)), (jnp.float8_e4m3fn, (64,)), (jnp.uint8, (2, 32)), (jnp.bfloat16, (4,))])
+def test_store_tokens_lowers(dtype: Any, rest: tuple[int, ...]) -> None:
+    pool = jnp.zeros((3, 40, 16, *rest), dtype)
+    tokens = jnp.zeros((2, 5, 3, *rest), dtype)
+    slots = jnp.zeros((2, 5), jnp.int32)
+    assert "xla.gpu.triton" in lower_for_cuda(lambda *a: page_write_triton.store_tokens(*a), pool, tokens, slots, slots)

@@ -46,6 +46,7 @@ from zgen.cache.formats import empty_pages, kv_format
 from zgen.cache.tensor import masked_attention
 from zgen.errors import ConfigError
 from zgen.pallas import paged_attention
+from zgen.pallas.page_write import store_tokens
 from zgen.pallas.paged_attention.layouts import (
     KeyCalibration,
     KVPages,
@@ -71,18 +72,8 @@ def _scatter_tokens(pages: KVPages, new: KVPages, page: Array, offset: Array) ->
 
     On CPU the pool's bfloat16 and fp8 leaves are integer containers (see
     :func:`~zgen.cache.formats.empty_pages`, written in place) and the tokens are bitcast to match.
-    Float8 leaves of pools made elsewhere are scattered through a uint8 view (the same bits).
     """
-
-    def scatter(leaf: Array, val: Array) -> Array:
-        val = jnp.moveaxis(val, 2, 0).astype(leaf.dtype)
-        if not (jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.dtype.itemsize == 1):
-            return leaf.at[:, page, offset].set(val, mode="drop")
-        as_bytes = jax.lax.bitcast_convert_type(leaf, jnp.uint8)
-        stored = as_bytes.at[:, page, offset].set(jax.lax.bitcast_convert_type(val, jnp.uint8), mode="drop")
-        return jax.lax.bitcast_convert_type(stored, leaf.dtype)
-
-    return jax.tree_util.tree_map(scatter, pages, stored_like(pages, new))
+    return jax.tree_util.tree_map(lambda leaf, val: store_tokens(leaf, val, page, offset), pages, stored_like(pages, new))
 
 
 @dataclass(frozen=True)
