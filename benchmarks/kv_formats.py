@@ -34,22 +34,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_decode import SHAPES, per_token_s, prompt_ids, random_bf16_model  # noqa: E402
 
 FORMATS = ("dense-bf16", "paged-bf16", "paged-fp8", "paged-q4", "paged-q3")
-PAGE_SIZE = 16
 
 
-def admitted_rows(model: Any, name: str, pool_gb: float, tokens_per_row: int) -> int:
+def admitted_rows(model: Any, name: str, pool_gb: float, tokens_per_row: int, page_size: int) -> int:
     """Rows of ``tokens_per_row`` a pool of ``pool_gb`` GB in this paged format holds (its own block count)."""
     from zgen.cache.block_pool import BlockPool, blocks_for
     from zgen.cache.page_store import PagedConfig
 
     c = model.config
-    config = PagedConfig(c.num_layers, c.num_kv_heads, c.head_dim, PAGE_SIZE, name.split("-")[1])
-    blocks = BlockPool.blocks_in_budget(pool_gb * 1e9 / 2**20, config.bytes_per_token * PAGE_SIZE, PAGE_SIZE)
-    return blocks // blocks_for(tokens_per_row, PAGE_SIZE)
+    config = PagedConfig(c.num_layers, c.num_kv_heads, c.head_dim, page_size, name.split("-")[1])
+    blocks = BlockPool.blocks_in_budget(pool_gb * 1e9 / 2**20, config.bytes_per_token * page_size, page_size)
+    return blocks // blocks_for(tokens_per_row, page_size)
 
 
 def run_format(
-    model: Any, name: str, batch: int, prompt_tokens: int, new_tokens: int, runs: int, pool_gb: float | None = None
+    model: Any, name: str, batch: int, prompt_tokens: int, new_tokens: int, runs: int, page_size: int, pool_gb: float | None = None
 ) -> dict[str, Any]:
     """One format's decode step and first-token time; a paged pool of ``pool_gb`` GB, or (None) of what
     the batch needs with 10 % to spare."""
@@ -59,10 +58,10 @@ def run_format(
 
     kind, storage = name.split("-")
     c = model.config
-    tokens = batch * (prompt_tokens + new_tokens + PAGE_SIZE)
-    kv_bytes = tokens * c.num_layers * bytes_per_token_per_layer(storage, c.num_kv_heads, c.head_dim, PAGE_SIZE)
+    tokens = batch * (prompt_tokens + new_tokens + page_size)
+    kv_bytes = tokens * c.num_layers * bytes_per_token_per_layer(storage, c.num_kv_heads, c.head_dim, page_size)
     pool_mb = 1.1 * kv_bytes / 2**20 if pool_gb is None else pool_gb * 1e9 / 2**20
-    options = (cache_kind("tensor"),) if kind == "dense" else (paged_kv(pool_mb, PAGE_SIZE), kv_dtype(storage))
+    options = (cache_kind("tensor"),) if kind == "dense" else (paged_kv(pool_mb, page_size), kv_dtype(storage))
     gen = Generator(model, *options, max_batch_size=batch)
     prompt = prompt_ids(prompt_tokens)
 
@@ -87,22 +86,26 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=8000)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--page-size", type=int, help="tokens per page (default: the platform's, 64 on GPUs)")
     parser.add_argument("--capacity-gb", type=float, help="the capacity run: paged pools of this many GB, each at the batch it admits")
     args = parser.parse_args()
 
     import jax
 
+    from zgen.cache.factory import default_page_size
+
+    args.page_size = args.page_size or default_page_size()
     model = random_bf16_model(args.shape)
     if args.capacity_gb is not None:
         capacity(model, args)
         return
     rows = []
     for name in args.formats:
-        rows.append(run_format(model, name, args.batch, args.prompt_tokens, args.new_tokens, args.runs))
+        rows.append(run_format(model, name, args.batch, args.prompt_tokens, args.new_tokens, args.runs, args.page_size))
         gc.collect()
         print(json.dumps(rows[-1]), flush=True)
     base = next((r for r in rows if r["format"] == "dense-bf16"), rows[0])
-    print(f"\n{jax.devices()[0].device_kind}, {args.shape}, batch {args.batch}, {args.prompt_tokens}-token prompt, {args.new_tokens} new tokens")
+    print(f"\n{jax.devices()[0].device_kind}, {args.shape}, batch {args.batch}, {args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, pages of {args.page_size}")
     print(f"| cache | ms/step | vs {base['format']} | time to first token (s) | vs {base['format']} | KV GB |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
@@ -116,8 +119,8 @@ def capacity(model: Any, args: argparse.Namespace) -> None:
     names = [name for name in args.formats if name.startswith("paged-")]
     rows = []
     for name in names:
-        batch = admitted_rows(model, name, args.capacity_gb, args.prompt_tokens + args.new_tokens)
-        rows.append(run_format(model, name, batch, args.prompt_tokens, args.new_tokens, args.runs, pool_gb=args.capacity_gb))
+        batch = admitted_rows(model, name, args.capacity_gb, args.prompt_tokens + args.new_tokens, args.page_size)
+        rows.append(run_format(model, name, batch, args.prompt_tokens, args.new_tokens, args.runs, args.page_size, pool_gb=args.capacity_gb))
         gc.collect()
         print(json.dumps(rows[-1]), flush=True)
     base = rows[0]

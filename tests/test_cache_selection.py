@@ -44,6 +44,16 @@ def test_bad_cache_options() -> None:
     with pytest.raises(ConfigError, match="page layout"):  # never a silent switch to a paged cache
         CacheOptions(kind="tensor", kv_dtype="q4")
     assert CacheOptions(kv_dtype="q4").resolved_kind == "paged" and CacheOptions().resolved_kind == "tensor"
+    with pytest.raises(ConfigError, match="page_size must be an integer"):
+        paged_kv(page_size=0)(CacheOptions())
+
+
+def test_page_size_defaults_to_the_platforms() -> None:
+    from zgen.cache.factory import CacheOptions, default_page_size
+
+    assert default_page_size() == 16  # a CPU; 64 where the paged GPU kernel reads the pages
+    assert paged_kv()(CacheOptions()).resolved_page_size == default_page_size()
+    assert paged_kv(page_size=32)(CacheOptions()).resolved_page_size == 32
 
 
 def test_cli_cache_flags_and_eval_ppl(random_checkpoint: Path, tmp_path: Path) -> None:

@@ -101,8 +101,8 @@ class CacheConformance(RuleBasedStateMachine):
             raise ConfigError("the compressed cache pools old tokens; the conformance suite checks per-token caches only")
         if kind in PAGED_KINDS:  # a pool of `blocks` blocks, so that allocations sometimes fail
             storage = options.kv_dtype or "fp32"
-            per_token = kv_format(storage, self.head_dim).bytes_per_token_per_layer(self.kv_heads, self.head_dim, options.page_size)
-            block_bytes = per_token * self.layers * options.page_size
+            per_token = kv_format(storage, self.head_dim).bytes_per_token_per_layer(self.kv_heads, self.head_dim, options.resolved_page_size)
+            block_bytes = per_token * self.layers * options.resolved_page_size
             options = dataclasses.replace(options, max_memory_mb=(self.blocks + 0.5) * block_bytes / 2**20)
         return options
 
