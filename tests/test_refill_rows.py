@@ -103,4 +103,19 @@ def test_decode_loops_never_narrow_their_output(tmp_path: Path) -> None:
     generator.generate(prompt, SamplingConfig(temperature=0.0, max_new_tokens=40, ignore_eos=True))
     loops = {key for key in runner_for(model)._executables if key[0] == "decode"}
     assert generator.generate(prompt, short).token_ids == alone
+    assert Generator(model).generate(prompt, short).token_ids == alone  # another engine of the model: the same loop
     assert {key for key in runner_for(model)._executables if key[0] == "decode"} == loops
+
+
+def test_paged_tables_take_a_generations_final_width_at_once(tmp_path: Path) -> None:
+    """A generation that outgrows its prompt's block-table width runs its prefill and its decode loop
+    at the width it ends with (one compiled shape each), with the dense cache's tokens."""
+    save_random_checkpoint(small_configs()["llama"], tmp_path)
+    model = load_model(tmp_path)
+    prompt = list(range(5, 12))  # one page of 16; with 150 new tokens, 10 pages: a table of 16
+    config = SamplingConfig(temperature=0.0, max_new_tokens=150, ignore_eos=True)
+    want = Generator(load_model(tmp_path)).generate(prompt, config).token_ids
+    assert Generator(model, paged_kv(max_memory_mb=4, page_size=16)).generate(prompt, config).token_ids == want
+    steps = [key for key in runner_for(model)._executables if key[0] in ("mixed", "decode")]
+    widths = {shape[1] for key in steps for shape, _ in key[1][1] if len(shape) == 2}  # the kv state's block tables
+    assert {key[0] for key in steps} == {"mixed", "decode"} and widths == {16}

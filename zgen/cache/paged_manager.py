@@ -80,7 +80,10 @@ class PagedKVManager:
         self.store.absorb(state.pages if isinstance(state, MaskedPagedState) else state)  # type: ignore[arg-type]
 
     def expect(self, tokens: int) -> None:
-        del tokens  # pages are taken as tokens come; a step's shapes follow the block tables' width
+        # Pages are taken as tokens come, but the tables take the width the sequence will need now: its
+        # prefill, its decode loops and the next request of that length run one compiled shape.
+        blocks = blocks_for(min(tokens, self.max_len), self.page_size)
+        self._table_width = max(self._table_width, next_pow2(blocks))
 
     def match_prefix(self, handle: KVHandle, tokens: Sequence[int]) -> int:
         cache = _paged(handle)

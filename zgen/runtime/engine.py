@@ -276,9 +276,6 @@ class Engine:
         self._sequences: weakref.WeakSet[Sequence] = weakref.WeakSet()  # every live sequence (preemption victims)
         self._banks = AdapterBanks(model.config, model.dtype)  # LoRA banks of the steps' adapter mixes
         self._last_params: tuple[list[SamplingConfig], SamplingParams] | None = None  # reused while a batch decodes
-        # Decode loops' output columns never narrow (like block tables): each width is a compiled loop
-        # (seconds for an 8B model), while its draws are bounded by a traced step count.
-        self._loop_columns = 0
         self._loop_grammars = GrammarLoop(model.config.vocab_size)  # the decode loops' constrained rows
         self._draft_grammars = GrammarDrafts(model.config.vocab_size)  # the speculative loops' constrained rows
         self._speculators: weakref.WeakSet[Speculator] = weakref.WeakSet()  # checked against this model
@@ -779,7 +776,7 @@ class Engine:
             stop_ids[i, : len(ids)] = ids
         params, flags, keys, penalties = self._sampling(rows, index, width)
         slots, bank = self._banks.for_rows([row.job.adapters for row in rows], index, width)
-        self._loop_columns = columns = max(self._loop_columns, steps)
+        columns = self.runner.loop_columns(steps)
         constrained = [(row.job.grammar, i) for row, i in zip(rows, index, strict=True) if row.job.grammar is not None]
         grammar = self._loop_grammars if constrained else None
         if grammar is not None:

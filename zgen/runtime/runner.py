@@ -55,8 +55,17 @@ class Runner:
         lora_graph = inject_lora(model.graph)
         self.spec = ModelSpec(model.graph, model.config.sliding_window, lora_graph, model.mesh)
         self._executables: dict[Hashable, Any] = {}
+        # Decode loops' output columns never narrow, for every engine of the model (a batch job after a
+        # warm-up, several Generators): each width is a compiled loop (seconds for an 8B model), while
+        # a loop's draws are bounded by a traced step count.
+        self._loop_columns = 0
         self._hidden_graph = hidden_state_graph(model.graph)
         self._hidden_lora_graph = hidden_state_graph(lora_graph)
+
+    def loop_columns(self, steps: int) -> int:
+        """The output columns of a decode loop of ``steps`` draws: the most any loop of the model had."""
+        self._loop_columns = max(self._loop_columns, steps)
+        return self._loop_columns
 
     @property
     def params(self) -> Any:
