@@ -17,7 +17,9 @@ on the base model) by its ``model`` field: its tokens/s next to the plain job's 
 adapters cost in a job (rows of different adapters share each step).
 
 Both sides first run a warm-up job of ``2 × max-batch-size`` requests of the same kind (compiling most
-shape buckets), then the measured one. ``--scale`` shrinks the job for a CPU (request count, prompt
+shape buckets), then the measured one. ``--trace-steps`` adds where each measured side's time went:
+its compiles (count, seconds), and per kind of engine step (prefill/mixed steps, decode loops) the
+calls, forward passes, tokens and seconds, compiles taken out. ``--scale`` shrinks the job for a CPU (request count, prompt
 and output lengths); the roofline printed is the weights-only one (``max-batch-size`` rows per
 read of the weights at ``--bandwidth-gbs``), which the KV reads lower further.
 
@@ -41,6 +43,55 @@ sys.path.insert(0, str(Path(__file__).parent))
 from gpu_decode import SHAPES  # noqa: E402  (benchmarks/ is on sys.path when this script runs)
 
 SYSTEM_TOKENS = 200
+
+
+class StepTrace:
+    """Times the engine's steps and the runner's compiles while installed (``--trace-steps``)."""
+
+    def __init__(self) -> None:
+        from zgen.runtime.engine import Engine
+        from zgen.runtime.runner import Runner
+
+        self.compile_s, self.compiles = 0.0, 0
+        self.steps: dict[str, list[float]] = {}
+        compiled, methods = Runner._compiled, {name: getattr(Engine, name) for name in ("_run_mixed", "_run_decode")}
+
+        def timed_compile(runner: Any, key: Any, lower: Any) -> Any:
+            if key in runner._executables:
+                return runner._executables[key]
+            start = time.perf_counter()
+            out = compiled(runner, key, lower)
+            self.compile_s += time.perf_counter() - start
+            self.compiles += 1
+            return out
+
+        def timed_step(name: str) -> Any:
+            def run(engine: Any, rows: list[Any], *args: Any, **kwargs: Any) -> Any:
+                compile_s, passes, decoded = self.compile_s, engine.stats.forward_passes, engine.stats.decode_tokens
+                start = time.perf_counter()
+                out = methods[name](engine, rows, *args, **kwargs)
+                totals = self.steps.setdefault(name.removeprefix("_run_"), [0, 0, 0, 0, 0.0])
+                totals[0] += 1
+                totals[1] += engine.stats.forward_passes - passes
+                totals[2] += sum(row.count for row in rows)
+                totals[3] += engine.stats.decode_tokens - decoded
+                totals[4] += time.perf_counter() - start - (self.compile_s - compile_s)
+                return out
+            return run
+
+        Runner._compiled = timed_compile  # type: ignore[method-assign]
+        for name in methods:
+            setattr(Engine, name, timed_step(name))
+
+    def take(self) -> dict[str, Any]:
+        """What was timed since the last take."""
+        steps = {
+            kind: {"calls": c, "forward_passes": p, "fed_tokens": f, "decode_tokens": d, "seconds": t, "ms_per_pass": t / max(p, 1) * 1e3}
+            for kind, (c, p, f, d, t) in self.steps.items()
+        }
+        out = {"compiles": self.compiles, "compile_s": self.compile_s, "steps": steps}
+        self.compile_s, self.compiles, self.steps = 0.0, 0, {}
+        return out
 
 
 def make_requests(n: int, scale: float, vocab: int, seed: int) -> list[dict[str, Any]]:
@@ -132,6 +183,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lora-adapters", type=int, default=0, help="Also run the job with this many random LoRA modules, requests spread over them and the base model.")
     parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument("--trace-steps", action="store_true", help="Also report each side's compiles and engine steps.")
     args = parser.parse_args()
 
     import jax
@@ -147,14 +199,22 @@ def main() -> None:
     n = max(2, round(args.requests * args.scale))
     requests = make_requests(n, args.scale, config.vocab_size, args.seed)
     warmup = make_requests(2 * args.max_batch_size, args.scale, config.vocab_size, args.seed + 1)
+    trace = StepTrace() if args.trace_steps else None
+    traced: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
         batch_job(model, warmup, directory, "warmup", args)
         fixed_chunks(model, warmup, args)
         if args.lora_adapters:
             batch_job(model, warmup, directory, "warmup-lora", args, args.lora_adapters)
+        if trace is not None:
+            traced["warmups"] = trace.take()
         job_s, job = batch_job(model, requests, directory, "job", args)
+        if trace is not None:
+            traced["batch_job"] = trace.take()
         chunk_s, chunk_tokens = fixed_chunks(model, requests, args)
+        if trace is not None:
+            traced["fixed_chunks"] = trace.take()
         lora = batch_job(model, requests, directory, "job-lora", args, args.lora_adapters) if args.lora_adapters else None
     job_tokens = job.completion_tokens
     weight_bytes = sum(p.size * p.dtype.itemsize for p in model.params.values())
@@ -172,6 +232,8 @@ def main() -> None:
         "fixed_chunks": {"seconds": chunk_s, "output_tokens": chunk_tokens, "output_tokens_per_s": chunk_tokens / chunk_s},
         "speedup": (job_tokens / job_s) / (chunk_tokens / chunk_s),
     }
+    if traced:
+        report["trace"] = traced
     if lora is not None:
         report["batch_job_lora"] = {"adapters": args.lora_adapters, "rank": args.lora_rank, **job_report(*lora)}
         report["lora_vs_plain_job"] = report["batch_job_lora"]["output_tokens_per_s"] / report["batch_job"]["output_tokens_per_s"]
