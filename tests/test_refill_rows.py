@@ -62,26 +62,32 @@ def test_packed_steps_give_the_same_tokens_and_logprobs(tmp_path: Path, cache: s
 
 
 def test_paged_steps_are_never_narrower_than_a_refill_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every step width is a compiled shape: a group of refills and a smaller remainder share one."""
+    """Every step width is a compiled shape: a group of refills and a smaller remainder share one, and
+    the first admission of a full batch prefills a group at a time (the same tokens)."""
     from zgen.runtime.engine import Engine
 
     save_random_checkpoint(small_configs()["llama"], tmp_path)
     model = load_model(tmp_path)
     widths: list[int] = []
+    prefill_widths: set[int] = set()
     step_rows = Engine._step_rows
 
     def recorded(self: Engine, rows: list, tokens: int) -> tuple:  # type: ignore[type-arg]
         out = step_rows(self, rows, tokens)
         widths.append(out[0])
+        if tokens > 1:
+            prefill_widths.add(out[0])
         return out
 
-    monkeypatch.setattr(Engine, "_step_rows", recorded)
     requests = [
         Request(list(range(5, 12 + 3 * i)), SamplingConfig(temperature=0.0, max_new_tokens=3 + i, ignore_eos=True)) for i in range(10)
     ]
+    want = [r.token_ids for r in Generator(load_model(tmp_path), paged_kv(max_memory_mb=4), max_batch_size=8).batch_generate(requests)]
+    monkeypatch.setattr(Engine, "_step_rows", recorded)
     generator = Generator(model, paged_kv(max_memory_mb=4), max_batch_size=8, refill_rows=4, prefill_apart=True)
-    generator.batch_generate(requests)
+    assert [r.token_ids for r in generator.batch_generate(requests)] == want
     assert widths and min(widths) >= 4  # 10 requests: the last 2 are admitted at a group's width
+    assert prefill_widths == {4}  # the first 8 prompts too: a group at a time, one compiled prefill width
 
 
 def test_refill_rows_is_checked() -> None:

@@ -88,7 +88,8 @@ class EngineConfig:
     # together: a mixed step is padded to [rows, chunk], and one admission per step wastes most of it.
     refill_rows: int = 1
     # On a paged cache, a step that prefills leaves the decoding rows out (they would each be padded to
-    # the chunk's width for one token); they go on in the next decode loop.
+    # the chunk's width for one token); they go on in the next decode loop. Its rows then come a refill
+    # group at a time, the first admission's too, so prefill steps have one width (one compiled shape).
     prefill_apart: bool = False
     # A step that prefills packs its rows' tokens into one stream (:class:`~zgen.runtime.step.Packing`):
     # the matmuls see no padding, so decoding rows ride along at the price of their one token and a
@@ -468,6 +469,8 @@ class Engine:
         decode = decode and sum(job.grammar is not None for job in candidates) <= GRAMMAR_LOOP_ROWS
         if not decode and self.config.prefill_apart and self.kv.pages:
             candidates = [job for job in candidates if not job.loopable()]
+            if self.config.refill_rows > 1:  # a full batch's first prompts prefill a group at a time too: one step width
+                candidates = candidates[: next_pow2(self.config.refill_rows)]
         speculator = self._speculator(candidates) if decode else None
         # Every row in fallback: the plain decode loop, until they probe again (then they speculate).
         plain_for = 0 if speculator is None else fallback_steps([job.control for job in candidates])
