@@ -164,7 +164,7 @@ class PagedKVState:
         index = jnp.clip(positions // ps, 0, pps - 1)
         page = jnp.take_along_axis(self.block_tables, index, axis=1)
         ok = (positions >= 0) & (positions < pps * ps) & (page >= 0)
-        page = jnp.where(ok, page, self.num_pages)  # out of bounds: the scatter drops it
+        page = jnp.where(ok, page, self.num_pages)  # out of bounds: the write drops it
         offset = positions % ps
         new_k = _scatter_tokens(self.k[layer], kv_format(self.kv_dtype).quantize(k), page, offset)
         new_v = _scatter_tokens(self.v[layer], kv_format(self.kv_dtype).quantize(v), page, offset)

@@ -470,7 +470,8 @@ class Engine:
         if not decode and self.config.prefill_apart and self.kv.pages:
             candidates = [job for job in candidates if not job.loopable()]
             if self.config.refill_rows > 1:  # a full batch's first prompts prefill a group at a time too: one step width
-                candidates = candidates[: next_pow2(self.config.refill_rows)]
+                prompts = {id(job) for job in [job for job in candidates if not job.generating][: next_pow2(self.config.refill_rows)]}
+                candidates = [job for job in candidates if job.generating or id(job) in prompts]
         speculator = self._speculator(candidates) if decode else None
         # Every row in fallback: the plain decode loop, until they probe again (then they speculate).
         plain_for = 0 if speculator is None else fallback_steps([job.control for job in candidates])
