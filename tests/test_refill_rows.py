@@ -90,6 +90,31 @@ def test_paged_steps_are_never_narrower_than_a_refill_group(tmp_path: Path, monk
     assert prefill_widths == {4}  # the first 8 prompts too: a group at a time, one compiled prefill width
 
 
+def test_generating_rows_that_step_are_not_split_into_groups(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only prompts prefill a group at a time: rows that draw on the host (a choice function) step
+    all together, one step per token."""
+    from zgen.runtime.engine import Engine
+
+    save_random_checkpoint(small_configs()["llama"], tmp_path)
+    model = load_model(tmp_path)
+    token_step_widths: list[int] = []
+    step_rows = Engine._step_rows
+
+    def recorded(self: Engine, rows: list, tokens: int) -> tuple:  # type: ignore[type-arg]
+        out = step_rows(self, rows, tokens)
+        if tokens == 1:
+            token_step_widths.append(len(rows))
+        return out
+
+    monkeypatch.setattr(Engine, "_step_rows", recorded)
+    config = SamplingConfig(temperature=0.0, max_new_tokens=4, ignore_eos=True, choose=lambda ids, probs: int(ids[0]))
+    generator = Generator(model, paged_kv(max_memory_mb=4), max_batch_size=8, refill_rows=4, prefill_apart=True)
+    generator.batch_generate([Request(list(range(5, 9 + i)), config) for i in range(8)])
+    # The first group's rows ride along with the second group's prefill, then all 8 step together
+    # until the first group is done (each row's first token comes with its prompt's last step).
+    assert token_step_widths == [8, 8, 4]
+
+
 def test_refill_rows_is_checked() -> None:
     with pytest.raises(ConfigError, match="refill_rows"):
         EngineConfig(refill_rows=0)
