@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import pytest
 from jax import export
 
+from zgen.cache.formats import kv_format
 from zgen.pallas.flash_attention import mosaic_gpu as flash_mosaic_gpu
 from zgen.pallas.flash_attention import triton as flash_triton
 from zgen.pallas.page_write import triton as page_write_triton
@@ -173,3 +174,14 @@ def test_store_tokens_lowers(dtype: Any, rest: tuple[int, ...]) -> None:
     tokens = jnp.zeros((2, 5, 3, *rest), dtype)
     slots = jnp.zeros((2, 5), jnp.int32)
     assert "xla.gpu.triton" in lower_for_cuda(lambda *a: page_write_triton.store_tokens(*a), pool, tokens, slots, slots)
+
+
+@pytest.mark.parametrize(("fmt", "head_dim", "coded"), [("bf16", 128, False), ("fp32", 64, False), ("fp8", 128, False), ("q4", 128, True), ("q4", 64, True)])
+def test_write_kv_lowers(fmt: str, head_dim: int, coded: bool) -> None:
+    fmt_ = kv_format(fmt)
+    pool = fmt_.empty((2, 40, 16), head_dim)
+    k = jnp.zeros((3, 7, 2, head_dim), jnp.bfloat16)
+    slots = jnp.zeros((3, 7), jnp.int32)
+    coding = KeyCalibration.identity(2, head_dim) if coded else None
+    lowered = lower_for_cuda(lambda *a: page_write_triton.write_kv(*a, coding), pool, pool, k, k, slots, slots)
+    assert "xla.gpu.triton" in lowered

@@ -1,5 +1,6 @@
-"""The page write (the kernel interpreted on CPU, compiled on GPUs) against the scatter it replaces:
-every stored byte equal, the other slots untouched, out-of-range pages dropped."""
+"""The page write (the kernels interpreted on CPU, compiled on GPUs) against the XLA forms they
+replace: every stored byte equal (the coded q4 write within its rounding, see ``write_kv``), the other
+slots untouched, out-of-range pages dropped."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from zgen.cache.formats import kv_format
 from zgen.errors import ConfigError
 from zgen.pallas import store_tokens
+from zgen.pallas.page_write import write_kv
 from zgen.pallas.page_write.api import scatter_tokens
+from zgen.pallas.paged_attention.layouts import KeyCalibration, Q4Pages, float_pages
 
 # The leaves page layouts store: activations, fp8 codes, q4 nibbles / q3 planes, CPU bit containers.
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn, "u8": jnp.uint8, "u16": jnp.uint16}
@@ -80,3 +84,77 @@ def test_mismatched_operands_are_refused() -> None:
         store_tokens(jnp.zeros((2, 3, 4, 3, 4), jnp.uint8), jnp.zeros((1, 2, 2, 3, 4), jnp.uint8), page, page, implementation="triton")
     with pytest.raises(ConfigError, match="unknown store_tokens implementation"):
         store_tokens(pool, jnp.zeros((1, 2, 2, 8), jnp.bfloat16), page, page, implementation="cuda")  # type: ignore[arg-type]
+
+
+@st.composite
+def layer_writes(draw: st.DrawFn) -> dict[str, object]:
+    """A layer's write: pools of one format with old contents, K/V for distinct slots (some dropped), a coding."""
+    fmt = kv_format(draw(st.sampled_from(["fp32", "bf16", "fp16", "fp8", "q4"])))
+    head_dim = draw(st.sampled_from([32, 64, 128]))
+    kvh, pages, page_size = draw(st.integers(1, 3)), draw(st.integers(1, 5)), draw(st.sampled_from([4, 16]))
+    b, t = draw(st.integers(1, 3)), draw(st.sampled_from([1, 3, 9]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+    slots = rng.permutation(pages * page_size)[: b * t]
+    slots = np.concatenate([slots, np.full(b * t - len(slots), -1)]).reshape(b, t)
+    page = np.where((rng.random((b, t)) < 0.25) | (slots < 0), rng.choice([-1, pages], (b, t)), slots // page_size)
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
+    old = fmt.quantize(normal(kvh, pages, page_size, head_dim) * 3)
+    coding = None
+    if fmt.coded:
+        pair_scale = jnp.asarray(np.tile(rng.uniform(0.5, 2.0, (kvh, head_dim // 2)), 2), jnp.float32)
+        inv_freq = jnp.asarray(10000.0 ** (-np.arange(head_dim // 2) * 2 / head_dim), jnp.float32)
+        coding = KeyCalibration(center=normal(kvh, head_dim), sink=normal(kvh, head_dim) * 4, scale=pair_scale, inv_freq=inv_freq)
+    return {
+        "pools": (old, jax.tree_util.tree_map(lambda x: x, old)),
+        "k": (normal(b, t, kvh, head_dim) * 3).astype(jnp.bfloat16),
+        "v": normal(b, t, kvh, head_dim).astype(jnp.bfloat16),
+        "page": jnp.asarray(page, jnp.int32),
+        "offset": jnp.asarray(np.maximum(slots, 0) % page_size, jnp.int32),
+        "positions": jnp.asarray(rng.integers(0, 3, (b, t)) * rng.integers(0, 500, (b, t)), jnp.int32),  # position 0 (the sink) often
+        "quantize": fmt.quantize,
+        "coding": coding,
+    }
+
+
+def _assert_same_pages(got: object, want: object) -> None:
+    """Bit-equal leaves; coded q4 pages (rotated by dots, not the butterfly) within one code step."""
+    if isinstance(want, Q4Pages):
+        assert isinstance(got, Q4Pages)
+        step = np.repeat(np.asarray(want.scale, np.float32), want.head_dim // want.scale.shape[-1], axis=-1)
+        np.testing.assert_array_less(np.abs(np.asarray(got.dequantize(jnp.float32)) - np.asarray(want.dequantize(jnp.float32))), 1.01 * step + 1e-6)
+        assert np.mean(np.asarray(got.packed) != np.asarray(want.packed)) <= 0.01
+        return
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        np.testing.assert_array_equal(as_bits(g), as_bits(w))
+
+
+def test_write_kv_kernel_matches_the_reference() -> None:
+    @settings(max_examples=16, deadline=None, derandomize=True)
+    @given(layer_writes())
+    def check(case: dict[str, object]) -> None:
+        def write(implementation: str) -> tuple[object, object]:
+            k_pool, v_pool = case["pools"]  # type: ignore[misc]
+            return write_kv(
+                k_pool, v_pool, case["k"], case["v"], case["page"], case["offset"], case["positions"],  # type: ignore[arg-type]
+                quantize=case["quantize"], key_coding=case["coding"], implementation=implementation,  # type: ignore[arg-type]
+            )
+
+        want, got = write("reference"), jax.jit(lambda: write("triton"))()
+        for g, w in zip(got, want, strict=True):
+            _assert_same_pages(float_pages(g), float_pages(w))
+
+    check()
+
+
+def test_write_kv_refuses_what_its_kernel_cannot_store() -> None:
+    fmt = kv_format("q3")
+    pool = fmt.empty((1, 2, 4), 64)
+    tokens = jnp.zeros((1, 1, 1, 64), jnp.bfloat16)
+    zeros = jnp.zeros((1, 1), jnp.int32)
+    with pytest.raises(ConfigError, match="fp8 and q4 pages, not Q3Pages"):
+        write_kv(pool, pool, tokens, tokens, zeros, zeros, zeros, quantize=fmt.quantize, implementation="triton")
+    plain = jnp.zeros((1, 2, 4, 48), jnp.bfloat16)
+    odd = jnp.zeros((1, 1, 1, 48), jnp.bfloat16)
+    with pytest.raises(ConfigError, match="power-of-two head_dim, got 48"):
+        write_kv(plain, plain, odd, odd, zeros, zeros, zeros, quantize=lambda x: x, implementation="triton")

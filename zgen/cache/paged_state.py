@@ -46,7 +46,7 @@ from zgen.cache.formats import empty_pages, kv_format
 from zgen.cache.tensor import masked_attention
 from zgen.errors import ConfigError
 from zgen.pallas import paged_attention
-from zgen.pallas.page_write import store_tokens
+from zgen.pallas.page_write import write_kv
 from zgen.pallas.paged_attention.layouts import (
     KeyCalibration,
     KVPages,
@@ -54,7 +54,6 @@ from zgen.pallas.paged_attention.layouts import (
     hadamard,
     hadamard_dot,
     head_dim_of,
-    stored_like,
 )
 from zgen.shapes import cdiv
 
@@ -65,15 +64,6 @@ def _num_pages(pages: KVPages) -> int:
 
 def _page_size(pages: KVPages) -> int:
     return jax.tree_util.tree_leaves(pages)[0].shape[2]
-
-
-def _scatter_tokens(pages: KVPages, new: KVPages, page: Array, offset: Array) -> KVPages:
-    """Store token leaves ``[B, T, KVH, ...]`` (a float layout) at ``(page, offset)`` ``[B, T]``; out-of-range pages drop.
-
-    On CPU the pool's bfloat16 and fp8 leaves are integer containers (see
-    :func:`~zgen.cache.formats.empty_pages`, written in place) and the tokens are bitcast to match.
-    """
-    return jax.tree_util.tree_map(lambda leaf, val: store_tokens(leaf, val, page, offset), pages, stored_like(pages, new))
 
 
 @dataclass(frozen=True)
@@ -154,20 +144,28 @@ class PagedKVState:
         v: Float[Array, "B T KVH D"],
         positions: Int[Array, "B T"],
     ) -> Self:
-        """Code (coded formats), quantize (if the format asks) and scatter each token into its (page, offset)."""
+        """Code (coded formats), quantize (if the format asks) and store each token into its (page, offset).
+
+        On CPU the pool's bfloat16 and fp8 leaves are integer containers (see
+        :func:`~zgen.cache.formats.empty_pages`, written in place); the tokens are bitcast to match.
+        """
         ps, pps = self.page_size, self.pages_per_seq
         positions = positions.astype(jnp.int32)
-        coding = self._key_coding(layer)
-        if coding is not None:
-            k = coding.encode(k, positions[:, :, None], head_axis=-2)
-            v = hadamard(v)
         index = jnp.clip(positions // ps, 0, pps - 1)
         page = jnp.take_along_axis(self.block_tables, index, axis=1)
         ok = (positions >= 0) & (positions < pps * ps) & (page >= 0)
         page = jnp.where(ok, page, self.num_pages)  # out of bounds: the write drops it
-        offset = positions % ps
-        new_k = _scatter_tokens(self.k[layer], kv_format(self.kv_dtype).quantize(k), page, offset)
-        new_v = _scatter_tokens(self.v[layer], kv_format(self.kv_dtype).quantize(v), page, offset)
+        new_k, new_v = write_kv(
+            self.k[layer],
+            self.v[layer],
+            k,
+            v,
+            page,
+            positions % ps,
+            positions,
+            quantize=kv_format(self.kv_dtype).quantize,
+            key_coding=self._key_coding(layer),
+        )
         return replace(
             self,
             k=replace_layer(self.k, layer, new_k),

@@ -1,22 +1,31 @@
-"""``store_tokens``: each token's K/V (one leaf of a page layout) into its ``(page, offset)`` of a pool.
+"""The paged cache's write.
 
+``store_tokens``: each token's K/V (one leaf of a page layout) into its ``(page, offset)`` of a pool.
 The XLA form is a scatter. On the GPU, fused with the projection that produces the tokens, it took
 33 µs for a decode step's 64 tokens at batch 64 (Llama-3-8B shape, 1,000-token rows, NVIDIA H200):
 two per layer, a quarter of the paged decode step. The Triton kernel stores each token's slab with
 plain stores into the pool, updated in place.
+
+``write_kv``: a layer's whole write -- code (coded formats), quantize and store K and V. The
+reference is a chain of XLA ops (the butterfly stages of two rotations, each an XLA kernel on a GPU,
+the group reductions, a store per leaf); the Triton kernel does it in one launch. On an H200
+(Llama-3-8B's 8 kv heads, D = 128) a coded q4 write took 17.7 -> 12.0 µs for a decode step's 8 tokens
+and 212 -> 89 µs for 4,096; fp8 9.7 -> 6.2 and 107 -> 13 µs.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Int, Shaped
+from jaxtyping import Array, Float, Int, Shaped
 
 from zgen.errors import ConfigError
 from zgen.pallas.common import interpret_pallas, platform
+from zgen.pallas.paged_attention.layouts import BitPages, Fp8Pages, KeyCalibration, KVPages, Q4Pages, hadamard, stored_like
 
 StoreImplementation = Literal["reference", "xla", "triton"]
 STORE_IMPLEMENTATIONS: tuple[StoreImplementation, ...] = ("reference", "xla", "triton")
@@ -70,3 +79,73 @@ def scatter_tokens(
     as_bytes = jax.lax.bitcast_convert_type(pool, jnp.uint8)
     stored = as_bytes.at[:, page, offset].set(jax.lax.bitcast_convert_type(values, jnp.uint8), mode="drop")
     return jax.lax.bitcast_convert_type(stored, pool.dtype)
+
+
+WriteImplementation = Literal["reference", "triton"]
+
+
+def write_kv(
+    k_pool: KVPages,
+    v_pool: KVPages,
+    k: Float[Array, "b t kvh d"],
+    v: Float[Array, "b t kvh d"],
+    page: Int[Array, "b t"],
+    offset: Int[Array, "b t"],
+    positions: Int[Array, "b t"],
+    *,
+    quantize: Callable[[Array], KVPages],
+    key_coding: KeyCalibration | None = None,
+    implementation: WriteImplementation | None = None,
+) -> tuple[KVPages, KVPages]:
+    """The pools with each token's K and V stored at ``(page, offset)``; tokens whose page is outside
+    ``[0, pages)`` are dropped.
+
+    ``key_coding`` (coded formats): keys are coded by it at ``positions`` and values Hadamard-rotated
+    before ``quantize`` (the format's quantizer of head vectors) turns them into the pool's layout.
+    ``implementation``: None (the kernel on GPUs for the layouts it stores, else the reference),
+    "reference" (code, quantize, then :func:`store_tokens` per leaf) or "triton" (plain float
+    pools, fp8 and q4 pages, a power-of-two head_dim; it quantizes by the layout's own rule).
+    """
+    if implementation not in (None, "reference", "triton"):
+        raise ConfigError(f"unknown write_kv implementation {implementation!r}; choose reference, triton or None")
+    why_not = _kernel_refusal(k_pool, k.shape[-1], key_coding)
+    if implementation == "triton" and why_not is not None:
+        raise ConfigError(f"the Triton write_kv {why_not}; use implementation='reference' or None")
+    if implementation == "triton" or (implementation is None and why_not is None and platform() == "gpu"):
+        from zgen.pallas.page_write import triton
+
+        inside = (page >= 0) & (page < _num_pages(k_pool))
+        slots = jnp.where(inside, page * _page_size(k_pool) + offset, -1).astype(jnp.int32)
+        return triton.write_kv(k_pool, v_pool, k, v, slots, positions, key_coding, interpret=interpret_pallas())
+    if key_coding is not None:
+        k = key_coding.encode(k, positions[:, :, None], head_axis=-2)
+        v = hadamard(v)
+    store = lambda pool, x: jax.tree_util.tree_map(  # noqa: E731
+        lambda leaf, val: store_tokens(leaf, val, page, offset), pool, stored_like(pool, quantize(x))
+    )
+    return store(k_pool, k), store(v_pool, v)
+
+
+def _num_pages(pool: KVPages) -> int:
+    return jax.tree_util.tree_leaves(pool)[0].shape[1]
+
+
+def _page_size(pool: KVPages) -> int:
+    return jax.tree_util.tree_leaves(pool)[0].shape[2]
+
+
+def _kernel_refusal(pool: KVPages, head_dim: int, key_coding: KeyCalibration | None) -> str | None:
+    """Why the Triton ``write_kv`` cannot store into ``pool``, or None."""
+    if head_dim < 2 or head_dim & (head_dim - 1):
+        return f"needs a power-of-two head_dim, got {head_dim}"
+    if key_coding is not None and head_dim < 32:
+        return f"codes keys with dots of head_dim / 2 >= 16 columns, got head_dim {head_dim}"
+    if isinstance(pool, BitPages) or not isinstance(pool, (jax.Array, Fp8Pages, Q4Pages)):
+        return f"stores float arrays, fp8 and q4 pages, not {type(pool).__name__}"
+    if isinstance(pool, jax.Array) and not jnp.issubdtype(pool.dtype, jnp.floating):
+        return f"stores float arrays, not {pool.dtype}"
+    if isinstance(pool, Q4Pages):
+        groups = pool.scale.shape[-1]
+        if groups & (groups - 1) or groups < 2:
+            return f"needs a power-of-two number of q4 groups per token, at least 2, got {groups}"
+    return None

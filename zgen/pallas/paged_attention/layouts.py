@@ -371,19 +371,20 @@ def hadamard_dot(x: Float[Array, "*lead d"], dot_dtype: jnp.dtype = jnp.float32)
     """:func:`hadamard` as one dot with Sylvester's ``±1`` matrix accumulated in f32, for what is read
     back (attention outputs, folded queries, decoded keys): on a GPU each butterfly stage of the fast
     transform is an XLA kernel of its own (7 at D = 128), the dot one. A dot's summation order may
-    depend on how many rows it takes, so stored tokens are coded with :func:`hadamard`. ``dot_dtype``
+    depend on how many rows it takes, so stored tokens are coded with :func:`hadamard` (or, on GPUs,
+    by the write kernel's dots over fixed tiles, :func:`zgen.pallas.page_write.write_kv`). ``dot_dtype``
     bfloat16 runs it on the tensor cores for inputs already in bf16 (the products stay exact)."""
     d = x.shape[-1]
     block = d & -d
     y = x.astype(dot_dtype).reshape(*x.shape[:-1], d // block, block)
-    sylvester = jnp.asarray(_sylvester(block), dot_dtype)
+    matrix = jnp.asarray(sylvester(block), dot_dtype)
     exact = jax.lax.Precision.HIGHEST if jnp.dtype(dot_dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
-    y = jnp.einsum("...i,ij->...j", y, sylvester, precision=exact, preferred_element_type=jnp.float32)
+    y = jnp.einsum("...i,ij->...j", y, matrix, precision=exact, preferred_element_type=jnp.float32)
     return y.reshape(x.shape) * (block**-0.5)
 
 
 @functools.cache
-def _sylvester(n: int) -> np.ndarray:
+def sylvester(n: int) -> np.ndarray:
     """Sylvester's ``n x n`` Hadamard matrix of ``±1`` (``n`` a power of two), symmetric."""
     h = np.ones((1, 1), np.float32)
     while h.shape[0] < n:
