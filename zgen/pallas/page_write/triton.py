@@ -223,7 +223,7 @@ def _rebuild(pool: KVPages, leaves: Sequence[Array]) -> KVPages:
     return leaves[0]
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "num_warps"))
+@functools.partial(jax.jit, static_argnames=("interpret",))
 def write_kv(
     k_pool: KVPages,
     v_pool: KVPages,
@@ -234,7 +234,6 @@ def write_kv(
     key_coding: KeyCalibration | None,
     *,
     interpret: bool = False,
-    num_warps: int = 4,
 ) -> tuple[KVPages, KVPages]:
     layout, k_leaves = _leaves(k_pool)
     _, v_leaves = _leaves(v_pool)
@@ -267,7 +266,8 @@ def write_kv(
         out_specs=[whole(x) for x in pools],
         out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in pools],
         input_output_aliases={len(inputs) + i: i for i in range(len(pools))},
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        # 4 warps: on an H200, 8 lost for plain and coded writes (5.9 vs 3.7 µs, 15.1 vs 12.0 at decode).
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="zgen_write_kv",
     )(*inputs, *pools)
