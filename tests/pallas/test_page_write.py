@@ -158,3 +158,15 @@ def test_write_kv_refuses_what_its_kernel_cannot_store() -> None:
     odd = jnp.zeros((1, 1, 1, 48), jnp.bfloat16)
     with pytest.raises(ConfigError, match="power-of-two head_dim, got 48"):
         write_kv(plain, plain, odd, odd, zeros, zeros, zeros, quantize=lambda x: x, implementation="triton")
+
+
+def test_write_kv_refuses_mismatched_operands() -> None:
+    fmt = kv_format("bf16")
+    pool = fmt.empty((2, 3, 4), 8)
+    zeros = jnp.zeros((1, 2), jnp.int32)
+    with pytest.raises(ConfigError, match="the pools' 2 kv heads"):
+        three_heads = jnp.zeros((1, 2, 3, 8), jnp.bfloat16)
+        write_kv(pool, pool, three_heads, three_heads, zeros, zeros, zeros, quantize=fmt.quantize)
+    with pytest.raises(ConfigError, match="page/offset/positions"):
+        tokens = jnp.zeros((1, 2, 2, 8), jnp.bfloat16)
+        write_kv(pool, pool, tokens, tokens, zeros, zeros, jnp.zeros((2, 1), jnp.int32), quantize=fmt.quantize)

@@ -108,6 +108,13 @@ def write_kv(
     """
     if implementation not in (None, "reference", "triton"):
         raise ConfigError(f"unknown write_kv implementation {implementation!r}; choose reference, triton or None")
+    kv_heads = jax.tree_util.tree_leaves(k_pool)[0].shape[0]
+    if k.shape != v.shape or k.shape[2] != kv_heads or not page.shape == offset.shape == positions.shape == k.shape[:2]:
+        raise ConfigError(
+            f"write_kv needs k and v [b, t, kv_heads, head_dim] with the pools' {kv_heads} kv heads and page/offset/positions "
+            f"[b, t]; got k {list(k.shape)}, v {list(v.shape)}, page {list(page.shape)}, offset {list(offset.shape)}, "
+            f"positions {list(positions.shape)}"
+        )
     why_not = _kernel_refusal(k_pool, k.shape[-1], key_coding)
     if implementation == "triton" and why_not is not None:
         raise ConfigError(f"the Triton write_kv {why_not}; use implementation='reference' or None")
