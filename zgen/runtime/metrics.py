@@ -68,7 +68,7 @@ class Histogram:
 
     def cumulative(self) -> list[tuple[float, int]]:
         """``(upper bound, observations <= it)`` per bucket, ending with ``(inf, count)``."""
-        total, out = 0, []
+        total, out = 0, list[tuple[float, int]]()
         for bound, n in zip((*self.bounds, float("inf")), self.counts, strict=True):
             total += n
             out.append((bound, total))
