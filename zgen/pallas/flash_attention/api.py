@@ -128,7 +128,7 @@ def append_and_attend(
     "triton") one Triton kernel does it all, updating the buffers in place, where RoPE, a write and
     :func:`flash_attention` cost six more launches per layer; "reference" is exactly those steps.
     """
-    b, t, h, d = q.shape
+    b, t, _, d = q.shape
     if t != 1 or k_new.shape != (b, 1, k_cache.shape[2], d) or v_new.shape != k_new.shape or k_cache.shape != v_cache.shape:
         raise ValueError(f"append_and_attend takes one token per row: q {q.shape}, k/v {k_new.shape}, caches {k_cache.shape}")
     impl = ("triton" if platform() == "gpu" else "reference") if implementation is None else check_implementation(implementation)

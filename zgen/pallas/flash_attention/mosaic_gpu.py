@@ -150,7 +150,7 @@ def _body(
         )
         pl.when(wg == 1)(handoff)  # consumer 1 runs one phase behind
         carry = jax.lax.fori_loop(0, unmasked, functools.partial(step, masked=False), carry)
-        m, l, acc = jax.lax.fori_loop(unmasked, needed, functools.partial(step, masked=True), carry)
+        _, l, acc = jax.lax.fori_loop(unmasked, needed, functools.partial(step, masked=True), carry)
         jax.lax.fori_loop(needed, blocks, release, None)
         pl.when(wg == 0)(handoff)  # and consumer 0 ends one later, so both reach it equally often
         my_q[...] = (acc / broadcast_rows(l, acc.shape)).astype(my_q.dtype)

@@ -53,7 +53,7 @@ from typing import Literal, Protocol, TypeAlias
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Float, Int, Shaped, UInt8
+from jaxtyping import Array, Float, Int, Shaped, UInt8
 
 from zgen.rope import apply_rope
 

@@ -160,7 +160,6 @@ def training_sequences(model: Model, path: Path, seq_len: int) -> list[list[int]
 def distill_prompts(model: Model, path: Path, count: int) -> list[list[int]]:
     """The first ``count`` prompts of ``path`` as token ids: chats without their last assistant turn,
     lines of a text file as user messages (plain text where the model has no chat template)."""
-    tok = model.tokenizer
     prompts: list[list[int]] = []
     for n, item in enumerate(_read_items(path)):
         if isinstance(item, str):
