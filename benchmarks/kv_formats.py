@@ -17,6 +17,9 @@ tokens/s (rows over ms per step), both against the first format's.
     python benchmarks/kv_formats.py --prompt-tokens 512               # where KV bytes are negligible
     python benchmarks/kv_formats.py --shape smollm2 --formats dense-bf16 paged-q4
     python benchmarks/kv_formats.py --capacity-gb 40 --prompt-tokens 32000 --formats paged-bf16 paged-q4
+
+``--trace-kernels N`` also prints, per format, the N kernels that take the most time in a decode step
+(``kernel_trace.py``: launches and µs per step, from a profile of the same generations).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_decode import SHAPES, per_token_s, prompt_ids, random_bf16_model  # noqa: E402
+from kernel_trace import decode_step_kernels  # noqa: E402
 
 FORMATS = ("dense-bf16", "paged-bf16", "paged-fp8", "paged-q4", "paged-q3")
 
@@ -48,10 +52,18 @@ def admitted_rows(model: Any, name: str, pool_gb: float, tokens_per_row: int, pa
 
 
 def run_format(
-    model: Any, name: str, batch: int, prompt_tokens: int, new_tokens: int, runs: int, page_size: int, pool_gb: float | None = None
+    model: Any,
+    name: str,
+    batch: int,
+    prompt_tokens: int,
+    new_tokens: int,
+    runs: int,
+    page_size: int,
+    pool_gb: float | None = None,
+    trace_kernels: int = 0,
 ) -> dict[str, Any]:
     """One format's decode step and first-token time; a paged pool of ``pool_gb`` GB, or (None) of what
-    the batch needs with 10 % to spare."""
+    the batch needs with 10 % to spare; with ``trace_kernels``, that many of the decode step's costliest kernels."""
     from zgen import Generator, Request, SamplingConfig
     from zgen.cache.factory import cache_kind, kv_dtype, paged_kv
     from zgen.cache.formats import bytes_per_token_per_layer
@@ -71,10 +83,11 @@ def run_format(
     step_s = per_token_s(generate, new_tokens, runs)
     first_s = statistics.median(min(r.timings.prefill_s for r in generate(1)) for _ in range(runs))
     tokens_out = generate(new_tokens)[0].token_ids
+    kernels = decode_step_kernels(generate, new_tokens, trace_kernels) if trace_kernels else []
     gen.close()
     return {
         "format": name, "batch": batch, "ms_per_step": step_s * 1e3, "tok_s": batch / step_s, "ttft_s": first_s,
-        "kv_gb": kv_bytes / 1e9, "token_ids": tokens_out[:16],
+        "kv_gb": kv_bytes / 1e9, "token_ids": tokens_out[:16], "kernels": kernels,
     }
 
 
@@ -88,12 +101,17 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--page-size", type=int, help="tokens per page (default: the platform's, 64 on GPUs)")
     parser.add_argument("--capacity-gb", type=float, help="the capacity run: paged pools of this many GB, each at the batch it admits")
+    parser.add_argument("--trace-kernels", type=int, default=0, metavar="N", help="also list each format's N costliest kernels per decode step")
     args = parser.parse_args()
 
     import jax
 
     from zgen.cache.factory import default_page_size
 
+    from zgen.pallas.common import platform
+
+    if args.trace_kernels and platform() != "gpu":
+        parser.error("--trace-kernels reads a GPU's kernels; run it on a GPU")
     args.page_size = args.page_size or default_page_size()
     model = random_bf16_model(args.shape)
     if args.capacity_gb is not None:
@@ -101,9 +119,14 @@ def main() -> None:
         return
     rows = []
     for name in args.formats:
-        rows.append(run_format(model, name, args.batch, args.prompt_tokens, args.new_tokens, args.runs, args.page_size))
+        rows.append(
+            run_format(
+                model, name, args.batch, args.prompt_tokens, args.new_tokens, args.runs, args.page_size, trace_kernels=args.trace_kernels
+            )
+        )
         gc.collect()
-        print(json.dumps(rows[-1]), flush=True)
+        print(json.dumps({key: value for key, value in rows[-1].items() if key != "kernels"}), flush=True)
+        print_kernels(rows[-1])
     base = next((r for r in rows if r["format"] == "dense-bf16"), rows[0])
     print(f"\n{jax.devices()[0].device_kind}, {args.shape}, batch {args.batch}, {args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, pages of {args.page_size}")
     print(f"| cache | ms/step | vs {base['format']} | time to first token (s) | vs {base['format']} | KV GB |")
@@ -113,6 +136,13 @@ def main() -> None:
               f"{r['ttft_s']:.2f} | {r['ttft_s'] / base['ttft_s']:.2f} | {r['kv_gb']:.2f} |")
 
 
+def print_kernels(row: dict[str, Any]) -> None:
+    if row["kernels"]:
+        print(f"{row['format']}: the decode step's costliest kernels (launches and µs per step)")
+        for k in row["kernels"]:
+            print(f"  {k['per_step']:6.1f} x {k['us_per_step']:9.1f} us  {k['kernel'][:100]}")
+
+
 def capacity(model: Any, args: argparse.Namespace) -> None:
     import jax
 
@@ -120,9 +150,15 @@ def capacity(model: Any, args: argparse.Namespace) -> None:
     rows = []
     for name in names:
         batch = admitted_rows(model, name, args.capacity_gb, args.prompt_tokens + args.new_tokens, args.page_size)
-        rows.append(run_format(model, name, batch, args.prompt_tokens, args.new_tokens, args.runs, args.page_size, pool_gb=args.capacity_gb))
+        rows.append(
+            run_format(
+                model, name, batch, args.prompt_tokens, args.new_tokens, args.runs, args.page_size,
+                pool_gb=args.capacity_gb, trace_kernels=args.trace_kernels,
+            )
+        )
         gc.collect()
-        print(json.dumps(rows[-1]), flush=True)
+        print(json.dumps({key: value for key, value in rows[-1].items() if key != "kernels"}), flush=True)
+        print_kernels(rows[-1])
     base = rows[0]
     print(f"\n{jax.devices()[0].device_kind}, {args.shape}, pools of {args.capacity_gb:g} GB, {args.prompt_tokens}-token prompt, {args.new_tokens} new tokens")
     print(f"| cache | rows admitted | vs {base['format']} | ms/step | decode tok/s | vs {base['format']} |")
