@@ -25,7 +25,7 @@ from jaxtyping import Array, Float, Int, Shaped
 
 from zgen.errors import ConfigError
 from zgen.pallas.common import interpret_pallas, platform
-from zgen.pallas.paged_attention.layouts import BitPages, Fp8Pages, KeyCalibration, KVPages, Q4Pages, hadamard, stored_like
+from zgen.pallas.paged_attention.layouts import BitPages, Fp8Pages, KeyCalibration, KVPages, Q4Pages, hadamard, leading_shape, stored_like
 
 StoreImplementation = Literal["reference", "xla", "triton"]
 STORE_IMPLEMENTATIONS: tuple[StoreImplementation, ...] = ("reference", "xla", "triton")
@@ -108,7 +108,7 @@ def write_kv(
     """
     if implementation not in (None, "reference", "triton"):
         raise ConfigError(f"unknown write_kv implementation {implementation!r}; choose reference, triton or None")
-    kv_heads = jax.tree_util.tree_leaves(k_pool)[0].shape[0]
+    kv_heads, num_pages, page_size = leading_shape(k_pool)
     if k.shape != v.shape or k.shape[2] != kv_heads or not page.shape == offset.shape == positions.shape == k.shape[:2]:
         raise ConfigError(
             f"write_kv needs k and v [b, t, kv_heads, head_dim] with the pools' {kv_heads} kv heads and page/offset/positions "
@@ -121,8 +121,8 @@ def write_kv(
     if implementation == "triton" or (implementation is None and why_not is None and platform() == "gpu"):
         from zgen.pallas.page_write import triton
 
-        inside = (page >= 0) & (page < _num_pages(k_pool))
-        slots = jnp.where(inside, page * _page_size(k_pool) + offset, -1).astype(jnp.int32)
+        inside = (page >= 0) & (page < num_pages)
+        slots = jnp.where(inside, page * page_size + offset, -1).astype(jnp.int32)
         return triton.write_kv(k_pool, v_pool, k, v, slots, positions, key_coding, interpret=interpret_pallas())
     if key_coding is not None:
         k = key_coding.encode(k, positions[:, :, None], head_axis=-2)
@@ -131,14 +131,6 @@ def write_kv(
         lambda leaf, val: store_tokens(leaf, val, page, offset), pool, stored_like(pool, quantize(x))
     )
     return store(k_pool, k), store(v_pool, v)
-
-
-def _num_pages(pool: KVPages) -> int:
-    return jax.tree_util.tree_leaves(pool)[0].shape[1]
-
-
-def _page_size(pool: KVPages) -> int:
-    return jax.tree_util.tree_leaves(pool)[0].shape[2]
 
 
 def _kernel_refusal(pool: KVPages, head_dim: int, key_coding: KeyCalibration | None) -> str | None:
