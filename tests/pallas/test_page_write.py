@@ -170,3 +170,33 @@ def test_write_kv_refuses_mismatched_operands() -> None:
     with pytest.raises(ConfigError, match="page/offset/positions"):
         tokens = jnp.zeros((1, 2, 2, 8), jnp.bfloat16)
         write_kv(pool, pool, tokens, tokens, zeros, zeros, jnp.zeros((2, 1), jnp.int32), quantize=fmt.quantize)
+
+
+@pytest.mark.parametrize("fmt_name", ["fp8", "q4"])
+def test_write_kv_kernel_codes_each_token_alone(fmt_name: str) -> None:
+    """A token's stored bytes do not depend on the tokens written beside it (a cache must not depend
+    on how its tokens were batched: verification passes, chunks and decode steps write the same)."""
+    fmt = kv_format(fmt_name)
+    rng = np.random.default_rng(7)
+    kvh, d, t = 2, 64, 9
+    pool = fmt.empty((kvh, 2, 16), d)
+    k = jnp.asarray(rng.standard_normal((1, t, kvh, d)) * 3, jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((1, t, kvh, d)), jnp.bfloat16)
+    positions = jnp.arange(t, dtype=jnp.int32)[None] * 37
+    page, offset = positions * 0 + 1, jnp.arange(t, dtype=jnp.int32)[None] + 3
+    coding = KeyCalibration(
+        center=jnp.asarray(rng.standard_normal((kvh, d)), jnp.float32),
+        sink=jnp.zeros((kvh, d), jnp.float32),
+        scale=jnp.ones((kvh, d), jnp.float32),
+        inv_freq=jnp.asarray(10000.0 ** (-np.arange(d // 2) * 2 / d), jnp.float32),
+    ) if fmt.coded else None
+    write = jax.jit(lambda kp, vp, k, v, page, offset, pos: write_kv(
+        kp, vp, k, v, page, offset, pos, quantize=fmt.quantize, key_coding=coding, implementation="triton"
+    ))
+    together = write(pool, pool, k, v, page, offset, positions)
+    alone = (pool, pool)
+    for i in range(t):
+        cut = slice(i, i + 1)
+        alone = write(*alone, k[:, cut], v[:, cut], page[:, cut], offset[:, cut], positions[:, cut])
+    for got, want in zip(jax.tree_util.tree_leaves(alone), jax.tree_util.tree_leaves(together), strict=True):
+        np.testing.assert_array_equal(as_bits(got), as_bits(want))
