@@ -266,6 +266,27 @@ def test_corrupt_gguf_metadata_is_refused(tmp_path: Path, overrides: dict[str, o
     assert not list((tmp_path / "cache").rglob("*.safetensors")), "nothing converted from a refused file"
 
 
+def _patch_count(path: Path, offset: int, count: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset : offset + 8] = count.to_bytes(8, "little")
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(("where", "match"), [("field count", "field count"), ("array count", "tokenizer.ggml.token_type")])
+def test_gguf_metadata_counts_past_the_file_are_refused(tmp_path: Path, where: str, match: str) -> None:
+    """gguf's reader would loop over every claimed element, reading nothing past the end of the file
+    (a hang the input fuzz test found); the loader refuses the count first."""
+    path = tiny_gguf.write_tiny_gguf(tmp_path / "bad.gguf")
+    if where == "field count":
+        offset = 16  # magic, version, tensor count
+    else:
+        field = gguf.GGUFReader(path).fields["tokenizer.ggml.token_type"]  # an array of int32
+        offset = field.offset + 8 + len(field.name.encode()) + 4 + 4  # key length, key, value type, item type
+    _patch_count(path, offset, 2**56)
+    with pytest.raises(CheckpointError, match=rf"{match}\)? claims .* past the end of the file"):
+        load_model(path, cache_dir=tmp_path / "cache")
+
+
 def test_gguf_tensor_with_nan_is_refused(tmp_path: Path) -> None:
     tensors = tiny_gguf.tiny_tensors()
     tensors["blk.1.ffn_up.weight"][0, 0] = np.inf

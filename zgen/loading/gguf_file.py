@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import mmap
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +40,82 @@ _PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
 _GLOBAL_TENSORS = {"token_embd.weight": "embed", "output_norm.weight": "final_norm", "output.weight": "lm_head"}
 
 
+# Bytes of one GGUF metadata scalar, by value type; strings and arrays carry their lengths.
+_SCALAR_BYTES = {
+    gguf.GGUFValueType.UINT8: 1, gguf.GGUFValueType.INT8: 1, gguf.GGUFValueType.BOOL: 1,
+    gguf.GGUFValueType.UINT16: 2, gguf.GGUFValueType.INT16: 2,
+    gguf.GGUFValueType.UINT32: 4, gguf.GGUFValueType.INT32: 4, gguf.GGUFValueType.FLOAT32: 4,
+    gguf.GGUFValueType.UINT64: 8, gguf.GGUFValueType.INT64: 8, gguf.GGUFValueType.FLOAT64: 8,
+}
+_LENGTH_BYTES = 8  # a string's length, an array's count: the least any string or array element takes
+
+
+def check_metadata_extent(path: Path) -> None:
+    """Walk the lengths and counts of a GGUF file's metadata (not its values) and refuse, as a
+    ``CheckpointError``, any that run past the end of the file.
+
+    gguf's reader trusts an array's count: with a corrupt one (found by
+    ``property_tests/test_input_fuzz.py``) it loops over up to 2**64 elements, reading nothing past
+    the end of the file, and never returns. Files gguf refuses by their header (magic, version) are
+    left to it.
+    """
+    if path.stat().st_size < 24:
+        return
+    with path.open("rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        if data[:4] != b"GGUF":
+            return
+        order = "<" if int.from_bytes(data[4:8], "little") & 0xFFFF else ">"  # gguf's own byte-order test
+        if struct.unpack_from(order + "I", data, 4)[0] not in (2, 3):
+            return
+        _walk_metadata(path, data, order)
+
+
+def _walk_metadata(path: Path, data: mmap.mmap, order: str) -> None:
+    position = 8  # after the magic and the version
+
+    def fits(count: int, size: int, what: str) -> None:
+        if count * size > len(data) - position:
+            raise CheckpointError(
+                f"{path}: GGUF metadata {what} claims {count} x {size} bytes at byte {position}, past the end of the "
+                f"file ({len(data)} bytes); the file is corrupt or truncated: download or copy it again"
+            )
+
+    def take(count: int, size: int, what: str) -> int:
+        nonlocal position
+        fits(count, size, what)
+        start, position = position, position + count * size
+        return start
+
+    def number(fmt: str, what: str) -> int:
+        return struct.unpack_from(order + fmt, data, take(1, struct.calcsize(fmt), what))[0]
+
+    def value(kind: int, what: str) -> None:
+        if kind in _SCALAR_BYTES:
+            take(1, _SCALAR_BYTES[gguf.GGUFValueType(kind)], what)
+        elif kind == gguf.GGUFValueType.STRING:
+            take(number("Q", what), 1, what)
+        elif kind == gguf.GGUFValueType.ARRAY:
+            item, count = number("I", what), number("Q", what)
+            if item in _SCALAR_BYTES:
+                take(count, _SCALAR_BYTES[gguf.GGUFValueType(item)], what)
+                return
+            fits(count, _LENGTH_BYTES, what)  # bound the walk before walking it
+            for _ in range(count):
+                value(item, what)
+        else:
+            raise CheckpointError(f"{path}: GGUF metadata {what} has unknown value type {kind}; the file is corrupt")
+
+    _tensors, fields = number("Q", "tensor count"), number("Q", "field count")
+    fits(fields, _LENGTH_BYTES + 4, "field count")  # a key's length and a value type, at least
+    for index in range(fields):
+        length = number("Q", f"field {index}")
+        start = take(length, 1, f"field {index}")
+        key = data[start : start + length].decode("utf-8", "replace")
+        value(number("I", f"field {index} ({key})"), f"field {index} ({key})")
+
+
 def open_gguf(path: Path) -> gguf.GGUFReader:
+    check_metadata_extent(path)
     try:
         return gguf.GGUFReader(path)
     except Exception as err:  # the reader raises bare ValueError/IndexError on truncated files
