@@ -31,8 +31,9 @@ def _kernel_times(run: Callable[[], Any]) -> collections.Counter[str]:
     threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
     totals: collections.Counter[str] = collections.Counter()
     for e in events:
-        on_stream = "/device:GPU" in processes.get(e["pid"], "") and "Stream" in threads.get((e["pid"], e["tid"]), "")
-        if e.get("ph") != "X" or not on_stream:
+        if e.get("ph") != "X":  # complete events only (metadata and counters may lack a pid or tid)
+            continue
+        if "/device:GPU" not in processes.get(e.get("pid"), "") or "Stream" not in threads.get((e.get("pid"), e.get("tid")), ""):
             continue
         totals[e["name"]] += e["dur"]
         totals["#" + e["name"]] += 1

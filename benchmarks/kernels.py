@@ -8,7 +8,11 @@ Measures the device's copy bandwidth and bf16 matmul rate in the same run, then:
   q4, q3 pages, and q4/q3 with coded keys as the paged cache stores them): achieved bandwidth = bytes
   of KV actually read / time, and its fraction of copy bandwidth;
 - prefill (causal, 4k and 8k tokens, bf16): TFLOP/s (causal half counted) vs the matmul rate, for
-  flash attention over contiguous K/V and paged attention over pages of 64 (bf16 and q4).
+  flash attention over contiguous K/V and paged attention over pages of 64 (bf16 and q4);
+- a decode step's residual add + RMS norm + the projection reading it (one row, SmolLM2's qkv and
+  gate/up shapes): the fused kernel at each launch setting against the norm kernel followed by XLA's
+  matmul, over distinct weights that overflow the L2 cache, as a model's layers do (microseconds
+  per layer), and the weight bytes over that time.
 Every kernel is checked against zgen's reference (relative L2 error) before it is timed; a kernel that
 fails to lower or to match is reported, not fatal. Results go to ``$OUT/kernels.json`` when OUT is set.
 """
@@ -29,7 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zgen.pallas import flash_attention, paged_decode_attention
+from zgen.pallas import add_rms_norm, flash_attention, paged_decode_attention
+from zgen.pallas.norm_linear import add_rms_norm_linear
 from zgen.pallas.flash_attention import mosaic_gpu as flash_mosaic_gpu
 from zgen.pallas.flash_attention import triton as flash_triton
 from zgen.pallas.paged_attention import triton as paged_triton
@@ -376,6 +381,67 @@ def bench_prefill(lengths: list[int], repeats: int, mm_flops: float | None, resu
         del ref
 
 
+NORM_LINEAR_SHAPES = ((576, 960), (576, 3072), (960, 2880))  # (hidden, out): SmolLM2-135M qkv, gate/up; 360M gate/up
+NORM_LINEAR_BYTES = 256 << 20  # weights per timed call: more than the L2 cache holds, so they come from DRAM
+
+
+def bench_norm_linear(shapes: list[tuple[int, int]], repeats: int, copy_bw: float | None, results: Results) -> None:
+    """Microseconds per ``add + norm + x @ W.T`` for one bf16 row, applied in one call to as many
+    distinct weights as ``NORM_LINEAR_BYTES`` hold, each feeding its residual sum to the next (as a
+    model's layers do): every weight read from DRAM, the launches back to back."""
+    eps = 1e-5
+    for size, out in shapes:
+        rng = np.random.default_rng(size + out)
+        x, delta = (jnp.asarray(rng.standard_normal((1, 1, size)) * 0.1, jnp.bfloat16) for _ in range(2))
+        norm_weight = jnp.asarray(1 + 0.1 * rng.standard_normal(size), jnp.bfloat16)
+        layers = max(4, NORM_LINEAR_BYTES // (out * size * 2))
+        weights = [jnp.asarray(rng.standard_normal((out, size)) * size**-0.5, jnp.bfloat16) for _ in range(layers)]
+
+        def layered(op: Callable[..., tuple[jax.Array, jax.Array]]) -> Callable[[], jax.Array]:
+            def run(weights: list[jax.Array]) -> jax.Array:
+                carry, outputs = delta, []
+                for weight in weights:
+                    total, projected = op(x, carry, norm_weight, eps, weight)
+                    carry = (total * 0.5).astype(total.dtype)
+                    outputs.append(projected)
+                return jnp.stack(outputs)
+
+            compiled = jax.jit(run)
+            return lambda: compiled(weights)
+
+        def norm_then_matmul(x: jax.Array, d: jax.Array, n: jax.Array, e: float, w: jax.Array) -> tuple[jax.Array, jax.Array]:
+            total, normed = add_rms_norm(x, d, n, e)
+            return total, jnp.einsum("...i,oi->...o", normed, w)
+
+        want = add_rms_norm_linear(x, delta, norm_weight, eps, weights[0], implementation="xla")[1]
+        candidates: dict[str, Callable[..., tuple[jax.Array, jax.Array]]] = {"norm kernel + XLA matmul": norm_then_matmul}
+        for block_n in (4, 8, 16):
+            for warps in (2, 4, 8):
+                candidates[f"zgen fused bn{block_n} w{warps}"] = functools.partial(_fused_setting, block_n=block_n, num_warps=warps)
+        for name, op in candidates.items():
+            row = Row("norm_linear", name, "bf16", size * 100_000 + out)
+            try:
+                row.rel_err = rel_err(op(x, delta, norm_weight, eps, weights[0])[1], want)
+                seconds = median_seconds(layered(op), repeats) / layers
+                row.ms, row.gbps = seconds * 1e3, out * size * 2 / seconds / 1e9  # the table shows ms: 0.001 = 1 µs
+                row.fraction = None if copy_bw is None else row.gbps * 1e9 / (copy_bw / 2)
+            except Exception as exc:  # noqa: BLE001 - report, keep benchmarking
+                row.error = short(exc)
+            results.add(row)
+
+
+def _fused_setting(
+    x: jax.Array, delta: jax.Array, norm_weight: jax.Array, eps: float, weight: jax.Array, *, block_n: int, num_warps: int
+) -> tuple[jax.Array, jax.Array]:
+    from zgen.pallas.norm_linear import triton
+
+    total, projected = triton.add_rms_norm_linear(
+        x.reshape(1, -1), delta.reshape(1, -1), norm_weight, eps, weight, block_n=block_n, num_warps=num_warps
+    )
+    assert total is not None
+    return total.reshape(x.shape), projected.reshape(*x.shape[:-1], -1)
+
+
 def fmt_cell(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
@@ -399,6 +465,7 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="*", help="decode contexts (default 4096 32768; none: skip)")
     parser.add_argument("--prefill-lengths", type=int, nargs="*", help="prefill lengths (default 4096 8192; none: skip)")
     parser.add_argument("--formats", nargs="*", default=list(DECODE_FORMATS), help=f"decode page formats {DECODE_FORMATS}")
+    parser.add_argument("--no-norm-linear", action="store_true", help="skip the fused norm + projection")
     args = parser.parse_args()
 
     device = jax.devices()[0]
@@ -420,6 +487,8 @@ def main() -> None:
     prefill = args.prefill_lengths if args.prefill_lengths is not None else [1024] if args.check_only else [4096, 8192]
     bench_decode(contexts, args.formats, args.page_size, args.repeats, copy_bw, results)
     bench_prefill(prefill, args.repeats, mm, results)
+    if not args.no_norm_linear:
+        bench_norm_linear(list(NORM_LINEAR_SHAPES[:1] if args.check_only else NORM_LINEAR_SHAPES), args.repeats, copy_bw, results)
 
     print()
     print(table(results.rows))

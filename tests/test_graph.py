@@ -10,8 +10,13 @@ import pytest
 from zgen.config import ModelConfig
 from zgen.errors import GraphTypeError
 from zgen.graph.core import ForwardContext, Graph, i32
-from zgen.graph.decoder import HIDDEN, build_decoder, hidden_state_graph, residual_stream
-from zgen.graph.nodes import AddRMSNorm, Embed, GatedMLP, RMSNorm
+from zgen.graph.decoder import HIDDEN, LOGIT_ROWS, POSITIONS, TOKENS, build_decoder, hidden_state_graph, residual_stream
+from zgen.graph.fusion import NormedBlock, fuse_norms
+from zgen.graph.nodes import AddRMSNorm, Attention, Embed, GatedMLP, RMSNorm
+from zgen.lora.graph import inject_lora
+from zgen.model import random_model
+from zgen.pallas.norm_linear import add_rms_norm_linear
+from zgen.rope import rotary
 
 CONFIG = ModelConfig(
     architecture="llama",
@@ -99,3 +104,53 @@ def test_a_second_value_may_not_reuse_a_name() -> None:
 class _NoCache(ForwardContext):
     def write_and_attend(self, *args: object) -> jax.Array:
         raise AssertionError("no attention here")
+
+
+class _SelfAttention(ForwardContext):
+    """Causal attention over the fed tokens alone (no cache), in the graph's own XLA ops."""
+
+    def write_and_attend(
+        self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, inv_freq: jax.Array
+    ) -> jax.Array:
+        q, k = rotary(q, positions, inv_freq), rotary(k, positions, inv_freq)
+        group = q.shape[2] // k.shape[2]
+        k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+        logits = jnp.einsum("bthd,bshd->bhts", q, k) * q.shape[-1] ** -0.5
+        causal = positions[:, None, :, None] >= positions[:, None, None, :]
+        return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(jnp.where(causal, logits, -jnp.inf), axis=-1), v)
+
+
+class _FusedKernel(_SelfAttention):
+    """Runs each fused norm and projection through the kernel (interpreted on CPU)."""
+
+    def add_rms_norm_linear(self, x, delta, norm_weight, eps, weight):  # type: ignore[no-untyped-def]
+        return add_rms_norm_linear(x, delta, norm_weight, eps, weight, implementation="triton")
+
+
+def test_norms_fuse_into_the_blocks_that_read_them() -> None:
+    """``fuse_norms`` merges each norm into the attention or MLP node reading it: every value keeps
+    its name (the residual streams feature taps read) and the graph computes the same logits, to the
+    bit through the base context's ops and within rounding through the fused kernel. The final norm
+    (read by the row selection) and LoRA's nodes (which project the norm themselves) stay apart."""
+    graph = build_decoder(CONFIG)
+    fused = fuse_norms(graph)
+    kinds = [type(node).__name__ for node in fused.nodes]
+    assert kinds == ["Embed", *["NormedBlock"] * 2 * CONFIG.num_layers, "AddRMSNorm", "SelectRows", "LMHead"]
+    first = fused.nodes[1]
+    assert isinstance(first, NormedBlock) and isinstance(first.norm, RMSNorm) and isinstance(first.block, Attention)
+    assert fused.type_of(residual_stream(0)) == graph.type_of(residual_stream(0))
+    assert "layers.0.mlp_norm" not in fused.describe() and fused.param_shapes() == graph.param_shapes()
+    assert not any(isinstance(node, NormedBlock) for node in fuse_norms(inject_lora(graph)).nodes)
+
+    model = random_model(CONFIG, dtype="float32")
+    rng = np.random.default_rng(1)
+    feeds = {
+        TOKENS: jnp.asarray(rng.integers(0, CONFIG.vocab_size, (2, 1)), jnp.int32),
+        POSITIONS: jnp.zeros((2, 1), jnp.int32),
+        LOGIT_ROWS: jnp.zeros((2, 1), jnp.int32),
+    }
+    (want,) = graph.run(model.params, feeds, _SelfAttention())
+    (same,) = fused.run(model.params, feeds, _SelfAttention())
+    np.testing.assert_array_equal(same, want)
+    (kernel,) = jax.jit(lambda p, f: fused.run(p, f, _FusedKernel()))(model.params, feeds)
+    np.testing.assert_allclose(kernel, want, rtol=1e-5, atol=1e-5)

@@ -11,7 +11,7 @@ import pytest
 
 from zgen.cache.compressed import masked_attention
 from zgen.cache.tensor import causal_attention
-from zgen.graph.nodes import linear
+from zgen.graph.core import linear
 from zgen.numerics import matmul_precision
 from zgen.pallas.flash_attention.xla import flash_attention
 

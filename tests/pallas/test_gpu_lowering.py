@@ -22,6 +22,7 @@ from zgen.pallas.paged_attention import quantize
 from zgen.pallas.paged_attention.layouts import KeyCalibration
 from zgen.pallas.paged_attention import triton as paged_triton
 from zgen.pallas.quantized_matmul import triton as quantized_matmul_triton
+from zgen.pallas.norm_linear import triton as norm_linear_triton
 from zgen.pallas.rms_norm import triton as rms_norm_triton
 from zgen.quantized_weights import WeightQuantization, quantize as quantize_weight
 
@@ -157,6 +158,18 @@ def test_add_rms_norm_lowers(size: int) -> None:
         return rms_norm_triton.add_rms_norm(x, d, w, 1e-5)
 
     assert "xla.gpu.triton" in lower_for_cuda(fn, x, x, jnp.ones((size,), jnp.bfloat16))
+
+
+@pytest.mark.parametrize(("rows", "size", "out", "residual"), [(1, 576, 960, True), (4, 576, 3072, False), (3, 1024, 2048, True)])
+def test_norm_linear_lowers(rows: int, size: int, out: int, residual: bool) -> None:
+    """A decode step's fused norm + projection: SmolLM2's width (not a power of two), a model's first
+    layer (no residual add), the widest rows the kernel takes."""
+    x = jnp.zeros((rows, size), jnp.bfloat16)
+
+    def fn(x: jax.Array, n: jax.Array, w: jax.Array) -> Any:
+        return norm_linear_triton.add_rms_norm_linear(x, x if residual else None, n, 1e-5, w, block_n=16)
+
+    assert "xla.gpu.triton" in lower_for_cuda(fn, x, jnp.ones((size,), jnp.bfloat16), jnp.zeros((out, size), jnp.bfloat16))
 
 
 @pytest.mark.parametrize(("bits", "group", "out", "inp"), [(8, None, 1024, 4096), (4, 128, 14336, 4096), (4, 32, 4096, 14336), (8, 32, 576, 1536)])

@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from zgen.errors import GraphTypeError
-from zgen.numerics import add_rms_norm
+from zgen.numerics import add_rms_norm, matmul_precision, rms_norm
 from zgen.quantized_weights import QuantizedWeight, quantized_linear
 
 Dim = int | str
@@ -72,6 +73,31 @@ class ForwardContext(ABC):
         context may run it as a kernel."""
         return quantized_linear(x, weight)
 
+    def add_rms_norm_linear(
+        self,
+        x: Float[Array, "B T E"],
+        delta: Float[Array, "B T E"] | None,
+        norm_weight: Float[Array, " E"],
+        eps: float,
+        weight: jax.Array | QuantizedWeight,
+    ) -> tuple[Float[Array, "B T E"] | None, Float[Array, "B T out"]]:
+        """:meth:`add_rms_norm` (the plain RMS norm of ``x`` without ``delta``, and no sum) and the
+        projection of the norm by ``weight``: what a norm and the block reading it start with; a
+        context may run both as one kernel."""
+        if delta is None:
+            return None, linear(rms_norm(x, norm_weight, eps), weight, self)
+        total, normed = self.add_rms_norm(x, delta, norm_weight, eps)
+        return total, linear(normed, weight, self)
+
+
+def linear(x: jax.Array, weight: jax.Array | QuantizedWeight, ctx: ForwardContext | None = None) -> jax.Array:
+    """x @ weight.T with weight in the checkpoint's [out, in] layout (or quantized in that shape, then
+    through ``ctx``, which may run a kernel)."""
+    if isinstance(weight, QuantizedWeight):
+        return quantized_linear(x, weight) if ctx is None else ctx.quantized_linear(x, weight)
+    precision = matmul_precision(x.dtype, weight.dtype)
+    return jnp.einsum("...i,oi->...o", x, weight, precision=precision)  # pyright: ignore[reportUnknownMemberType]
+
 
 class Node(ABC):
     """One typed operation. ``inputs`` name the values it consumes (graph inputs or other nodes)."""
@@ -91,7 +117,7 @@ class Node(ABC):
 
     def linear_weights(self) -> tuple[str, ...]:
         """Parameters (among :meth:`param_shapes`) this node reads only as ``[out, in]`` matmul weights
-        through :func:`~zgen.graph.nodes.linear`: the ones a weight quantization may replace."""
+        through :func:`linear`: the ones a weight quantization may replace."""
         return ()
 
     @abstractmethod

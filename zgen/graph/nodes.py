@@ -4,22 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zgen.graph.core import ForwardContext, Node, TensorType, act, i32, param
-from zgen.numerics import matmul_precision, rms_norm
-from zgen.quantized_weights import QuantizedWeight, quantized_linear
-
-
-def linear(x: jax.Array, weight: jax.Array | QuantizedWeight, ctx: ForwardContext | None = None) -> jax.Array:
-    """x @ weight.T with weight in the checkpoint's [out, in] layout (or quantized in that shape, then
-    through ``ctx``, which may run a kernel)."""
-    if isinstance(weight, QuantizedWeight):
-        return quantized_linear(x, weight) if ctx is None else ctx.quantized_linear(x, weight)
-    return jnp.einsum("...i,oi->...o", x, weight, precision=matmul_precision(x.dtype, weight.dtype))
+from zgen.graph.core import ForwardContext, Node, TensorType, act, i32, linear, param
+from zgen.numerics import rms_norm
 
 
 # How a node computes ``x @ W.T`` for one of its weights (named relative to its prefix): plainly, or
@@ -145,18 +137,29 @@ class Attention(Node):
             shapes[f"{self.prefix}.k_norm"] = (self.head_dim,)
         return shapes
 
+    first_projection: ClassVar[str] = "qkv"
+
     def linear_weights(self) -> tuple[str, ...]:
         return (f"{self.prefix}.qkv", f"{self.prefix}.o")
 
     def apply(self, params: Mapping[str, jax.Array], args: Sequence[jax.Array], ctx: ForwardContext) -> jax.Array:
         x, positions = args
-        return self.attend(params, x, positions, ctx, plain_projection(params, self.prefix, ctx))
+        project = plain_projection(params, self.prefix, ctx)
+        return self.attend(params, project("qkv", x), positions, ctx, project)
+
+    def from_projection(
+        self, params: Mapping[str, jax.Array], qkv: jax.Array, args: Sequence[jax.Array], ctx: ForwardContext
+    ) -> jax.Array:
+        """The node's value from its input's qkv projection (computed elsewhere, see :class:`NormedBlock`);
+        ``args``: the node's other inputs (positions)."""
+        return self.attend(params, qkv, args[0], ctx, plain_projection(params, self.prefix, ctx))
 
     def attend(
-        self, params: Mapping[str, jax.Array], x: jax.Array, positions: jax.Array, ctx: ForwardContext, project: Project
+        self, params: Mapping[str, jax.Array], qkv: jax.Array, positions: jax.Array, ctx: ForwardContext, project: Project
     ) -> jax.Array:
-        batch, seq, _ = x.shape
-        qkv = project("qkv", x)
+        """From the qkv projection on: bias, heads, (q/k norm), the cache's write and attention, and
+        the output projection ``project("o", ...)``."""
+        batch, seq, _ = qkv.shape
         if self.bias:
             qkv = qkv + param(params, self.prefix, "qkv_bias")
         q_size = self.num_heads * self.head_dim
@@ -206,16 +209,27 @@ class GatedMLP(Node):
             f"{self.prefix}.down": (self.hidden, self.intermediate),
         }
 
+    first_projection: ClassVar[str] = "gate_up"
+
     def linear_weights(self) -> tuple[str, ...]:
         return (f"{self.prefix}.gate_up", f"{self.prefix}.down")
 
     def apply(self, params: Mapping[str, jax.Array], args: Sequence[jax.Array], ctx: ForwardContext) -> jax.Array:
-        return self.feed_forward(args[0], plain_projection(params, self.prefix, ctx))
+        project = plain_projection(params, self.prefix, ctx)
+        return self.feed_forward(project("gate_up", args[0]), project)
 
-    def feed_forward(self, x: jax.Array, project: Project) -> jax.Array:
-        gate_up = project("gate_up", x).reshape(*x.shape[:-1], self.shards, 2 * self.intermediate // self.shards)
-        gate, up = (part.reshape(*x.shape[:-1], self.intermediate) for part in jnp.split(gate_up, 2, axis=-1))
-        return project("down", jax.nn.silu(gate) * up)
+    def from_projection(
+        self, params: Mapping[str, jax.Array], gate_up: jax.Array, args: Sequence[jax.Array], ctx: ForwardContext
+    ) -> jax.Array:
+        """The node's value from its input's gate/up projection (computed elsewhere, see :class:`NormedBlock`)."""
+        del args  # the MLP has no other inputs
+        return self.feed_forward(gate_up, plain_projection(params, self.prefix, ctx))
+
+    def feed_forward(self, gate_up: jax.Array, project: Project) -> jax.Array:
+        """From the gate/up projection on: the gated activation and ``project("down", ...)``."""
+        lead = gate_up.shape[:-1]
+        gate, up = jnp.split(gate_up.reshape(*lead, self.shards, 2 * self.intermediate // self.shards), 2, axis=-1)
+        return project("down", jax.nn.silu(gate.reshape(*lead, self.intermediate)) * up.reshape(*lead, self.intermediate))
 
 
 @dataclass

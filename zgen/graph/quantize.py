@@ -1,6 +1,6 @@
 """Weight quantization as a transform of a graph's parameters: every weight a node reads only as a
 matmul operand (:meth:`~zgen.graph.core.Node.linear_weights`) is replaced by a
-:class:`~zgen.quantized_weights.QuantizedWeight`, which :func:`~zgen.graph.nodes.linear` multiplies
+:class:`~zgen.quantized_weights.QuantizedWeight`, which :func:`~zgen.graph.core.linear` multiplies
 directly. Embeddings, norms and the LM head stay in the compute dtype: they are not in that list."""
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from zgen.graph.core import ForwardContext, Graph, Node, TensorType, i32, param
-from zgen.graph.nodes import Attention, GatedMLP, Project, linear
+from zgen.graph.core import ForwardContext, Graph, Node, TensorType, i32, linear, param
+from zgen.graph.nodes import Attention, GatedMLP, Project
 from zgen.numerics import matmul_precision
 
 ADAPTER_SLOTS = "adapter_slots"
@@ -66,7 +66,8 @@ class LoraAttention(Attention):
 
     def apply(self, params: Mapping[str, jax.Array], args: Sequence[jax.Array], ctx: ForwardContext) -> jax.Array:
         x, positions, slots = args
-        return self.attend(params, x, positions, ctx, lora_projection(params, self.prefix, slots))
+        project = lora_projection(params, self.prefix, slots)
+        return self.attend(params, project("qkv", x), positions, ctx, project)
 
 
 @dataclass
@@ -78,7 +79,8 @@ class LoraGatedMLP(GatedMLP):
 
     def apply(self, params: Mapping[str, jax.Array], args: Sequence[jax.Array], ctx: ForwardContext) -> jax.Array:
         x, slots = args
-        return self.feed_forward(x, lora_projection(params, self.prefix, slots))
+        project = lora_projection(params, self.prefix, slots)
+        return self.feed_forward(project("gate_up", x), project)
 
 
 def inject_lora(graph: Graph) -> Graph:

@@ -35,8 +35,10 @@ from zgen.cache.base import KVState, WriteAndAttendKVState
 from zgen.cache.sharded import attend_per_shard, write_and_attend_per_shard
 from zgen.graph.core import ForwardContext, Graph
 from zgen.graph.decoder import LOGIT_ROWS, POSITIONS, TOKENS, feature_graph
+from zgen.graph.fusion import fuse_norms
 from zgen.lora.graph import ADAPTER_SLOTS
 from zgen.pallas.common import platform
+from zgen.pallas.norm_linear import add_rms_norm_linear, kernel_takes
 from zgen.pallas.quantized_matmul import quantized_matmul
 from zgen.pallas.rms_norm import add_rms_norm
 from zgen.quantized_weights import QuantizedWeight
@@ -50,9 +52,10 @@ S = TypeVar("S", bound=KVState)
 
 
 class KernelContext(ForwardContext):
-    """A context that runs the graph's fusable work (residual add + RMS norm) and the products of
-    weights quantized with ``matmul="kernel"`` through zgen's kernels, where the platform has them; a
-    model split over a ``mesh`` keeps XLA's forms, which the partitioner can split."""
+    """A context that runs the graph's fusable work (residual add + RMS norm, and with the projection
+    reading the norm for a decode step's few rows) and the products of weights quantized with
+    ``matmul="kernel"`` through zgen's kernels, where the platform has them; a model split over a
+    ``mesh`` keeps XLA's forms, which the partitioner can split."""
 
     mesh: Mesh | None = None
 
@@ -67,6 +70,18 @@ class KernelContext(ForwardContext):
         if self.mesh is not None:
             return super().add_rms_norm(x, delta, weight, eps)
         return add_rms_norm(x, delta, weight, eps)
+
+    def add_rms_norm_linear(
+        self,
+        x: Float[Array, "B T E"],
+        delta: Float[Array, "B T E"] | None,
+        norm_weight: Float[Array, " E"],
+        eps: float,
+        weight: jax.Array | QuantizedWeight,
+    ) -> tuple[Float[Array, "B T E"] | None, Float[Array, "B T out"]]:
+        if self.mesh is None and isinstance(weight, jax.Array) and kernel_takes(x, weight):
+            return add_rms_norm_linear(x, delta, norm_weight, eps, weight)
+        return super().add_rms_norm_linear(x, delta, norm_weight, eps, weight)
 
 
 class _CacheContext(KernelContext, Generic[S]):
@@ -258,7 +273,7 @@ def run_graph(
     with ``mesh``, attention runs on each device's own heads; with ``packing``, the feeds are one packed
     stream (:class:`Packing`)."""
     ctx = _CacheContext(kv, sliding_window, mesh) if write else _ReadingContext(kv, sliding_window, mesh)
-    outputs = graph.run(params, feeds, ctx if packing is None else _PackedContext(ctx, packing))
+    outputs = fuse_norms(graph).run(params, feeds, ctx if packing is None else _PackedContext(ctx, packing))
     return outputs, ctx.state
 
 

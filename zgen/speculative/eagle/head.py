@@ -33,9 +33,9 @@ from jaxtyping import Array, Bool, Float, Int
 from zgen.cache.tensor import DenseAttention, DenseKVState
 from zgen.config import ModelConfig, rope_inverse_frequencies
 from zgen.errors import ConfigError
-from zgen.graph.core import ForwardContext, Graph, Node, TensorType, act, i32
+from zgen.graph.core import ForwardContext, Graph, Node, TensorType, act, i32, linear
 from zgen.graph.decoder import LOGIT_ROWS, LOGITS, POSITIONS, TOKENS
-from zgen.graph.nodes import AddRMSNorm, Attention, Embed, GatedMLP, LMHead, RMSNorm, SelectRows, linear
+from zgen.graph.nodes import AddRMSNorm, Attention, Embed, GatedMLP, LMHead, RMSNorm, SelectRows
 from zgen.model import Model
 from zgen.runtime.step import run_graph
 from zgen.runtime.tree import run_tree_graph

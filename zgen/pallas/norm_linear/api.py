@@ -1,0 +1,104 @@
+"""``add_rms_norm_linear``: a residual add, the RMS norm of its sum and the projection that reads the
+norm (a decoder block's first matmul: attention's qkv, the MLP's gate/up), as one kernel.
+
+In a batch-1 decode step every launch costs more than its bytes: XLA runs the norm (or zgen's
+``add_rms_norm`` kernel) and the projection as two launches; the Triton kernel normalizes the input
+chunk by chunk while it streams the weight.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from zgen import numerics
+from zgen.errors import ConfigError
+from zgen.pallas.common import interpret_pallas, platform
+from zgen.pallas.norm_linear.triton import MAX_ROWS, MAX_WIDTH
+
+# Output columns per program, by launch setting (see ``BENCHMARKS.md``).
+DEFAULT_BLOCK_N = 8
+
+
+def reference(
+    x: Float[Array, "*rows size"],
+    delta: Float[Array, "*rows size"] | None,
+    norm_weight: Float[Array, " size"],
+    eps: float,
+    weight: Float[Array, "out size"],
+) -> tuple[Float[Array, "*rows size"] | None, Float[Array, "*rows out"]]:
+    """The graph's own form: :func:`zgen.numerics.add_rms_norm` (or ``rms_norm`` without ``delta``),
+    then ``normed @ weight.T``."""
+    if delta is None:
+        total, normed = None, numerics.rms_norm(x, norm_weight, eps)
+    else:
+        total, normed = numerics.add_rms_norm(x, delta, norm_weight, eps)
+    projected = jnp.einsum("...i,oi->...o", normed, weight, precision=numerics.matmul_precision(normed.dtype, weight.dtype))
+    return total, projected
+
+
+def kernel_block_n(rows: int, size: int, out_size: int) -> int | None:
+    """The kernel's output block for this problem, or None where it does not take it: at most
+    :data:`MAX_ROWS` rows, rows at most :data:`MAX_WIDTH` wide (wider models' weights are bytes
+    enough that XLA's matrix-vector product, which streams them better, pays for the norm's launch),
+    and output columns that the block divides."""
+    if rows > MAX_ROWS or size > MAX_WIDTH:
+        return None
+    block_n = min(DEFAULT_BLOCK_N, out_size & -out_size)
+    return block_n if block_n >= 8 else None
+
+
+def kernel_takes(x: Float[Array, "*rows size"], weight: Float[Array, "out size"]) -> bool:
+    """Whether ``implementation=None`` runs this problem through the kernel (a GPU, and a shape
+    :func:`kernel_block_n` takes)."""
+    return platform() == "gpu" and kernel_block_n(x.size // x.shape[-1], x.shape[-1], weight.shape[0]) is not None
+
+
+def add_rms_norm_linear(
+    x: Float[Array, "*rows size"],
+    delta: Float[Array, "*rows size"] | None,
+    norm_weight: Float[Array, " size"],
+    eps: float,
+    weight: Float[Array, "out size"],
+    *,
+    implementation: str | None = None,
+    block_n: int | None = None,
+) -> tuple[Float[Array, "*rows size"] | None, Float[Array, "*rows out"]]:
+    """The residual stream ``x + delta`` (None without ``delta``: then ``x`` is normalized as it is),
+    and its RMS norm times ``norm_weight`` projected by ``weight`` (``[out, size]``, the checkpoint's
+    layout): ``rms_norm(x + delta) @ weight.T``, rounded as the graph rounds it.
+
+    ``implementation``: None (Triton on GPUs for the few rows of a decode step, XLA elsewhere),
+    "reference" / "xla" (:func:`reference`) or "triton". ``block_n`` overrides the kernel's output
+    columns per program (a power of two dividing ``out``).
+    """
+    size = x.shape[-1]
+    if (delta is not None and (delta.shape != x.shape or delta.dtype != x.dtype)) or norm_weight.shape != (size,) or weight.ndim != 2 or weight.shape[1] != size:
+        raise ConfigError(
+            "add_rms_norm_linear needs x and delta of one shape and dtype, a norm weight over their last axis and "
+            f"a weight [out, {size}]; got x {x.dtype}{list(x.shape)}, delta "
+            f"{None if delta is None else f'{delta.dtype}{list(delta.shape)}'}, norm weight {list(norm_weight.shape)}, "
+            f"weight {list(weight.shape)}"
+        )
+    rows = x.size // size
+    chosen = implementation or ("triton" if kernel_takes(x, weight) else "xla")
+    if chosen in ("reference", "xla"):
+        return reference(x, delta, norm_weight, eps, weight)
+    if chosen != "triton":
+        raise ConfigError(f"unknown add_rms_norm_linear implementation {chosen!r}; choose reference, xla, triton or None")
+    block = block_n or kernel_block_n(rows, size, weight.shape[0])
+    if block is None or weight.shape[0] % block or block & (block - 1):
+        raise ConfigError(
+            f"the Triton add_rms_norm_linear takes at most {MAX_ROWS} rows of at most {MAX_WIDTH} values and output "
+            f"columns divisible by a power-of-two block of at least 8; got {rows} rows, x {list(x.shape)}, "
+            f"weight {list(weight.shape)}{'' if block_n is None else f', block_n {block_n}'}; use implementation='xla' or None"
+        )
+    from zgen.pallas.norm_linear import triton
+
+    flat_delta = None if delta is None else delta.reshape(rows, size)
+    total, projected = triton.add_rms_norm_linear(
+        x.reshape(rows, size), flat_delta, norm_weight, eps, weight, block_n=block, interpret=interpret_pallas()
+    )
+    out = projected.reshape(*x.shape[:-1], weight.shape[0])
+    return (None if total is None else total.reshape(x.shape)), out
