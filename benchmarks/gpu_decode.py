@@ -54,11 +54,15 @@ def prompt_ids(tokens: int) -> list[int]:
     return [100 + i % 1000 for i in range(tokens)]
 
 
-def random_bf16_model(shape: str) -> Model:
+def random_bf16_model(shape: str, context: int = 0) -> Model:
+    """Random bf16 weights of ``shape``; a ``context`` longer than the shape's positions raises them
+    (as Llama-3.1 does Llama-3's 8,192: the same weights' shapes)."""
     from zgen import ModelConfig
     from zgen.model import random_model
 
-    return random_model(ModelConfig.from_hf({**SHAPES[shape], "model_type": "llama", "rms_norm_eps": 1e-5}), dtype="bfloat16")
+    positions = max(SHAPES[shape]["max_position_embeddings"], context)
+    config = {**SHAPES[shape], "max_position_embeddings": positions, "model_type": "llama", "rms_norm_eps": 1e-5}
+    return random_model(ModelConfig.from_hf(config), dtype="bfloat16")
 
 
 def per_token_s(generate: Callable[[int], object], new_tokens: int, runs: int) -> float:

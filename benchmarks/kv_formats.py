@@ -113,7 +113,7 @@ def main() -> None:
     if args.trace_kernels and platform() != "gpu":
         parser.error("--trace-kernels reads a GPU's kernels; run it on a GPU")
     args.page_size = args.page_size or default_page_size()
-    model = random_bf16_model(args.shape)
+    model = random_bf16_model(args.shape, args.prompt_tokens + args.new_tokens)
     if args.capacity_gb is not None:
         capacity(model, args)
         return
