@@ -26,6 +26,7 @@ process of its own, and prints the context's speed as a fraction of the Generato
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -65,17 +66,33 @@ def random_bf16_model(shape: str, context: int = 0) -> Model:
     return random_model(ModelConfig.from_hf(config), dtype="bfloat16")
 
 
-def per_token_s(generate: Callable[[int], object], new_tokens: int, runs: int) -> float:
-    def timed(n: int) -> float:
-        start = time.perf_counter()
-        generate(n)
-        return time.perf_counter() - start
+@dataclasses.dataclass
+class Timing:
+    per_token_s: float  # wall time of N new tokens minus 1, over N - 1 (medians)
+    full: list[Any]  # what the timed N-token generations returned
+    one: list[Any]  # ... and the 1-token ones
 
-    for n in (new_tokens, 1, new_tokens):  # warm-up: compilation for both lengths
+
+def time_generations(
+    generate: Callable[[int], Any], new_tokens: int, runs: int, warmups: tuple[int, ...] | None = None
+) -> Timing:
+    """``runs`` timed generations of ``new_tokens`` and of 1 token after ``warmups`` (default N, 1, N:
+    compilation for both lengths), keeping what they returned."""
+    def timed(n: int) -> tuple[float, Any]:
+        start = time.perf_counter()
+        out = generate(n)
+        return time.perf_counter() - start, out
+
+    for n in warmups or (new_tokens, 1, new_tokens):
         timed(n)
-    full = statistics.median(timed(new_tokens) for _ in range(runs))
-    one = statistics.median(timed(1) for _ in range(runs))
-    return (full - one) / (new_tokens - 1)
+    full = [timed(new_tokens) for _ in range(runs)]
+    one = [timed(1) for _ in range(runs)]
+    seconds = (statistics.median(t for t, _ in full) - statistics.median(t for t, _ in one)) / (new_tokens - 1)
+    return Timing(seconds, [out for _, out in full], [out for _, out in one])
+
+
+def per_token_s(generate: Callable[[int], object], new_tokens: int, runs: int) -> float:
+    return time_generations(generate, new_tokens, runs).per_token_s
 
 
 def bench_zgen(shape: str, new_tokens: int, runs: int, attention: str, prompt_tokens: int, batch: int) -> dict[str, Any]:

@@ -43,13 +43,17 @@ import functools
 import json
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
-SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-               num_key_value_heads=3, rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True,
-               model_type="llama", rms_norm_eps=1e-5, eos_token_id=2)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_decode import SHAPES, per_token_s  # noqa: E402
+
+SMOLLM2 = {**SHAPES["smollm2"], "model_type": "llama", "rms_norm_eps": 1e-5, "eos_token_id": 2}
 SCHEMA = {
     "type": "array",
     "items": {
@@ -98,19 +102,6 @@ def trained_tokenizer(vocab_size: int) -> Any:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     backend.train_from_iterator(lines, trainer)
     return Tokenizer(backend=backend, bos_id=None, eos_ids=(backend.token_to_id("<|im_end|>"),))
-
-
-def per_token_s(generate: Callable[[int], Any], new_tokens: int, runs: int) -> float:
-    def timed(n: int) -> float:
-        start = time.perf_counter()
-        generate(n)
-        return time.perf_counter() - start
-
-    for n in (new_tokens, 1, new_tokens):  # warm-up: compilation for both lengths
-        timed(n)
-    full = statistics.median(timed(new_tokens) for _ in range(runs))
-    one = statistics.median(timed(1) for _ in range(runs))
-    return (full - one) / (new_tokens - 1)
 
 
 def mask_ms(model: Any, grammar: Any, rows: list[list[int]]) -> float:

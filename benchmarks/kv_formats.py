@@ -34,7 +34,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_decode import SHAPES, per_token_s, prompt_ids, random_bf16_model  # noqa: E402
+from gpu_decode import SHAPES, prompt_ids, random_bf16_model, time_generations  # noqa: E402
 from kernel_trace import decode_step_kernels  # noqa: E402
 
 FORMATS = ("dense-bf16", "paged-bf16", "paged-fp8", "paged-q4", "paged-q3")
@@ -80,9 +80,11 @@ def run_format(
     def generate(n: int) -> Any:
         return gen.batch_generate([Request(prompt, SamplingConfig(temperature=0.0, max_new_tokens=n, ignore_eos=True))] * batch)
 
-    step_s = per_token_s(generate, new_tokens, runs)
-    first_s = statistics.median(min(r.timings.prefill_s for r in generate(1)) for _ in range(runs))
-    tokens_out = generate(new_tokens)[0].token_ids
+    # A capacity run's generations each prefill every row of a long context: its warm-up only compiles.
+    timing = time_generations(generate, new_tokens, runs, warmups=None if pool_gb is None else (new_tokens, 1))
+    step_s = timing.per_token_s
+    first_s = statistics.median(min(r.timings.prefill_s for r in results) for results in timing.one)
+    tokens_out = timing.full[-1][0].token_ids
     kernels = decode_step_kernels(generate, new_tokens, trace_kernels) if trace_kernels else []
     gen.close()
     return {

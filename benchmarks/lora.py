@@ -21,34 +21,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
-from collections.abc import Callable
+import sys
+from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_decode import SHAPES as GPU_SHAPES, per_token_s  # noqa: E402
+
 SHAPES: dict[str, dict[str, Any]] = {
-    "smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                    num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0, max_position_embeddings=8192,
-                    tie_word_embeddings=True),
-    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                      num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,
-                      max_position_embeddings=8192, tie_word_embeddings=False),
+    **GPU_SHAPES,
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True),
 }
-
-
-def per_token_s(generate: Callable[[int], object], new_tokens: int, runs: int) -> float:
-    def timed(n: int) -> float:
-        start = time.perf_counter()
-        generate(n)
-        return time.perf_counter() - start
-
-    for n in (new_tokens, 1, new_tokens):  # warm-up: compilation for both lengths
-        timed(n)
-    full = statistics.median(timed(new_tokens) for _ in range(runs))
-    one = statistics.median(timed(1) for _ in range(runs))
-    return (full - one) / (new_tokens - 1)
 
 
 def main() -> None:
