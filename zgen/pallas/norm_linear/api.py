@@ -1,23 +1,22 @@
 """``add_rms_norm_linear``: a residual add, the RMS norm of its sum and the projection that reads the
 norm (a decoder block's first matmul: attention's qkv, the MLP's gate/up), as one kernel.
 
-In a batch-1 decode step every launch costs more than its bytes: XLA runs the norm (or zgen's
-``add_rms_norm`` kernel) and the projection as two launches; the Triton kernel normalizes the input
-chunk by chunk while it streams the weight.
+In a batch-1 decode step of a small model every launch costs more than its bytes: the norm (zgen's
+``add_rms_norm`` kernel) and XLA's product are two launches; the Triton kernel is one, each program
+normalizing the few rows itself beside its slice of the weight.
 """
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from zgen import numerics
 from zgen.errors import ConfigError
+from zgen.graph.core import linear
 from zgen.pallas.common import interpret_pallas, platform
 from zgen.pallas.norm_linear.triton import MAX_ROWS, MAX_WIDTH
 
-# Output columns per program, by launch setting (see ``BENCHMARKS.md``).
+# Output columns per program: with 4 warps, the best or within 8 % of it in the launch sweep (BENCHMARKS.md).
 DEFAULT_BLOCK_N = 8
 
 
@@ -29,13 +28,12 @@ def reference(
     weight: Float[Array, "out size"],
 ) -> tuple[Float[Array, "*rows size"] | None, Float[Array, "*rows out"]]:
     """The graph's own form: :func:`zgen.numerics.add_rms_norm` (or ``rms_norm`` without ``delta``),
-    then ``normed @ weight.T``."""
+    then :func:`zgen.graph.core.linear`."""
     if delta is None:
         total, normed = None, numerics.rms_norm(x, norm_weight, eps)
     else:
         total, normed = numerics.add_rms_norm(x, delta, norm_weight, eps)
-    projected = jnp.einsum("...i,oi->...o", normed, weight, precision=numerics.matmul_precision(normed.dtype, weight.dtype))
-    return total, projected
+    return total, linear(normed, weight)
 
 
 def kernel_block_n(rows: int, size: int, out_size: int) -> int | None:
