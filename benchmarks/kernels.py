@@ -9,10 +9,10 @@ Measures the device's copy bandwidth and bf16 matmul rate in the same run, then:
   of KV actually read / time, and its fraction of copy bandwidth;
 - prefill (causal, 4k and 8k tokens, bf16): TFLOP/s (causal half counted) vs the matmul rate, for
   flash attention over contiguous K/V and paged attention over pages of 64 (bf16 and q4);
-- a decode step's residual add + RMS norm + the projection reading it (one row, SmolLM2's qkv and
-  gate/up shapes): the fused kernel at each launch setting against the norm kernel followed by XLA's
-  matmul, over distinct weights that overflow the L2 cache, as a model's layers do (microseconds
-  per layer), and the weight bytes over that time.
+- a decode step's residual add + RMS norm + the projection reading it (one row; SmolLM2's and
+  Llama-3-8B's qkv and gate/up shapes): the fused kernel at each launch setting against the norm
+  kernel followed by XLA's matmul, over distinct weights that overflow the L2 cache, as a model's
+  layers do (microseconds per layer), and the weight bytes over that time.
 Every kernel is checked against zgen's reference (relative L2 error) before it is timed; a kernel that
 fails to lower or to match is reported, not fatal. Results go to ``$OUT/kernels.json`` when OUT is set.
 """
@@ -35,6 +35,7 @@ import numpy as np
 
 from zgen.pallas import add_rms_norm, flash_attention, paged_decode_attention
 from zgen.pallas.norm_linear import add_rms_norm_linear
+from zgen.shapes import next_pow2
 from zgen.pallas.flash_attention import mosaic_gpu as flash_mosaic_gpu
 from zgen.pallas.flash_attention import triton as flash_triton
 from zgen.pallas.paged_attention import triton as paged_triton
@@ -381,14 +382,18 @@ def bench_prefill(lengths: list[int], repeats: int, mm_flops: float | None, resu
         del ref
 
 
-NORM_LINEAR_SHAPES = ((576, 960), (576, 3072), (960, 2880))  # (hidden, out): SmolLM2-135M qkv, gate/up; 360M gate/up
+# (hidden, out): SmolLM2-135M qkv, gate/up; SmolLM2-360M gate/up; Llama-3-8B qkv, gate/up (rows wider than the
+# runtime gives the kernel: timed to see whether it should)
+NORM_LINEAR_SHAPES = ((576, 960), (576, 3072), (960, 2880), (4096, 6144), (4096, 28672))
+NORM_LINEAR_TILE = 16384  # the most weight values a program's slice holds in registers
 NORM_LINEAR_BYTES = 256 << 20  # weights per timed call: more than the L2 cache holds, so they come from DRAM
 
 
 def bench_norm_linear(shapes: list[tuple[int, int]], repeats: int, copy_bw: float | None, results: Results) -> None:
     """Microseconds per ``add + norm + x @ W.T`` for one bf16 row, applied in one call to as many
-    distinct weights as ``NORM_LINEAR_BYTES`` hold, each feeding its residual sum to the next (as a
-    model's layers do): every weight read from DRAM, the launches back to back."""
+    distinct weights as ``NORM_LINEAR_BYTES`` hold (at least 4), each feeding its residual sum to the
+    next (as a model's layers do): every weight read from DRAM, the launches back to back. The fused
+    kernel runs at every output block whose slice fits :data:`NORM_LINEAR_TILE` values, and 2, 4 or 8 warps."""
     eps = 1e-5
     for size, out in shapes:
         rng = np.random.default_rng(size + out)
@@ -415,7 +420,7 @@ def bench_norm_linear(shapes: list[tuple[int, int]], repeats: int, copy_bw: floa
 
         want = add_rms_norm_linear(x, delta, norm_weight, eps, weights[0], implementation="xla")[1]
         candidates: dict[str, Callable[..., tuple[jax.Array, jax.Array]]] = {"norm kernel + XLA matmul": norm_then_matmul}
-        for block_n in (4, 8, 16):
+        for block_n in (b for b in (1, 2, 4, 8, 16) if b * next_pow2(size) <= NORM_LINEAR_TILE):
             for warps in (2, 4, 8):
                 candidates[f"zgen fused bn{block_n} w{warps}"] = functools.partial(_fused_setting, block_n=block_n, num_warps=warps)
         for name, op in candidates.items():
