@@ -8,6 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 from zgen.errors import ConfigError
 from zgen.pallas.quantized_matmul import quantized_matmul, supports
+from zgen.pallas.quantized_matmul.triton import core_launch
 from zgen.quantized_weights import QuantizedWeight, WeightQuantization, dequantize, quantize
 
 TOLERANCE = {"bfloat16": 2e-2, "float32": 1e-4}
@@ -53,6 +54,18 @@ def test_one_row_in_bfloat16(bits: int, group: int | None, width: int, scale_dty
     got = quantized_matmul(x, weight)
     expected = x.astype(jnp.float32) @ dequantize(weight).T
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(expected), atol=2e-2, rtol=2e-2)
+
+
+def test_decode_rows_of_zgens_layouts_take_the_cuda_core_form() -> None:
+    """Up to 4 rows of int8 (one group per row) and int4 (groups of 64 or more) read whole rows per
+    program on the CUDA cores; GGUF's groups of 32 and a fifth row go to the tensor-core form (both
+    checked against the dequantized product above)."""
+    rng = np.random.default_rng(2)
+    dense = jnp.asarray(rng.standard_normal((48, 1024)), jnp.float32)
+    int8, int4 = (quantize(dense, WeightQuantization(bits), jnp.dtype(jnp.float16)) for bits in (8, 4))
+    gguf_like = quantize(dense, WeightQuantization(4, 32), jnp.dtype(jnp.float16))
+    assert core_launch(1, int8) == (16, 1024) and core_launch(4, int4) == (16, 128)
+    assert core_launch(1, gguf_like) is None and core_launch(5, int8) is None
 
 
 def test_symmetric_int8_with_offsets_and_leading_axes() -> None:

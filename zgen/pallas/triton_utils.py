@@ -53,8 +53,8 @@ def widen_metadata(leaf: Array) -> Array:
     return jax.lax.bitcast_convert_type(leaf.reshape(*leaf.shape[:-1], leaf.shape[-1] // 2, 2), jnp.uint32)
 
 
-def metadata_column(ref: jax.Ref, index: Array, dtype: jnp.dtype) -> Array:
-    """Column ``index`` (traced) of a ``[rows, n]`` metadata block as f32: ``dtype`` is the leaf's own
+def metadata_column(ref: jax.Ref, index: Array | int, dtype: jnp.dtype) -> Array:
+    """Column ``index`` (traced or static) of a ``[rows, n]`` metadata block as f32: ``dtype`` is the leaf's own
     (a 2-byte leaf arrives widened by :func:`widen_metadata`, two columns per u32 word)."""
     if ref.dtype != jnp.uint32 or jnp.dtype(dtype).itemsize != 2:
         return ref[:, index].astype(jnp.float32)

@@ -4,8 +4,9 @@ stored width.
 XLA's forms (:func:`zgen.quantized_weights.quantized_linear`) read int8 codes at ~2.3 TB/s on an H200
 and int4 at ~1.2 TB/s (unpacking nibbles), so batch-1 decode gained 1.50x (int8) and 1.25x (int4)
 over bf16 against byte bounds of 1.87x and 3.15x (BENCHMARKS.md, "Weight-only quantization"). The
-Triton kernel turns codes into dot operands with bit operations in registers and applies each
-group's scale and offset to per-group sums.
+Triton kernels apply each group's scale and offset to per-group sums of the raw codes: a decode
+step's few rows on the CUDA cores, each program loading its whole slice of codes at once; more rows
+(and GGUF's narrow groups) as dot operands on the tensor cores.
 """
 
 from __future__ import annotations

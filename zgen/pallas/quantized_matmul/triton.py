@@ -1,6 +1,14 @@
-"""``quantized_matmul`` as a Pallas kernel on the Triton backend (GPU; interpretable on CPU).
+"""``quantized_matmul`` as Pallas kernels on the Triton backend (GPU; interpretable on CPU).
 
-Grid ``(output blocks, splits)``: a program takes ``block_n`` output channels (rows of the weight)
+**Decode rows on the CUDA cores** (at most :data:`CORE_MAX_ROWS` rows, groups of at least
+:data:`CORE_MIN_PIECE` bytes: zgen's own int8 and int4 layouts). Grid: one program per ``block_n``
+output channels, each holding its rows' whole width of codes (:data:`CORE_SLICE_BYTES` at most) and
+loading all of it first, in pieces that never straddle a group: a loop over pieces would wait for
+each (Triton pipelines only loads that feed dots). Each piece's codes become f32 and multiply the
+rows' inputs; a group's scale and offset act on the piece's sums, as below. No tile is padded to the
+tensor cores' 16 rows and nothing goes through shared memory.
+
+**Other steps on the tensor cores.** Grid ``(output blocks, splits)``: a program takes ``block_n`` output channels (rows of the weight)
 through a contiguous share of the weight's byte columns, read in *pieces* of up to 128 columns that
 never straddle a quantization group. Per piece it dots the step's rows (padded to 16 for the tensor
 cores) with the codes as they come out of registers -- int8 converted, 4-bit nibbles made ``128 + c``
@@ -28,6 +36,11 @@ from zgen.pallas.triton_utils import MIN_DOT, dot_nt, metadata_column, nibble_ti
 from zgen.quantized_weights import QuantizedWeight
 from zgen.shapes import cdiv
 
+# The CUDA-core form: rows it takes, the code bytes a program holds, the narrowest piece it reads.
+CORE_MAX_ROWS = 4
+CORE_SLICE_BYTES = 16384
+CORE_MIN_PIECE = 64
+CORE_MAX_PIECE = 1024
 # Byte columns of the weight one loop step reads per output row.
 STEP_COLUMNS = 128
 # Programs to aim for: about two per SM of an H100/H200 (132 SMs).
@@ -94,6 +107,84 @@ def _kernel(
     o_ref[...] = acc
 
 
+def _core_kernel(
+    x_ref: jax.Ref,
+    values_ref: jax.Ref,
+    scales_ref: jax.Ref,
+    *refs: jax.Ref,
+    bits: int,
+    piece: int,
+    pieces_per_group: int,
+    metadata_dtype: jnp.dtype,
+    asymmetric: bool,
+) -> None:
+    offsets_ref = refs[0] if asymmetric else None
+    o_ref = refs[-1]
+    columns = values_ref.shape[1]
+    column_groups = columns // (piece * pieces_per_group)
+    codes = [values_ref[:, pl.ds(j * piece, piece)] for j in range(columns // piece)]  # every load first
+    acc = [jnp.zeros((values_ref.shape[0],), jnp.float32) for _ in range(x_ref.shape[0])]
+    for j, byte in enumerate(codes):
+        group = j // pieces_per_group
+        if bits == 8:
+            halves = [(byte.astype(jnp.float32), j * piece, group)]
+        else:  # planar nibbles: the high ones are the inputs of the row's second half
+            halves = [((byte & 0xF).astype(jnp.float32), j * piece, group),
+                      ((byte >> 4).astype(jnp.float32), columns + j * piece, group + column_groups)]
+        for tile, column, g in halves:
+            scale = metadata_column(scales_ref, g, metadata_dtype)
+            offset = None if offsets_ref is None else metadata_column(offsets_ref, g, metadata_dtype)
+            for row in range(x_ref.shape[0]):
+                x = x_ref[pl.ds(row, 1), pl.ds(column, piece)].astype(jnp.float32)  # [1, piece]
+                term = jnp.sum(tile * x, axis=1) * scale
+                acc[row] = acc[row] + (term if offset is None else term + jnp.sum(x) * offset)
+    for row, total in enumerate(acc):
+        o_ref[pl.ds(row, 1), :] = total[None, :].astype(o_ref.dtype)
+
+
+def core_launch(rows: int, weight: QuantizedWeight) -> tuple[int, int] | None:
+    """``(block_n, piece)`` of the CUDA-core form for ``rows`` rows, or None where it does not take
+    the product (more rows, or groups narrower than :data:`CORE_MIN_PIECE` bytes, e.g. GGUF's 32)."""
+    out = weight.shape[0]
+    columns = int(weight.values.shape[1])
+    piece = min(weight.group_size & -weight.group_size, CORE_MAX_PIECE)
+    if rows > CORE_MAX_ROWS or piece < CORE_MIN_PIECE or columns % piece:
+        return None
+    block_n = prev_pow2(max(1, CORE_SLICE_BYTES // columns))
+    while out % block_n:
+        block_n //= 2
+    return block_n, piece
+
+
+def _core_matmul(
+    flat: Float[Array, "rows inp"], weight: QuantizedWeight, block_n: int, piece: int, interpret: bool
+) -> Float[Array, "rows out"]:
+    out, _ = weight.shape
+    values = jnp.asarray(weight.values)
+    metadata = [jnp.asarray(weight.scales)] + ([] if weight.offsets is None else [jnp.asarray(weight.offsets)])
+    leaves = [values, *map(widen_metadata, metadata)]
+    return pl.pallas_call(
+        functools.partial(
+            _core_kernel,
+            bits=weight.bits,
+            piece=piece,
+            pieces_per_group=weight.group_size // piece,
+            metadata_dtype=metadata[0].dtype,
+            asymmetric=weight.offsets is not None,
+        ),
+        grid=(out // block_n,),
+        in_specs=[
+            pl.BlockSpec(flat.shape, lambda i: (0, 0)),
+            *(pl.BlockSpec((block_n, leaf.shape[1]), lambda i: (i, 0)) for leaf in leaves),
+        ],
+        out_specs=pl.BlockSpec((flat.shape[0], block_n), lambda i: (0, i)),
+        out_shape=jax.ShapeDtypeStruct((flat.shape[0], out), flat.dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="zgen_quantized_matmul_rows",
+    )(flat, *leaves)
+
+
 def _launch(out: int, columns: int, group: int) -> tuple[int, int, int, int, int]:
     """``(block_n, piece, pieces_per_step, steps, splits)`` for ``out`` outputs over ``columns`` byte
     columns in groups of ``group``."""
@@ -110,6 +201,9 @@ def _launch(out: int, columns: int, group: int) -> tuple[int, int, int, int, int
 def quantized_matmul(x: Float[Array, "*rows inp"], weight: QuantizedWeight, *, interpret: bool = False) -> Float[Array, "*rows out"]:
     out, inp = weight.shape
     flat = x.reshape(-1, inp)
+    core = core_launch(flat.shape[0], weight)
+    if core is not None:
+        return _core_matmul(flat, weight, *core, interpret).reshape(*x.shape[:-1], out)
     # One row (batch-1 decode) is read as it is and padded in registers; more are padded to 16 here.
     read = flat if flat.shape[0] == 1 else jnp.pad(flat, ((0, MIN_DOT - flat.shape[0]), (0, 0)))
     values = jnp.asarray(weight.values)
