@@ -2,8 +2,8 @@
 a model whose rows are at most :data:`MAX_WIDTH` wide (SmolLM2's 576).
 
 Grid: one program per block of ``block_n`` output columns. Each program loads its whole ``[block_n,
-K]`` slice of the weight in one go (issued first: every byte in flight at once, which a loop over
-chunks would not get, as Triton pipelines only loads that feed dots), then per row the residual sum
+K]`` slice of the weight in one go (issued first: every byte in flight at once; a first form that
+looped over chunks waited for each chunk in turn, four times slower), then per row the residual sum
 and its RMS norm from the whole row (a few KB, from L2 for all but the first program), and the
 row's products with the slice on the CUDA cores (a tensor-core dot would pad one row to 16). The
 norm never goes through memory and the projection has no launch of its own. The first program also

@@ -3,8 +3,8 @@
 **Decode rows on the CUDA cores** (at most :data:`CORE_MAX_ROWS` rows, groups of at least
 :data:`CORE_MIN_PIECE` bytes: zgen's own int8 and int4 layouts). Grid: one program per ``block_n``
 output channels, each holding its rows' whole width of codes (:data:`CORE_SLICE_BYTES` at most) and
-loading all of it first, in pieces that never straddle a group: a loop over pieces would wait for
-each (Triton pipelines only loads that feed dots). Each piece's codes become f32 and multiply the
+loading all of it first, in pieces that never straddle a group (the fused norm kernel's loop over
+chunks waited for each chunk in turn, see ``zgen.pallas.norm_linear``). Each piece's codes become f32 and multiply the
 rows' inputs; a group's scale and offset act on the piece's sums, as below. No tile is padded to the
 tensor cores' 16 rows and nothing goes through shared memory.
 
