@@ -142,6 +142,13 @@ def _core_kernel(
         o_ref[pl.ds(row, 1), :] = total[None, :].astype(o_ref.dtype)
 
 
+def _kernel_leaves(weight: QuantizedWeight) -> tuple[list[Array], jnp.dtype]:
+    """The leaves the kernels read (codes; 2-byte scales and offsets widened to u32 pairs) and the
+    metadata's own dtype."""
+    metadata = [jnp.asarray(weight.scales)] + ([] if weight.offsets is None else [jnp.asarray(weight.offsets)])
+    return [jnp.asarray(weight.values), *map(widen_metadata, metadata)], metadata[0].dtype
+
+
 def core_launch(rows: int, weight: QuantizedWeight) -> tuple[int, int] | None:
     """``(block_n, piece)`` of the CUDA-core form for ``rows`` rows, or None where it does not take
     the product (more rows, or groups narrower than :data:`CORE_MIN_PIECE` bytes, e.g. GGUF's 32)."""
@@ -160,16 +167,14 @@ def _core_matmul(
     flat: Float[Array, "rows inp"], weight: QuantizedWeight, block_n: int, piece: int, interpret: bool
 ) -> Float[Array, "rows out"]:
     out, _ = weight.shape
-    values = jnp.asarray(weight.values)
-    metadata = [jnp.asarray(weight.scales)] + ([] if weight.offsets is None else [jnp.asarray(weight.offsets)])
-    leaves = [values, *map(widen_metadata, metadata)]
+    leaves, metadata_dtype = _kernel_leaves(weight)
     return pl.pallas_call(
         functools.partial(
             _core_kernel,
             bits=weight.bits,
             piece=piece,
             pieces_per_group=weight.group_size // piece,
-            metadata_dtype=metadata[0].dtype,
+            metadata_dtype=metadata_dtype,
             asymmetric=weight.offsets is not None,
         ),
         grid=(out // block_n,),
@@ -206,12 +211,10 @@ def quantized_matmul(x: Float[Array, "*rows inp"], weight: QuantizedWeight, *, i
         return _core_matmul(flat, weight, *core, interpret).reshape(*x.shape[:-1], out)
     # One row (batch-1 decode) is read as it is and padded in registers; more are padded to 16 here.
     read = flat if flat.shape[0] == 1 else jnp.pad(flat, ((0, MIN_DOT - flat.shape[0]), (0, 0)))
-    values = jnp.asarray(weight.values)
-    block_n, piece, per_step, steps, splits = _launch(out, values.shape[1], weight.group_size)
+    block_n, piece, per_step, steps, splits = _launch(out, int(weight.values.shape[1]), weight.group_size)
     steps_per_split = cdiv(steps, splits)
     splits = cdiv(steps, steps_per_split)
-    metadata = [jnp.asarray(weight.scales)] + ([] if weight.offsets is None else [jnp.asarray(weight.offsets)])
-    leaves = [values, *map(widen_metadata, metadata)]
+    leaves, metadata_dtype = _kernel_leaves(weight)
     per_block = lambda leaf: pl.BlockSpec((block_n, leaf.shape[1]), lambda i, s: (i, 0))  # noqa: E731
     partial_sums = pl.pallas_call(
         functools.partial(
@@ -222,7 +225,7 @@ def quantized_matmul(x: Float[Array, "*rows inp"], weight: QuantizedWeight, *, i
             pieces_per_step=per_step,
             steps=steps,
             steps_per_split=steps_per_split,
-            metadata_dtype=metadata[0].dtype,
+            metadata_dtype=metadata_dtype,
             asymmetric=weight.offsets is not None,
         ),
         grid=(out // block_n, splits),
