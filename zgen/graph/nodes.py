@@ -150,7 +150,7 @@ class Attention(Node):
     def from_projection(
         self, params: Mapping[str, jax.Array], qkv: jax.Array, args: Sequence[jax.Array], ctx: ForwardContext
     ) -> jax.Array:
-        """The node's value from its input's qkv projection (computed elsewhere, see :class:`NormedBlock`);
+        """The node's value from its input's qkv projection (computed elsewhere, see :class:`~zgen.graph.fusion.NormedBlock`);
         ``args``: the node's other inputs (positions)."""
         return self.attend(params, qkv, args[0], ctx, plain_projection(params, self.prefix, ctx))
 
@@ -221,7 +221,7 @@ class GatedMLP(Node):
     def from_projection(
         self, params: Mapping[str, jax.Array], gate_up: jax.Array, args: Sequence[jax.Array], ctx: ForwardContext
     ) -> jax.Array:
-        """The node's value from its input's gate/up projection (computed elsewhere, see :class:`NormedBlock`)."""
+        """The node's value from its input's gate/up projection (computed elsewhere, see :class:`~zgen.graph.fusion.NormedBlock`)."""
         del args  # the MLP has no other inputs
         return self.feed_forward(gate_up, plain_projection(params, self.prefix, ctx))
 
