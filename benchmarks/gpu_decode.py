@@ -1,4 +1,4 @@
-"""Decode speed on a GPU: zgen vs HF transformers (static cache + torch.compile), bfloat16.
+"""Decode speed on a GPU: zgen vs HF transformers (static cache + torch.compile), bfloat16 (``--dtype``).
 
 Random weights of two shapes — SmolLM2-135M and Llama-3-8B — so no checkpoint has to be present.
 Both frameworks are timed the same way: wall time of generate(N new tokens) minus generate(1), over
@@ -21,6 +21,10 @@ process of its own, and prints the context's speed as a fraction of the Generato
     python benchmarks/gpu_decode.py --only zgen --shape smollm2
     python benchmarks/gpu_decode.py --no-hf --attention einsum triton --prompt-tokens 4000 --batch 8
     python benchmarks/gpu_decode.py --no-hf --contexts --shape smollm2
+    python benchmarks/gpu_decode.py --no-hf --shape smollm2 --dtype float32 --trace-kernels 25
+
+``--trace-kernels N`` also lists each zgen run's N costliest kernels per decode step (launches and µs
+per step, from a profile of the same generations: ``kernel_trace.py``).
 """
 
 from __future__ import annotations
@@ -55,15 +59,15 @@ def prompt_ids(tokens: int) -> list[int]:
     return [100 + i % 1000 for i in range(tokens)]
 
 
-def random_bf16_model(shape: str, context: int = 0) -> Model:
-    """Random bf16 weights of ``shape``; a ``context`` longer than the shape's positions raises them
-    (as Llama-3.1 does Llama-3's 8,192: the same weights' shapes)."""
+def random_shape_model(shape: str, context: int = 0, dtype: str = "bfloat16") -> Model:
+    """Random weights of ``shape`` in ``dtype``; a ``context`` longer than the shape's positions raises
+    them (as Llama-3.1 does Llama-3's 8,192: the same weights' shapes)."""
     from zgen import ModelConfig
     from zgen.model import random_model
 
     positions = max(SHAPES[shape]["max_position_embeddings"], context)
     config = {**SHAPES[shape], "max_position_embeddings": positions, "model_type": "llama", "rms_norm_eps": 1e-5}
-    return random_model(ModelConfig.from_hf(config), dtype="bfloat16")
+    return random_model(ModelConfig.from_hf(config), dtype=dtype)
 
 
 @dataclasses.dataclass
@@ -95,14 +99,18 @@ def per_token_s(generate: Callable[[int], object], new_tokens: int, runs: int) -
     return time_generations(generate, new_tokens, runs).per_token_s
 
 
-def bench_zgen(shape: str, new_tokens: int, runs: int, attention: str, prompt_tokens: int, batch: int) -> dict[str, Any]:
+def bench_zgen(
+    shape: str, new_tokens: int, runs: int, attention: str, prompt_tokens: int, batch: int, dtype: str, trace_kernels: int
+) -> dict[str, Any]:
     import jax
+    import jax.numpy as jnp
 
+    from kernel_trace import decode_step_kernels
     from zgen import Generator, Request, SamplingConfig
     from zgen.cache.factory import dense_attention, paged_kv
     from zgen.cache.tensor import DenseAttention
 
-    model = random_bf16_model(shape)
+    model = random_shape_model(shape, dtype=dtype)
     cache = paged_kv(2048.0) if attention == "paged" else dense_attention(cast(DenseAttention, attention))
     gen = Generator(model, cache, max_batch_size=batch)
     prompt = prompt_ids(prompt_tokens)
@@ -116,13 +124,14 @@ def bench_zgen(shape: str, new_tokens: int, runs: int, attention: str, prompt_to
     # The step's bound: every weight and the valid KV (at the decode's mean length) read once.
     c = model.config
     weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(model.params))
-    kv_bytes = batch * (prompt_tokens + new_tokens / 2) * c.num_layers * 2 * c.num_kv_heads * c.head_dim * 2
+    kv_bytes = batch * (prompt_tokens + new_tokens / 2) * c.num_layers * 2 * c.num_kv_heads * c.head_dim * jnp.dtype(dtype).itemsize
     bandwidth = read_bandwidth(runs)
     roofline_s = (weight_bytes + kv_bytes) / bandwidth
-    return {"framework": "zgen", "attention": attention, "shape": shape, "device": jax.devices()[0].device_kind,
+    kernels = decode_step_kernels(generate, new_tokens, trace_kernels) if trace_kernels else []
+    return {"framework": "zgen", "attention": attention, "shape": shape, "dtype": dtype, "device": jax.devices()[0].device_kind,
             "batch": batch, "prompt_tokens": prompt_tokens, "ms_per_token": seconds * 1e3, "tok_s": batch / seconds,
             "prefill_ms": prefill_s * 1e3, "read_tb_s": bandwidth / 1e12, "roofline_ms": roofline_s * 1e3,
-            "of_roofline": roofline_s / seconds, "token_ids": generate(new_tokens).token_ids[:64]}
+            "of_roofline": roofline_s / seconds, "token_ids": generate(new_tokens).token_ids[:64], "kernels": kernels}
 
 
 def read_bandwidth(runs: int) -> float:
@@ -148,7 +157,7 @@ def read_bandwidth(runs: int) -> float:
     return x.nbytes / best
 
 
-def bench_context(shape: str, new_tokens: int, runs: int, prompt_tokens: int) -> dict[str, Any]:
+def bench_context(shape: str, new_tokens: int, runs: int, prompt_tokens: int, dtype: str) -> dict[str, Any]:
     """One context alone on an engine with a paged cache: fill the prompt, generate greedily, release."""
     import jax
 
@@ -156,11 +165,12 @@ def bench_context(shape: str, new_tokens: int, runs: int, prompt_tokens: int) ->
     from zgen.cache.factory import paged_kv
     from zgen.cache.formats import bytes_per_token_per_layer
 
-    model = random_bf16_model(shape)
+    model = random_shape_model(shape, dtype=dtype)
     c = model.config
     page_size = 16
     tokens = prompt_tokens + new_tokens + page_size  # one context's pages, with a page to spare
-    need_mb = tokens * c.num_layers * bytes_per_token_per_layer("bf16", c.num_kv_heads, c.head_dim, page_size) / 2**20
+    storage = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[dtype]
+    need_mb = tokens * c.num_layers * bytes_per_token_per_layer(storage, c.num_kv_heads, c.head_dim, page_size) / 2**20
     engine = Engine(model, paged_kv(max(512.0, 2 * need_mb), page_size))
     prompt = prompt_ids(prompt_tokens)
 
@@ -176,14 +186,14 @@ def bench_context(shape: str, new_tokens: int, runs: int, prompt_tokens: int) ->
             "prefill_ms": prefill_s * 1e3, "token_ids": generate(new_tokens).token_ids[:64]}
 
 
-def bench_hf(shape: str, new_tokens: int, runs: int, prompt_tokens: int, batch: int) -> dict[str, Any]:
+def bench_hf(shape: str, new_tokens: int, runs: int, prompt_tokens: int, batch: int, dtype: str) -> dict[str, Any]:
     import torch
     import transformers
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(**SHAPES[shape], rms_norm_eps=1e-5)
     with torch.device("cuda"):
-        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+        model = transformers.LlamaForCausalLM(config).to(getattr(torch, dtype)).eval()
     # A static cache makes generate() compile the decoding forward itself (torch.compile,
     # "reduce-overhead" = CUDA graphs, fullgraph), transformers' documented fast path.
     model.generation_config.cache_implementation = "static"
@@ -217,6 +227,9 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=16)
     parser.add_argument("--batch", type=int, default=1, help="rows decoded together (copies of the prompt)")
     parser.add_argument("--no-hf", action="store_true", help="time zgen only")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], default="bfloat16", help="weights and activations, both frameworks")
+    parser.add_argument("--trace-kernels", type=int, default=0, metavar="N",
+                        help="also list zgen's N costliest kernels per decode step (a GPU profile, kernel_trace.py)")
     parser.add_argument("--contexts", action="store_true",
                         help="also time one context alone (paged cache) beside the Generator at batch 1")
     args = parser.parse_args()
@@ -224,11 +237,13 @@ def main() -> None:
         parser.error("one context alone is compared with the Generator at batch 1: leave --batch at 1")
     if args.only:
         if args.only == "zgen":
-            result = bench_zgen(args.shape, args.new_tokens, args.runs, args.attention[0], args.prompt_tokens, args.batch)
+            result = bench_zgen(
+                args.shape, args.new_tokens, args.runs, args.attention[0], args.prompt_tokens, args.batch, args.dtype, args.trace_kernels
+            )
         elif args.only == "context":
-            result = bench_context(args.shape, args.new_tokens, args.runs, args.prompt_tokens)
+            result = bench_context(args.shape, args.new_tokens, args.runs, args.prompt_tokens, args.dtype)
         else:
-            result = bench_hf(args.shape, args.new_tokens, args.runs, args.prompt_tokens, args.batch)
+            result = bench_hf(args.shape, args.new_tokens, args.runs, args.prompt_tokens, args.batch, args.dtype)
         print("RESULT " + json.dumps(result), flush=True)
         return
     results = []
@@ -239,7 +254,8 @@ def main() -> None:
         for framework, attention in runs:
             cmd = [sys.executable, __file__, "--only", framework, "--shape", shape,
                    "--new-tokens", str(args.new_tokens), "--runs", str(args.runs),
-                   "--prompt-tokens", str(args.prompt_tokens), "--batch", str(args.batch)]
+                   "--prompt-tokens", str(args.prompt_tokens), "--batch", str(args.batch), "--dtype", args.dtype,
+                   "--trace-kernels", str(args.trace_kernels)]
             cmd += ["--attention", attention] if attention else []
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -248,7 +264,9 @@ def main() -> None:
                 results.append({"framework": framework, "attention": attention, "shape": shape, "error": proc.returncode})
                 continue
             results.append(json.loads(lines[-1][len("RESULT "):]))
-            print({k: v for k, v in results[-1].items() if k != "token_ids"}, flush=True)
+            print({k: v for k, v in results[-1].items() if k not in ("token_ids", "kernels")}, flush=True)
+            for kernel in results[-1].get("kernels", []):
+                print(f"  {kernel['per_step']:6.1f} x {kernel['us_per_step']:8.1f} us  {kernel['kernel'][:100]}", flush=True)
     for shape in {r["shape"] for r in results}:
         timed = [r for r in results if r["shape"] == shape and "tok_s" in r]
         hf = next((r for r in timed if r["framework"] == "hf-static-compile"), None)

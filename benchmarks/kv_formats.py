@@ -34,7 +34,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_decode import SHAPES, prompt_ids, random_bf16_model, time_generations  # noqa: E402
+from gpu_decode import SHAPES, prompt_ids, random_shape_model, time_generations  # noqa: E402
 from kernel_trace import decode_step_kernels  # noqa: E402
 
 FORMATS = ("dense-bf16", "paged-bf16", "paged-fp8", "paged-q4", "paged-q3")
@@ -115,7 +115,7 @@ def main() -> None:
     if args.trace_kernels and platform() != "gpu":
         parser.error("--trace-kernels reads a GPU's kernels; run it on a GPU")
     args.page_size = args.page_size or default_page_size()
-    model = random_bf16_model(args.shape, args.prompt_tokens + args.new_tokens)
+    model = random_shape_model(args.shape, args.prompt_tokens + args.new_tokens)
     if args.capacity_gb is not None:
         capacity(model, args)
         return

@@ -32,7 +32,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gpu_decode import SHAPES, per_token_s, prompt_ids, random_bf16_model  # benchmarks/ is on sys.path when this script runs
+from gpu_decode import SHAPES, per_token_s, prompt_ids, random_shape_model  # benchmarks/ is on sys.path when this script runs
 from zgen import Generator, SamplingConfig
 from zgen.model import Model, load_model, quantize_model
 from zgen.pallas.quantized_matmul import quantized_matmul
@@ -90,7 +90,7 @@ def speed(args: argparse.Namespace) -> None:
         for matmul in args.matmul:
             schemes[f"int{bits}-{matmul}"] = WeightQuantization(bits, matmul=matmul)
     for shape in args.shape:
-        base = random_bf16_model(shape)
+        base = random_shape_model(shape)
         c = base.config
         mm = matmul_ms(c.hidden_size, c.intermediate_size, schemes, args.runs)
         reference_ms: float | None = None
