@@ -73,7 +73,7 @@ def test_shapes_the_kernel_does_not_take_are_refused_or_left_to_xla() -> None:
     with pytest.raises(ConfigError, match="at most 4 rows of at most 1024 values"):
         wide = jnp.zeros((1, 1, 2048), jnp.float32)
         add_rms_norm_linear(wide, wide, jnp.ones(2048), 1e-5, jnp.zeros((32, 2048)), implementation="triton")
-    with pytest.raises(ConfigError, match="divisible by a power-of-two block"):
+    with pytest.raises(ConfigError, match="divisible by its block"):
         add_rms_norm_linear(x[:1], x[:1], jnp.ones(64), 1e-5, jnp.zeros((12, 64)), implementation="triton")
     total, projected = add_rms_norm_linear(x, x, jnp.ones(64), 1e-5, weight)  # None: XLA here
     assert total is not None and total.shape == x.shape and projected.shape == (5, 1, 32)

@@ -41,10 +41,9 @@ def kernel_block_n(rows: int, size: int, out_size: int) -> int | None:
     :data:`MAX_ROWS` rows, rows at most :data:`MAX_WIDTH` wide (wider models' weights are bytes
     enough that XLA's matrix-vector product, which streams them better, pays for the norm's launch),
     and output columns that the block divides."""
-    if rows > MAX_ROWS or size > MAX_WIDTH:
+    if rows > MAX_ROWS or size > MAX_WIDTH or out_size % DEFAULT_BLOCK_N:
         return None
-    block_n = min(DEFAULT_BLOCK_N, out_size & -out_size)
-    return block_n if block_n >= 8 else None
+    return DEFAULT_BLOCK_N
 
 
 def kernel_takes(x: Float[Array, "*rows size"], weight: Float[Array, "out size"]) -> bool:
@@ -89,7 +88,7 @@ def add_rms_norm_linear(
     if block is None or weight.shape[0] % block or block & (block - 1):
         raise ConfigError(
             f"the Triton add_rms_norm_linear takes at most {MAX_ROWS} rows of at most {MAX_WIDTH} values and output "
-            f"columns divisible by a power-of-two block of at least 8; got {rows} rows, x {list(x.shape)}, "
+            f"columns divisible by its block (a power of two, {DEFAULT_BLOCK_N} by default); got {rows} rows, x {list(x.shape)}, "
             f"weight {list(weight.shape)}{'' if block_n is None else f', block_n {block_n}'}; use implementation='xla' or None"
         )
     from zgen.pallas.norm_linear import triton
