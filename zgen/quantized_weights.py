@@ -15,7 +15,7 @@ consecutive inputs of a row share a scale (and, in the asymmetric layouts, an of
 The matmul (:func:`quantized_linear`) works inside the traced computation in one of two ways, a
 static choice of the weight (``matmul``), so that XLA reads the weights at their stored width:
 
-* ``"dequantize"`` (default): unpack and scale the codes into the activation dtype, then dot — XLA
+* ``"dequantize"`` (the dataclass's default; the named formats ``"int8"`` / ``"int4"`` take ``"kernel"``): unpack and scale the codes into the activation dtype, then dot — XLA
   fuses the unpacking into the dot's operand. The scale arithmetic runs in float32 and is cast to
   the activation dtype, so a float32 model computes exactly the weights a float checkpoint of the
   dequantized values holds.
@@ -118,7 +118,12 @@ class WeightQuantization:
         )
 
 
-WEIGHT_FORMATS: dict[str, WeightQuantization] = {"int8": WeightQuantization(8), "int4": WeightQuantization(4)}
+# The named formats take zgen's kernel on a GPU (int8 batch-1 decode 1.38x bf16's tokens/s at the
+# Llama-3-8B shape, where "dequantize" is slower than bf16: BENCHMARKS.md) and "dequantize" elsewhere.
+WEIGHT_FORMATS: dict[str, WeightQuantization] = {
+    "int8": WeightQuantization(8, matmul="kernel"),
+    "int4": WeightQuantization(4, matmul="kernel"),
+}
 
 
 def scale_dtype_for(compute: jnp.dtype) -> jnp.dtype:

@@ -57,14 +57,14 @@ def test_one_row_in_bfloat16(bits: int, group: int | None, width: int, scale_dty
 
 
 def test_decode_rows_of_zgens_layouts_take_the_cuda_core_form() -> None:
-    """Up to 4 rows of int8 (one group per row) and int4 (groups of 64 or more) read whole rows per
-    program on the CUDA cores; GGUF's groups of 32 and a fifth row go to the tensor-core form (both
+    """Up to 4 rows of int8 (one group per row; one output channel per program) and int4 (groups of
+    64 or more; 16 KB of codes per program) read whole rows on the CUDA cores; GGUF's groups of 32 and a fifth row go to the tensor-core form (both
     checked against the dequantized product above)."""
     rng = np.random.default_rng(2)
     dense = jnp.asarray(rng.standard_normal((48, 1024)), jnp.float32)
     int8, int4 = (quantize(dense, WeightQuantization(bits), jnp.dtype(jnp.float16)) for bits in (8, 4))
     gguf_like = quantize(dense, WeightQuantization(4, 32), jnp.dtype(jnp.float16))
-    assert core_launch(1, int8) == (16, 1024) and core_launch(4, int4) == (16, 128)
+    assert core_launch(1, int8) == (1, 1024, 1) and core_launch(4, int4) == (16, 128, 2)
     assert core_launch(1, gguf_like) is None and core_launch(5, int8) is None
 
 

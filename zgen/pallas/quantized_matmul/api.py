@@ -1,12 +1,12 @@
 """``quantized_matmul``: ``x @ W.T`` for a :class:`~zgen.quantized_weights.QuantizedWeight`, read at its
 stored width.
 
-XLA's forms (:func:`zgen.quantized_weights.quantized_linear`) read int8 codes at ~2.3 TB/s on an H200
-and int4 at ~1.2 TB/s (unpacking nibbles), so batch-1 decode gained 1.50x (int8) and 1.25x (int4)
-over bf16 against byte bounds of 1.87x and 3.15x (BENCHMARKS.md, "Weight-only quantization"). The
-Triton kernels apply each group's scale and offset to per-group sums of the raw codes: a decode
-step's few rows on the CUDA cores, each program loading its whole slice of codes at once; more rows
-(and GGUF's narrow groups) as dot operands on the tensor cores.
+XLA's forms (:func:`zgen.quantized_weights.quantized_linear`) read int8 codes at ~2.7 TB/s on an H200
+and int4 at ~1.3 TB/s (unpacking nibbles). The Triton kernels take a decode step's few rows on the
+CUDA cores, each program loading its whole slice of codes at once and accumulating dequantized
+products elementwise (Llama-3-8B batch-1 decode: int8 1.38x bf16's tokens/s against a byte bound
+of 1.87x; BENCHMARKS.md, "Weight-only quantization"); more rows (and GGUF's narrow groups) as dot
+operands on the tensor cores, with each group's scale and offset applied to per-group sums.
 """
 
 from __future__ import annotations

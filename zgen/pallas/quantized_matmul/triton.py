@@ -2,11 +2,12 @@
 
 **Decode rows on the CUDA cores** (at most :data:`CORE_MAX_ROWS` rows, groups of at least
 :data:`CORE_MIN_PIECE` bytes: zgen's own int8 and int4 layouts). Grid: one program per ``block_n``
-output channels, each holding its rows' whole width of codes (:data:`CORE_SLICE_BYTES` at most) and
-loading all of it first, in pieces that never straddle a group (the fused norm kernel's loop over
-chunks waited for each chunk in turn, see ``zgen.pallas.norm_linear``). Each piece's codes become f32 and multiply the
-rows' inputs; a group's scale and offset act on the piece's sums, as below. No tile is padded to the
-tensor cores' 16 rows and nothing goes through shared memory.
+output channels (:func:`core_launch`), each holding its rows' whole width of codes and loading all of
+it first, in pieces that never straddle a group (the fused norm kernel's loop over chunks waited for
+each chunk in turn, see ``zgen.pallas.norm_linear``). Each code becomes f32, takes its group's scale
+and offset (int8's wide groups: the scale once per group) and multiplies the rows' inputs into
+elementwise accumulators, summed across threads once at the end. No tile is padded to the tensor
+cores' 16 rows and nothing goes through shared memory.
 
 **Other steps on the tensor cores.** Grid ``(output blocks, splits)``: a program takes ``block_n`` output channels (rows of the weight)
 through a contiguous share of the weight's byte columns, read in *pieces* of up to 128 columns that
@@ -39,6 +40,7 @@ from zgen.shapes import cdiv
 # The CUDA-core form: rows it takes, the code bytes a program holds, the narrowest piece it reads.
 CORE_MAX_ROWS = 4
 CORE_SLICE_BYTES = 16384
+CORE_THREAD_BYTES = 128
 CORE_MIN_PIECE = 64
 CORE_MAX_PIECE = 1024
 # Byte columns of the weight one loop step reads per output row.
@@ -120,10 +122,14 @@ def _core_kernel(
 ) -> None:
     offsets_ref = refs[0] if asymmetric else None
     o_ref = refs[-1]
-    columns = values_ref.shape[1]
+    block_n, columns = values_ref.shape
     column_groups = columns // (piece * pieces_per_group)
+    # int8 groups of several pieces take the scale once per group; otherwise each code is dequantized.
+    scale_after = bits == 8 and pieces_per_group > 1 and offsets_ref is None
     codes = [values_ref[:, pl.ds(j * piece, piece)] for j in range(columns // piece)]  # every load first
-    acc = [jnp.zeros((values_ref.shape[0],), jnp.float32) for _ in range(x_ref.shape[0])]
+    # Products accumulate elementwise: one cross-thread sum per row at the end, not one per piece.
+    acc = [jnp.zeros((block_n, piece), jnp.float32) for _ in range(x_ref.shape[0])]
+    part = list(acc)
     for j, byte in enumerate(codes):
         group = j // pieces_per_group
         if bits == 8:
@@ -131,15 +137,22 @@ def _core_kernel(
         else:  # planar nibbles: the high ones are the inputs of the row's second half
             halves = [((byte & 0xF).astype(jnp.float32), j * piece, group),
                       ((byte >> 4).astype(jnp.float32), columns + j * piece, group + column_groups)]
-        for tile, column, g in halves:
-            scale = metadata_column(scales_ref, g, metadata_dtype)
-            offset = None if offsets_ref is None else metadata_column(offsets_ref, g, metadata_dtype)
-            for row in range(x_ref.shape[0]):
+        for code, column, g in halves:
+            scale = metadata_column(scales_ref, g, metadata_dtype)[:, None]
+            weight = code if scale_after else code * scale
+            if offsets_ref is not None:
+                weight = weight + metadata_column(offsets_ref, g, metadata_dtype)[:, None]
+            for row in range(len(acc)):
                 x = x_ref[pl.ds(row, 1), pl.ds(column, piece)].astype(jnp.float32)  # [1, piece]
-                term = jnp.sum(tile * x, axis=1) * scale
-                acc[row] = acc[row] + (term if offset is None else term + jnp.sum(x) * offset)
+                if not scale_after:
+                    acc[row] = acc[row] + weight * x
+                elif (j + 1) % pieces_per_group:
+                    part[row] = part[row] + weight * x
+                else:  # the group's last piece
+                    acc[row] = acc[row] + (part[row] + weight * x) * scale
+                    part[row] = jnp.zeros_like(part[row])
     for row, total in enumerate(acc):
-        o_ref[pl.ds(row, 1), :] = total[None, :].astype(o_ref.dtype)
+        o_ref[pl.ds(row, 1), :] = jnp.sum(total, axis=1)[None, :].astype(o_ref.dtype)
 
 
 def _kernel_leaves(weight: QuantizedWeight) -> tuple[list[Array], jnp.dtype]:
@@ -149,22 +162,27 @@ def _kernel_leaves(weight: QuantizedWeight) -> tuple[list[Array], jnp.dtype]:
     return [jnp.asarray(weight.values), *map(widen_metadata, metadata)], metadata[0].dtype
 
 
-def core_launch(rows: int, weight: QuantizedWeight) -> tuple[int, int] | None:
-    """``(block_n, piece)`` of the CUDA-core form for ``rows`` rows, or None where it does not take
-    the product (more rows, or groups narrower than :data:`CORE_MIN_PIECE` bytes, e.g. GGUF's 32)."""
+def core_launch(rows: int, weight: QuantizedWeight) -> tuple[int, int, int] | None:
+    """``(block_n, piece, num_warps)`` of the CUDA-core form for ``rows`` rows, or None where it does
+    not take the product (more rows, or groups narrower than :data:`CORE_MIN_PIECE` bytes, e.g. GGUF's 32).
+
+    Timed at Llama-3-8B widths on an H200 (BENCHMARKS.md): int8 is fastest one output row per program,
+    4-bit codes (twice the work per byte) with 16 KB per program; each thread holding
+    :data:`CORE_THREAD_BYTES` of codes sets the warps."""
     out = weight.shape[0]
     columns = int(weight.values.shape[1])
     piece = min(weight.group_size & -weight.group_size, CORE_MAX_PIECE)
     if rows > CORE_MAX_ROWS or piece < CORE_MIN_PIECE or columns % piece:
         return None
-    block_n = prev_pow2(max(1, CORE_SLICE_BYTES // columns))
+    block_n = 1 if weight.bits == 8 else prev_pow2(max(1, CORE_SLICE_BYTES // columns))
     while out % block_n:
         block_n //= 2
-    return block_n, piece
+    num_warps = min(8, max(1, prev_pow2(block_n * columns // (32 * CORE_THREAD_BYTES))))
+    return block_n, piece, num_warps
 
 
 def _core_matmul(
-    flat: Float[Array, "rows inp"], weight: QuantizedWeight, block_n: int, piece: int, interpret: bool
+    flat: Float[Array, "rows inp"], weight: QuantizedWeight, block_n: int, piece: int, num_warps: int, interpret: bool
 ) -> Float[Array, "rows out"]:
     out, _ = weight.shape
     leaves, metadata_dtype = _kernel_leaves(weight)
@@ -184,7 +202,7 @@ def _core_matmul(
         ],
         out_specs=pl.BlockSpec((flat.shape[0], block_n), lambda i: (0, i)),
         out_shape=jax.ShapeDtypeStruct((flat.shape[0], out), flat.dtype),
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="zgen_quantized_matmul_rows",
     )(flat, *leaves)
