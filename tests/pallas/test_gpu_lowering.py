@@ -172,10 +172,10 @@ def test_norm_linear_lowers(rows: int, size: int, out: int, residual: bool) -> N
     assert "xla.gpu.triton" in lower_for_cuda(fn, x, jnp.ones((size,), jnp.bfloat16), jnp.zeros((out, size), jnp.bfloat16))
 
 
-@pytest.mark.parametrize(("bits", "group", "out", "inp"), [(8, None, 1024, 4096), (4, 128, 14336, 4096), (4, 32, 4096, 14336), (8, 32, 576, 1536)])
+@pytest.mark.parametrize(("bits", "group", "out", "inp"), [(8, None, 1024, 4096), (8, None, 4096, 14336), (4, 128, 14336, 4096), (4, 64, 576, 1536)])
 def test_quantized_matmul_lowers(bits: int, group: int | None, out: int, inp: int) -> None:
-    """Decode-shaped products: int8 one group per row (chunks looped inside a group), int4 groups of
-    128 and GGUF-style 32 (several groups per step), outputs that need splits over the groups."""
+    """Decode-shaped products: int8 one group per row (several pieces a group, one or two warps),
+    int4 groups of 128 and 64 (a piece a group, several output channels a program)."""
     weight = quantize_weight(jnp.zeros((out, inp), jnp.float32), WeightQuantization(bits, group), jnp.dtype(jnp.float16))
     x = jnp.zeros((1, inp), jnp.bfloat16)
     assert "xla.gpu.triton" in lower_for_cuda(lambda x, w: quantized_matmul_triton.quantized_matmul(x, w), x, weight)

@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 from zgen.errors import ConfigError
 from zgen.pallas.quantized_matmul import quantized_matmul, supports
-from zgen.pallas.quantized_matmul.triton import core_launch
+from zgen.pallas.quantized_matmul.triton import launch
 from zgen.quantized_weights import QuantizedWeight, WeightQuantization, dequantize, quantize
 
 TOLERANCE = {"bfloat16": 2e-2, "float32": 1e-4}
@@ -16,14 +16,15 @@ TOLERANCE = {"bfloat16": 2e-2, "float32": 1e-4}
 
 @st.composite
 def problems(draw: st.DrawFn) -> tuple[jax.Array, QuantizedWeight]:
-    """Rows of a decode step against a random int8 or int4 weight: group sizes from 16 to a whole row
-    (int8's default), outputs that need one or several blocks and splits."""
+    """Rows of a decode step against a random int8 or int4 weight: groups from 64 (the narrowest the
+    kernel reads) to a whole row (int8's default, several pieces a group), one or several output
+    channels a program."""
     bits = draw(st.sampled_from([4, 8]))
     dtype = draw(st.sampled_from(["bfloat16", "float32"]))
-    group = draw(st.sampled_from([16, 32, 64, 128] + ([None] if bits == 8 else [])))
-    width = draw(st.sampled_from([256, 512])) if group is None else group * draw(st.sampled_from([2, 4, 6]))
+    group = draw(st.sampled_from([64, 128] + ([None] if bits == 8 else [])))
+    width = draw(st.sampled_from([256, 2304])) if group is None else group * draw(st.sampled_from([2, 4, 6]))
     out = draw(st.sampled_from([16, 48, 64, 192]))
-    rows = draw(st.integers(1, 16))
+    rows = draw(st.integers(1, 4))
     rng = np.random.default_rng(draw(st.integers(0, 2**16)))
     weight = jnp.asarray(rng.standard_normal((out, width)) * width**-0.5, jnp.float32)
     x = jnp.asarray(rng.standard_normal((rows, width)), dtype)
@@ -44,47 +45,51 @@ def test_matches_the_dequantized_product(problem: tuple[jax.Array, QuantizedWeig
     assert got.dtype == x.dtype
 
 
-@pytest.mark.parametrize(("bits", "group", "width", "scale_dtype"), [(4, 32, 192, "float16"), (4, 64, 384, "bfloat16"), (8, None, 96, "float16")])
+@pytest.mark.parametrize(("bits", "group", "width", "scale_dtype"), [(4, 64, 256, "float16"), (4, 128, 512, "bfloat16"), (8, None, 128, "float16")])
 def test_one_row_in_bfloat16(bits: int, group: int | None, width: int, scale_dtype: str) -> None:
-    """Batch-1 decode, the kernel's main case: one row padded in registers; 2-byte scales read in u32
-    pairs (int8's single scale per row, an odd count, stays as it is)."""
+    """Batch-1 decode, the kernel's main case; 2-byte scales read in u32 pairs (int8's single scale
+    per row, an odd count, stays as it is)."""
     rng = np.random.default_rng(bits)
     weight = quantize(jnp.asarray(rng.standard_normal((64, width)) * 0.1, jnp.float32), WeightQuantization(bits, group), jnp.dtype(scale_dtype))
     x = jnp.asarray(rng.standard_normal((1, 1, width)), jnp.bfloat16)
+    assert supports(x, weight)
     got = quantized_matmul(x, weight)
     expected = x.astype(jnp.float32) @ dequantize(weight).T
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(expected), atol=2e-2, rtol=2e-2)
 
 
-def test_decode_rows_of_zgens_layouts_take_the_cuda_core_form() -> None:
-    """Up to 4 rows of int8 (one group per row; one output channel per program) and int4 (groups of
-    64 or more; 16 KB of codes per program) read whole rows on the CUDA cores; GGUF's groups of 32 and a fifth row go to the tensor-core form (both
-    checked against the dequantized product above)."""
+def test_launch_settings_and_what_goes_to_xla() -> None:
+    """int8 (one group per row) takes one output channel per program, int4 (groups of 64 or more)
+    16 KB of codes; GGUF's groups of 32 and a fifth row are XLA's."""
     rng = np.random.default_rng(2)
     dense = jnp.asarray(rng.standard_normal((48, 1024)), jnp.float32)
     int8, int4 = (quantize(dense, WeightQuantization(bits), jnp.dtype(jnp.float16)) for bits in (8, 4))
     gguf_like = quantize(dense, WeightQuantization(4, 32), jnp.dtype(jnp.float16))
-    assert core_launch(1, int8) == (1, 1024, 1) and core_launch(4, int4) == (16, 128, 2)
-    assert core_launch(1, gguf_like) is None and core_launch(5, int8) is None
+    assert launch(1, int8) == (1, 1024, 1) and launch(4, int4) == (16, 128, 2)
+    assert launch(1, gguf_like) is None and launch(5, int8) is None
 
 
 def test_symmetric_int8_with_offsets_and_leading_axes() -> None:
     """8-bit codes with offsets (a layout the loaders may give) and a [B, T, in] input."""
     rng = np.random.default_rng(1)
-    codes = jnp.asarray(rng.integers(-127, 128, (32, 64)), jnp.int8)
+    codes = jnp.asarray(rng.integers(-127, 128, (32, 128)), jnp.int8)
     scales = jnp.asarray(rng.uniform(0.01, 0.1, (32, 2)), jnp.float32)
     offsets = jnp.asarray(rng.uniform(-0.1, 0.1, (32, 2)), jnp.float32)
-    weight = QuantizedWeight(codes, scales, offsets, bits=8, group_size=32)
-    x = jnp.asarray(rng.standard_normal((2, 3, 64)), jnp.float32)
+    weight = QuantizedWeight(codes, scales, offsets, bits=8, group_size=64)
+    x = jnp.asarray(rng.standard_normal((1, 3, 128)), jnp.float32)
+    assert supports(x, weight)
     got = quantized_matmul(x, weight)
     np.testing.assert_allclose(np.asarray(got), np.asarray(x @ dequantize(weight).T), atol=1e-4, rtol=1e-4)
 
 
 def test_products_the_kernel_does_not_take_go_to_xla() -> None:
-    weight = quantize(jnp.ones((40, 64), jnp.float32), WeightQuantization(8), jnp.dtype(jnp.float32))  # 40 outputs
-    many_rows = jnp.ones((17, 64), jnp.float32)
-    assert not supports(jnp.ones((1, 64)), weight) and not supports(many_rows, weight)
-    np.testing.assert_allclose(np.asarray(quantized_matmul(many_rows, weight)), np.asarray(many_rows @ dequantize(weight).T), rtol=1e-5)
+    """Groups of 32 (GGUF's) and steps of more rows: XLA's multiply-and-sum, or its dot for prefill."""
+    rng = np.random.default_rng(3)
+    weight = quantize(jnp.asarray(rng.standard_normal((40, 64)), jnp.float32), WeightQuantization(8, 32), jnp.dtype(jnp.float32))
+    for rows in (1, 6, 17):
+        x = jnp.asarray(rng.standard_normal((rows, 64)), jnp.float32)
+        assert not supports(x, weight)
+        np.testing.assert_allclose(np.asarray(quantized_matmul(x, weight)), np.asarray(x @ dequantize(weight).T), rtol=1e-5, atol=1e-5)
 
 
 def test_rejects_mismatched_inputs_and_unknown_implementations() -> None:
