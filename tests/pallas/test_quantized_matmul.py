@@ -45,12 +45,14 @@ def test_matches_the_dequantized_product(problem: tuple[jax.Array, QuantizedWeig
     assert got.dtype == x.dtype
 
 
-@pytest.mark.parametrize(("bits", "group", "width", "scale_dtype"), [(4, 64, 256, "float16"), (4, 128, 512, "bfloat16"), (8, None, 128, "float16")])
-def test_one_row_in_bfloat16(bits: int, group: int | None, width: int, scale_dtype: str) -> None:
-    """Batch-1 decode, the kernel's main case; 2-byte scales read in u32 pairs (int8's single scale
-    per row, an odd count, stays as it is)."""
+@pytest.mark.parametrize(("bits", "group", "width", "out", "scale_dtype"), [
+    (4, 64, 256, 64, "float16"), (4, 128, 512, 528, "bfloat16"), (8, None, 128, 64, "float16"),
+])
+def test_one_row_in_bfloat16(bits: int, group: int | None, width: int, out: int, scale_dtype: str) -> None:
+    """Batch-1 decode, the kernel's main case (528 int4 outputs: two channels a program); 2-byte scales
+    read in u32 pairs (int8's single scale per row, an odd count, stays as it is)."""
     rng = np.random.default_rng(bits)
-    weight = quantize(jnp.asarray(rng.standard_normal((64, width)) * 0.1, jnp.float32), WeightQuantization(bits, group), jnp.dtype(scale_dtype))
+    weight = quantize(jnp.asarray(rng.standard_normal((out, width)) * 0.1, jnp.float32), WeightQuantization(bits, group), jnp.dtype(scale_dtype))
     x = jnp.asarray(rng.standard_normal((1, 1, width)), jnp.bfloat16)
     assert supports(x, weight)
     got = quantized_matmul(x, weight)
@@ -60,13 +62,16 @@ def test_one_row_in_bfloat16(bits: int, group: int | None, width: int, scale_dty
 
 def test_launch_settings_and_what_goes_to_xla() -> None:
     """int8 (one group per row) takes one output channel per program, int4 (groups of 64 or more)
-    16 KB of codes; GGUF's groups of 32 and a fifth row are XLA's."""
-    rng = np.random.default_rng(2)
-    dense = jnp.asarray(rng.standard_normal((48, 1024)), jnp.float32)
-    int8, int4 = (quantize(dense, WeightQuantization(bits), jnp.dtype(jnp.float16)) for bits in (8, 4))
-    gguf_like = quantize(dense, WeightQuantization(4, 32), jnp.dtype(jnp.float16))
-    assert launch(1, int8) == (1, 1024, 1) and launch(4, int4) == (16, 128, 2)
-    assert launch(1, gguf_like) is None and launch(5, int8) is None
+    16 KB of codes while that leaves 264 programs; GGUF's groups of 32 and a fifth row are XLA's."""
+    def weight(out: int, width: int, scheme: WeightQuantization) -> QuantizedWeight:
+        return quantize(jnp.zeros((out, width), jnp.float32), scheme, jnp.dtype(jnp.float16))
+
+    assert launch(1, weight(48, 1024, WeightQuantization(8))) == (1, 1024, 1)
+    assert launch(1, weight(4096, 14336, WeightQuantization(8))) == (1, 1024, 2)
+    assert launch(4, weight(6144, 4096, WeightQuantization(4))) == (8, 128, 4)
+    assert launch(1, weight(576, 1536, WeightQuantization(4))) == (2, 128, 1)
+    assert launch(1, weight(48, 1024, WeightQuantization(4, 32))) is None
+    assert launch(5, weight(48, 1024, WeightQuantization(8))) is None
 
 
 def test_symmetric_int8_with_offsets_and_leading_axes() -> None:

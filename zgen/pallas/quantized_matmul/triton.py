@@ -36,6 +36,8 @@ SLICE_BYTES_4BIT = 16384
 MIN_PIECE = 64
 MAX_PIECE = 1024
 THREAD_BYTES = 128
+# Programs a 4-bit product keeps at least, where it has the outputs: two per SM of an H100/H200.
+MIN_PROGRAMS = 264
 
 
 def _kernel(
@@ -96,14 +98,15 @@ def launch(rows: int, weight: QuantizedWeight) -> tuple[int, int, int] | None:
     not take the product (more rows, or groups narrower than :data:`MIN_PIECE` bytes, e.g. GGUF's 32: XLA's forms take those).
 
     Timed at Llama-3-8B widths on an H200 (BENCHMARKS.md): int8 is fastest one output row per program,
-    4-bit codes (twice the work per byte) with 16 KB per program; each thread holding
+    4-bit codes (twice the work per byte) with 16 KB per program, fewer where that would leave fewer
+    than :data:`MIN_PROGRAMS` programs (SmolLM2's 576 outputs); each thread holding
     :data:`THREAD_BYTES` of codes sets the warps."""
     out = weight.shape[0]
     columns = int(weight.values.shape[1])
     piece = min(weight.group_size & -weight.group_size, MAX_PIECE)
     if rows > MAX_ROWS or piece < MIN_PIECE or columns % piece:
         return None
-    block_n = 1 if weight.bits == 8 else prev_pow2(max(1, SLICE_BYTES_4BIT // columns))
+    block_n = 1 if weight.bits == 8 else prev_pow2(max(1, min(SLICE_BYTES_4BIT // columns, out // MIN_PROGRAMS)))
     while out % block_n:
         block_n //= 2
     num_warps = min(8, max(1, prev_pow2(block_n * columns // (32 * THREAD_BYTES))))
