@@ -74,10 +74,13 @@ def test_mosaic_gpu_paged_decode_lowers(head_dim: int, window: int | None, cap: 
     assert "mosaic_gpu" in lower_for_cuda(fn, q, kv, kv, tables, lengths, mask)
 
 
-@pytest.mark.parametrize(("causal", "window", "cap"), [(True, None, None), (False, 100, 30.0)])
-def test_flash_lowers(causal: bool, window: int | None, cap: float | None) -> None:
-    q = jnp.zeros((1, 256, 8, 128), jnp.bfloat16)
-    k = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
+@pytest.mark.parametrize(("causal", "window", "cap", "dtype"), [
+    (True, None, None, jnp.bfloat16), (False, 100, 30.0, jnp.bfloat16), (True, None, None, jnp.float32),
+])
+def test_flash_lowers(causal: bool, window: int | None, cap: float | None, dtype: Any) -> None:
+    """bf16, and float32 (its own, smaller blocks)."""
+    q = jnp.zeros((1, 256, 8, 128), dtype)
+    k = jnp.zeros((1, 256, 2, 128), dtype)
     lengths = jnp.full((1,), 200, jnp.int32)
 
     def fn(q: jax.Array, k: jax.Array, v: jax.Array, n: jax.Array) -> jax.Array:

@@ -41,6 +41,8 @@ from zgen.shapes import cdiv, next_pow2
 
 # Query rows per kv head up to which the decode kernel runs: beyond, the prefill grid has enough programs.
 DECODE_MAX_ROWS = 64
+# Query and key block of the prefill kernel for float32 inputs (bf16's blocks spill in float32).
+F32_BLOCK = 32
 # Decode splits: enough (batch, kv head, split) programs to fill ~132 SMs several times over, but each
 # split at least MIN_BLOCKS_PER_SPLIT key blocks of the buffer so its loads can pipeline and the f32
 # partial outputs stay small next to the K/V they summarize.
@@ -196,6 +198,11 @@ def prefill_attention(
     # Defaults = the best config measured on an H200 (jax 0.11.2, 32/8 heads, d=128, causal bf16):
     # q128 k64, 8 warps, 3 stages: 237 TFLOP/s at 4k, 316 at 8k (0.53 of matmul); with 2 stages it was
     # 226 / 269. q128 k128 w8 s2 was within 3% at 4k and 2% slower at 8k: one config for all sizes.
+    if jnp.dtype(q.dtype).itemsize > 2:
+        # float32 tiles that large spill: SmolLM2's 512-token chunk took 2.6 ms a call against 0.30 ms
+        # at q32 k32, 4 warps, 2 stages (BENCHMARKS.md, "float32 prefill").
+        block_q, block_k = min(block_q, F32_BLOCK), min(block_k, F32_BLOCK)
+        num_warps, num_stages = num_warps or 4, min(num_stages, 2)
     b, t, h, d = q.shape
     s, kvh = k.shape[1], k.shape[2]
     g = h // kvh
