@@ -199,8 +199,8 @@ def prefill_attention(
     # q128 k64, 8 warps, 3 stages: 237 TFLOP/s at 4k, 316 at 8k (0.53 of matmul); with 2 stages it was
     # 226 / 269. q128 k128 w8 s2 was within 3% at 4k and 2% slower at 8k: one config for all sizes.
     if jnp.dtype(q.dtype).itemsize > 2:
-        # float32 tiles that large spill: SmolLM2's 512-token chunk took 2.6 ms a call against 0.30 ms
-        # at q32 k32, 4 warps, 2 stages (BENCHMARKS.md, "float32 prefill").
+        # float32 tiles that large spill: a SmolLM2 prefill chunk's call took 2.6 ms inside the model;
+        # alone at 512 tokens, q32 k32, 4 warps, 2 stages take 0.30 ms (BENCHMARKS.md, "float32 prefill").
         block_q, block_k = min(block_q, F32_BLOCK), min(block_k, F32_BLOCK)
         num_warps, num_stages = num_warps or 4, min(num_stages, 2)
     b, t, h, d = q.shape
