@@ -87,15 +87,16 @@ def _kernel(
 
 
 def _kernel_leaves(weight: QuantizedWeight) -> tuple[list[Array], jnp.dtype]:
-    """The leaves the kernels read (codes; 2-byte scales and offsets widened to u32 pairs) and the
+    """The leaves the kernel reads (codes; 2-byte scales and offsets widened to u32 pairs) and the
     metadata's own dtype."""
     metadata = [jnp.asarray(weight.scales)] + ([] if weight.offsets is None else [jnp.asarray(weight.offsets)])
     return [jnp.asarray(weight.values), *map(widen_metadata, metadata)], metadata[0].dtype
 
 
 def launch(rows: int, weight: QuantizedWeight) -> tuple[int, int, int] | None:
-    """``(block_n, piece, num_warps)`` of the CUDA-core form for ``rows`` rows, or None where it does
-    not take the product (more rows, or groups narrower than :data:`MIN_PIECE` bytes, e.g. GGUF's 32: XLA's forms take those).
+    """``(block_n, piece, num_warps)`` of the kernel for ``rows`` rows, or None where it does not take
+    the product (more rows, or groups narrower than :data:`MIN_PIECE` bytes, e.g. GGUF's 32: XLA's
+    forms take those).
 
     Timed at Llama-3-8B widths on an H200 (BENCHMARKS.md): int8 is fastest one output row per program,
     4-bit codes (twice the work per byte) with 16 KB per program, fewer where that would leave fewer
