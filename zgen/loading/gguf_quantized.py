@@ -20,6 +20,11 @@ import numpy as np
 from zgen.quantized_weights import QuantizedWeight, pack_nibbles
 
 BLOCK = 32  # values per block in Q8_0, Q4_0 and Q4_1 (and per scale in Q4_K)
+# The product's form: on a GPU XLA's multiply-and-sum for decode steps (zgen's kernel does not take
+# groups of 32), which reads Llama-3-8B-sized weights 2.5x faster than "dequantize" does and is
+# within 3 % of it at SmolLM2's size (BENCHMARKS.md, "Weight-only quantization"); on a CPU
+# "dequantize", whose float32 weights are bit for bit gguf's.
+MATMUL = "kernel"
 DIRECT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K")
 SUPER_BLOCK = 256  # values per Q4_K super-block
 
@@ -81,12 +86,12 @@ def fuse(parts: Sequence[Codes]) -> QuantizedWeight:
     if all(p.bits == 4 for p in parts) and parts[0].codes.shape[1] % (2 * BLOCK) == 0:
         codes = np.concatenate([p.codes for p in parts], axis=0)
         offsets = np.concatenate([p.offsets for p in parts if p.offsets is not None], axis=0)
-        return QuantizedWeight(pack_nibbles(codes), scales, offsets, bits=4, group_size=BLOCK)
+        return QuantizedWeight(pack_nibbles(codes), scales, offsets, bits=4, group_size=BLOCK, matmul=MATMUL)
     codes = np.concatenate([p.codes.astype(np.int8) for p in parts], axis=0)
     if all(p.offsets is None for p in parts):
-        return QuantizedWeight(codes, scales, None, bits=8, group_size=BLOCK)
+        return QuantizedWeight(codes, scales, None, bits=8, group_size=BLOCK, matmul=MATMUL)
     offsets = np.concatenate([np.zeros_like(p.scales) if p.offsets is None else p.offsets for p in parts], axis=0)
-    return QuantizedWeight(codes, scales, offsets, bits=8, group_size=BLOCK)
+    return QuantizedWeight(codes, scales, offsets, bits=8, group_size=BLOCK, matmul=MATMUL)
 
 
 def is_direct(tensor: gguf.ReaderTensor) -> bool:
