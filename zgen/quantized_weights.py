@@ -12,11 +12,12 @@ consecutive inputs of a row share a scale (and, in the asymmetric layouts, an of
   ``j + in / 2`` in its high nibble, so the matmul splits ``x`` in halves and never interleaves or
   concatenates codes.
 
-The matmul (:func:`quantized_linear`) works inside the traced computation in one of two ways, a
+The matmul (:func:`quantized_linear`) works inside the traced computation in one of these ways, a
 static choice of the weight (``matmul``), so that XLA reads the weights at their stored width:
 
-* ``"dequantize"`` (the dataclass's default; the named formats ``"int8"`` / ``"int4"`` take ``"kernel"``): unpack and scale the codes into the activation dtype, then dot — XLA
-  fuses the unpacking into the dot's operand. The scale arithmetic runs in float32 and is cast to
+* ``"dequantize"`` (the dataclass's default; the named formats and GGUF's weights take ``"kernel"``):
+  unpack and scale the codes into the activation dtype, then dot — XLA fuses the unpacking into the
+  dot's operand. The scale arithmetic runs in float32 and is cast to
   the activation dtype, so a float32 model computes exactly the weights a float checkpoint of the
   dequantized values holds.
 * ``"grouped"``: dot the activations with the raw codes group by group (accumulating in float32)
@@ -25,8 +26,9 @@ static choice of the weight (``matmul``), so that XLA reads the weights at their
 * ``"reduce"``: for a step of at most :data:`REDUCE_MAX_ROWS` rows (decode), an elementwise product
   with the dequantized weights summed over the inputs — one reduction that reads each weight once,
   in place of a dot whose operand XLA might not fuse; more rows (prefill) dequantize and dot.
-* ``"kernel"``: zgen's Triton kernel (:func:`zgen.pallas.quantized_matmul`) where the runtime can run
-  it (a GPU, a step of at most 16 rows, a model on one device); elsewhere ``"dequantize"``.
+* ``"kernel"``: on a GPU (a model on one device), zgen's Triton kernel
+  (:func:`zgen.pallas.quantized_matmul`) for the steps it takes (at most 4 rows, groups of 64 bytes
+  or more) and ``"reduce"`` for other decode-sized steps; elsewhere ``"dequantize"``.
 """
 
 from __future__ import annotations
