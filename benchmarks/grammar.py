@@ -13,7 +13,9 @@ Ways of decoding the same prompt at each batch size (``--modes``), every row gen
 * ``json_loop`` — constrained, every row in the decode loop whatever the batch (only where the batch
   is over ``GRAMMAR_LOOP_ROWS``: what the limit would give if raised);
 * ``json_serial`` — constrained, every row in the decode loop, but the host work done inside the
-  callback after each draw (the device waits for it): the loop without the overlap, for comparison;
+  callback after each draw (the device waits for it): the loop without the overlap, for comparison
+  (the callback path only: on a CUDA GPU the loop hands over through ``zgen.runtime.exchange``, and
+  this mode then runs the same loop as ``json``);
 * ``free_sync1`` — unconstrained with a host round trip per token (``sync_interval=1`` and a stop
   string that never matches): what a host round trip per token costs before the grammar's own work.
 
@@ -24,7 +26,8 @@ the tokens the constrained run drew, back to back (warm caches). For the decode 
 run adds ``loop_host_ms`` (the host worker's time per draw: grammars take the draw, then the next
 masks), ``loop_device_ms`` (from the draw's callback returning to the next draw's wait: the forward
 pass in between) and ``loop_blocked_ms`` (how long that wait blocked): overlapped, blocked ≈
-max(0, host − device); serial, the host time sits inside the draw's callback instead.
+max(0, host − device); serial, the host time sits inside the draw's callback instead. (Traced on the
+callback path only: through the exchange no callback runs.)
 
     python benchmarks/grammar.py                      # batch 1 and 32
     # the same against an earlier tree's zgen (no json_serial there), e.g. before the overlapped loop:

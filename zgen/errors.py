@@ -23,6 +23,10 @@ class ConfigError(ZgenError):
     """A configuration value is invalid (model config, sampling config, generator option)."""
 
 
+class ExchangeUnavailableError(ConfigError):
+    """The GPU's device-host exchange cannot be built or used here (no CUDA GPU, no C++ compiler)."""
+
+
 class GraphTypeError(ZgenError):
     """A compute graph whose edges do not type-check; the message names the node."""
 

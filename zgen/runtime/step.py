@@ -12,7 +12,7 @@ Every token zgen produces goes through these pure functions (compiled by :mod:`z
   ``lax.while_loop`` on the device, until every row stopped, a row finished while another request
   waits for its slot, or the loop has run its steps: N tokens for one host round trip. Rows under a
   grammar draw within a token mask computed on the host while the device runs the forward pass
-  before that draw (two host callbacks per iteration; the rest of the engine's per-step work is skipped).
+  before that draw (handed over inside the loop: :class:`~zgen.runtime.grammar.GrammarLoop`).
 
 The draw index of a sample is the position of the token whose logits it reads, so a row samples the
 same tokens alone or batched, through either step, and whichever front end asked.
@@ -27,7 +27,6 @@ from typing import Any, Generic, Literal, TypeVar, cast, get_args
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import io_callback
 from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int, UInt32
 
@@ -431,9 +430,9 @@ def decode_loop(
     reserved room past what it keeps (rolled back after the loop), so the body needs no masking of
     the fed tokens; rows outside the loop sit at position -1, which writes nothing. With ``grammar``
     every draw is limited to the row's mask: the draw hands its tokens to the host
-    (:meth:`~zgen.runtime.grammar.GrammarLoop.submit`, which returns at once), the next forward pass
-    runs while the host computes the masks, and the draw after it waits for them
-    (:meth:`~zgen.runtime.grammar.GrammarLoop.wait`). A row whose grammar completed with a draw is
+    (:meth:`~zgen.runtime.grammar.GrammarLoop.device_submit`, which does not wait), the next forward
+    pass runs while the host computes the masks, and the draw after it waits for them
+    (:meth:`~zgen.runtime.grammar.GrammarLoop.device_masks`). A row whose grammar completed with a draw is
     told so at the next wait: it keeps nothing of that iteration and ends."""
 
     def cond(carry: tuple[DecodeLoop, S]) -> Array:
@@ -448,8 +447,7 @@ def decode_loop(
         )
         active, allowed = ~s.done, None
         if grammar is not None:
-            shapes = (jax.ShapeDtypeStruct((s.token.shape[0], grammar.words), jnp.int32), jax.ShapeDtypeStruct(active.shape, jnp.bool_))
-            mask, grammar_ended = io_callback(grammar.wait, shapes, logits[0, 0, 0], ordered=True)
+            mask, grammar_ended = grammar.device_masks(logits, s.token.shape[0])
             active, allowed = active & ~grammar_ended, allowed_tokens(mask, logits.shape[-1])
         new, logprob = draw(logits[:, 0], sampling, s.penalties, s.keys, s.position, flags, allowed)
         ends = jnp.any(new[:, None] == s.stop_ids, axis=1) | (s.step >= s.last_step)
@@ -464,7 +462,7 @@ def decode_loop(
             step=s.step + 1,
         )
         if grammar is not None:  # masks only for the rows that draw again in this loop
-            io_callback(grammar.submit, None, new, active, ~s.done & cond((s, kv)), ordered=True)
+            grammar.device_submit(new, active, ~s.done & cond((s, kv)), s.step)
         return s, kv
 
     return jax.lax.while_loop(cond, body, (loop, kv))

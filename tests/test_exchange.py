@@ -1,0 +1,112 @@
+"""The device-host mailbox of constrained decode loops (:mod:`zgen.runtime.exchange`).
+
+On this CPU-only machine: the library builds and registers its FFI targets, a channel without a GPU is
+a typed error, and a constrained loop's hand-overs lower for CUDA to the exchange's two custom calls
+with no Python callback in the loop. On a GPU: a constrained generation gives the same tokens through
+the exchange as through host callbacks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import export
+
+from zgen.errors import ExchangeUnavailableError
+from zgen import Generator, Grammar, ModelConfig, Request, SamplingConfig
+from zgen.model import Model, random_model
+from zgen.runtime import exchange
+from zgen.runtime.grammar import GrammarLoop
+from zgen.tokenizer import Tokenizer
+
+needs_compiler = pytest.mark.skipif(
+    shutil.which("c++") is None and shutil.which("g++") is None, reason="the exchange is built with a C++ compiler"
+)
+EXCHANGE_CALLS = [export.DisabledSafetyCheck.custom_call(name) for name in ("zgen_exchange_send", "zgen_exchange_receive")]
+
+
+@needs_compiler
+def test_the_library_builds_and_a_channel_needs_a_gpu() -> None:
+    lib = exchange._library()  # pyright: ignore[reportPrivateUsage]
+    assert all(hasattr(lib, name) for name in ("ZgenExchangeSend", "ZgenExchangeReceive", "zgen_exchange_open"))
+    if jax.default_backend() == "cpu":
+        assert not exchange.available()
+        with pytest.raises(ExchangeUnavailableError, match="channel could not be opened"):
+            exchange.Channel(4, 4)
+
+
+@needs_compiler
+def test_a_constrained_loop_hands_over_through_the_exchange_inside_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop body's hand-overs lower to a receive after the forward's value and a send after the
+    draw, both inside the while loop, and nothing calls back into Python."""
+    exchange._library()  # pyright: ignore[reportPrivateUsage] - registers the targets
+    width, vocab = 3, 100
+    grammar = GrammarLoop(vocab)
+    channel = exchange.Channel.__new__(exchange.Channel)  # no GPU here: only its id is traced
+    channel.id = 0
+    monkeypatch.setitem(grammar.__dict__, "exchanges", True)
+    monkeypatch.setitem(grammar._channels, width, channel)  # pyright: ignore[reportPrivateUsage]
+
+    def loop(logits: jax.Array) -> jax.Array:
+        def body(step: jax.Array, tokens: jax.Array) -> jax.Array:
+            mask, ended = grammar.device_masks(logits + step, width)
+            bits = (mask[:, :, None] >> jnp.arange(32)) & 1
+            tokens = jnp.argmax(jnp.where(bits.reshape(width, -1)[:, :vocab] > 0, logits, -jnp.inf), axis=-1)
+            grammar.device_submit(tokens, ~ended, jnp.ones(width, bool), step + 1)
+            return tokens.astype(jnp.int32)
+
+        return jax.lax.fori_loop(0, 4, body, jnp.zeros(width, jnp.int32))
+
+    module = export.export(jax.jit(loop), platforms=["cuda"], disabled_checks=EXCHANGE_CALLS)(
+        jnp.zeros((width, vocab), jnp.float32)
+    ).mlir_module()
+    body = module[module.index("stablehlo.while") :]
+    assert body.index("@zgen_exchange_receive") < body.index("@zgen_exchange_send")
+    assert "callback" not in module
+
+
+def byte_level_model() -> Model:
+    """Random weights over a small byte-level BPE vocabulary trained here (a grammar needs one)."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    backend = tokenizers.Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator(['{"name":"abc","ok":true}', '{"name":"xyz","ok":false}'] * 20, trainer)
+    config = ModelConfig.from_hf(dict(
+        model_type="llama", vocab_size=backend.get_vocab_size(), hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, eos_token_id=0,
+    ))
+    return dataclasses.replace(random_model(config, dtype="float32", seed=2), tokenizer=Tokenizer(backend=backend, bos_id=None, eos_ids=(0,)))
+
+
+def constrained_tokens(model: Model) -> list[list[int]]:
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}, "ok": {"type": "boolean"}},
+              "required": ["name", "ok"], "additionalProperties": False}
+    grammar = Grammar.json_schema(schema, compact=True)
+    configs = [SamplingConfig(temperature=t, seed=s, max_new_tokens=40, grammar=grammar) for t, s in ((0.0, 0), (1.0, 1), (1.0, 2))]
+    results = Generator(model, max_batch_size=4).batch_generate([Request([5, 6, 7, 8], c) for c in configs])
+    for result in results:
+        assert set(json.loads(result.text)) == {"name", "ok"}
+    return [r.token_ids for r in results]
+
+
+def test_constrained_generations_of_the_exchange_test_are_valid_json() -> None:
+    """The GPU test's model and grammar, through whatever hand-over this machine has."""
+    constrained_tokens(byte_level_model())
+
+
+@pytest.mark.skipif(not exchange.available(), reason="the exchange runs on a CUDA GPU")
+def test_constrained_tokens_are_the_same_through_the_exchange_and_through_callbacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = byte_level_model()
+    through_exchange = constrained_tokens(model)
+    monkeypatch.setattr(GrammarLoop, "exchanges", property(lambda self: False))
+    assert constrained_tokens(model) == through_exchange
