@@ -61,7 +61,10 @@ def _library() -> ctypes.CDLL:
             if done.returncode != 0:
                 raise ExchangeUnavailableError(f"building the exchange failed: {done.stderr.strip()[-2000:]}")
             built.replace(path)  # atomic: a concurrent build leaves one whole library
-    lib = ctypes.CDLL(str(path))
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as err:
+        raise ExchangeUnavailableError(f"the built exchange cannot be loaded: {err}") from None
     lib.zgen_exchange_open.restype = ctypes.c_int64
     lib.zgen_exchange_open.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_char_p, ctypes.c_int64]
     for name in ("zgen_exchange_inbox", "zgen_exchange_outbox"):
