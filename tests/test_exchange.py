@@ -11,9 +11,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import threading
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax import export
 
@@ -110,3 +113,110 @@ def test_constrained_tokens_are_the_same_through_the_exchange_and_through_callba
     through_exchange = constrained_tokens(model)
     monkeypatch.setattr(GrammarLoop, "exchanges", property(lambda self: False))
     assert constrained_tokens(model) == through_exchange
+
+
+class FakeChannel:
+    """A channel in host memory, with this test as the device: it writes a draw into the inbox and
+    sends its sequence number, and its receive waits for the ready flag the host thread sets."""
+
+    def __init__(self, inbox_words: int, outbox_words: int) -> None:
+        self.inbox = np.zeros(inbox_words, np.int32)
+        self.outbox = np.zeros(outbox_words, np.int32)
+        self.sent, self.ready, self.woken = 0, False, False
+        self.held = False  # sends go unseen until after the next wake (a draw the loop's end overtakes)
+        self.changed = threading.Condition()
+
+    def reset(self, sequence: int = 0) -> None:
+        with self.changed:
+            self.sent, self.woken = sequence, False
+
+    def wait(self, last: int, timeout_s: float) -> int:
+        with self.changed:
+            self.changed.wait_for(lambda: (self.sent != last and not self.held) or self.woken, timeout=timeout_s)
+            if self.woken:  # the wake wins the race: the held send shows only to the next look
+                self.woken = self.held = False
+                return last
+            return last if self.held else self.sent
+
+    def wake(self) -> None:
+        with self.changed:
+            self.woken = True
+            self.changed.notify_all()
+
+    def answer(self) -> None:
+        with self.changed:
+            self.ready = True
+            self.changed.notify_all()
+
+    def send(self, payload: np.ndarray, sequence: int) -> None:  # the device's side
+        with self.changed:
+            self.inbox[: payload.size] = payload
+            self.sent = sequence
+            self.changed.notify_all()
+
+    def receive(self) -> np.ndarray:  # the device's: wait for the ready flag, clear it, read the answer
+        with self.changed:
+            assert self.changed.wait_for(lambda: self.ready, timeout=20), "the host never answered"
+            self.ready = False
+            return self.outbox.copy()
+
+
+def test_the_host_thread_answers_every_draw_and_takes_the_last_one_before_finishing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The exchange's host thread, with this test as the device: each sent draw is answered with the
+    masks llguidance gives after it, and ``finish`` returns only once the loop's last draw (which no
+    receive waits for) is taken by the grammar."""
+    from zgen.runtime.grammar import GrammarMatcher, fill_masks, mask_words
+
+    model = byte_level_model()
+    grammar = Grammar.json_schema({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}, compact=True)
+    width, words = 2, mask_words(model.config.vocab_size)
+    loop = GrammarLoop(model.config.vocab_size)
+    channel = FakeChannel(3 * width, width * (words + 1))
+    monkeypatch.setitem(loop.__dict__, "exchanges", True)
+    monkeypatch.setitem(loop._channels, width, channel)  # pyright: ignore[reportPrivateUsage]
+    matcher, reference = (GrammarMatcher(grammar, model, model.eos_token_ids) for _ in range(2))
+
+    assert loop.start([(matcher, 1)], width) == {}  # row 1 constrained, row 0 free
+    for step in range(4):
+        answer = channel.receive()
+        masks, ended = answer[: width * words].reshape(width, words), answer[width * words :]
+        expected = np.full((width, words), -1, np.int32)
+        fill_masks([(reference, 1)], expected)
+        np.testing.assert_array_equal(masks, expected)
+        assert not ended.any()
+        bits = (masks[1][:, None] >> np.arange(32)) & 1
+        token = int(np.flatnonzero(bits.reshape(-1))[0])  # the first token the grammar allows
+        reference.consume(token)
+        last = step == 3  # the loop's last draw: no masks wanted, no receive waits for them
+        channel.held = last  # ... and the loop ends before the host thread sees it
+        channel.send(np.array([7, token, 0, 1, 0, int(not last)], np.int32), step + 1)  # drawn, live, masks wanted
+    assert loop.finish() == {}
+    after, expected = np.zeros((1, words), np.int32), np.zeros((1, words), np.int32)
+    fill_masks([(matcher, 0)], after)
+    fill_masks([(reference, 0)], expected)
+    np.testing.assert_array_equal(after, expected)  # the grammar took the last draw too
+
+
+def test_a_failing_host_turn_still_answers_and_finish_raises_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug in the host's turn must not leave the device waiting: the thread answers (every row ends)
+    and ``finish`` raises the error."""
+    from zgen.runtime.grammar import GrammarMatcher, mask_words
+
+    model = byte_level_model()
+    width, words = 1, mask_words(model.config.vocab_size)
+    loop = GrammarLoop(model.config.vocab_size)
+    channel = FakeChannel(3 * width, width * (words + 1))
+    monkeypatch.setitem(loop.__dict__, "exchanges", True)
+    monkeypatch.setitem(loop._channels, width, channel)  # pyright: ignore[reportPrivateUsage]
+
+    def broken(*_: Any) -> Any:
+        raise RuntimeError("a bug in the host's turn")
+
+    monkeypatch.setattr(loop, "_advance", broken)
+    loop.start([(GrammarMatcher(Grammar.regex("a+"), model, model.eos_token_ids), 0)], width)
+    channel.receive()
+    channel.send(np.array([5, 1, 1], np.int32), 1)
+    answer = channel.receive()
+    assert not answer[:words].any() and answer[words:].all()
+    with pytest.raises(RuntimeError, match="a bug in the host's turn"):
+        loop.finish()
