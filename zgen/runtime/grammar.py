@@ -14,8 +14,8 @@ The masks of one step are computed on the host by llguidance's thread pool
 step the forward is dispatched first; in the on-device decode loop a host worker
 (:class:`GrammarLoop`) takes each draw and computes the next masks while the loop runs the next
 forward pass. On a CUDA GPU the loop hands draws and masks over through
-:mod:`zgen.runtime.exchange` (copies and a wait inside the loop's CUDA graph); elsewhere through
-two host callbacks per iteration.
+:mod:`zgen.runtime.exchange` (copies and a stream wait; no Python in the loop); elsewhere through two
+host callbacks per iteration.
 """
 
 from __future__ import annotations
@@ -284,9 +284,9 @@ class GrammarLoop:
       a row draws nothing more: the loop ends it there, one iteration after the draw that completed it.
 
     On a CUDA GPU with :mod:`zgen.runtime.exchange` the two are copies through pinned memory and a
-    wait inside the loop's CUDA graph, served by a host thread (:meth:`_serve`); elsewhere they are
-    host callbacks (:meth:`submit`, :meth:`wait`), each of which splits the loop's iteration and
-    synchronises the host (on an NVIDIA H200 the pair cost ~0.4 ms a token at SmolLM2's size).
+    stream wait, served by a host thread (:meth:`_serve`); elsewhere they are host callbacks
+    (:meth:`submit`, :meth:`wait`), each of which synchronises the host with the device and enters
+    Python (on an NVIDIA H200 the pair cost ~0.4 ms a token at SmolLM2's size, the exchange ~0.05).
 
     The first draw's masks are computed before the loop (:meth:`start`); after it, :meth:`finish`
     waits for the worker's last turn (the grammars then hold every kept token). One object serves an

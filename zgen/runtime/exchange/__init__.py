@@ -1,11 +1,12 @@
-"""A mailbox between a compiled loop on the GPU and a host thread, inside one CUDA graph.
+"""A mailbox between a compiled loop on the GPU and a host thread, with no Python in the loop.
 
 :func:`send` copies an int32 payload and a sequence number into pinned host memory; :func:`receive`
-makes the device wait until the host has answered, then copies the answer in. Both are XLA FFI calls
-(``exchange.cc``) that only enqueue copies and stream memory operations, so XLA records them in the
-loop's command buffer: the loop stays on the device, where a Python callback (``io_callback``) would
-split it and synchronise the host on every iteration. The host side is a :class:`Channel`:
-:meth:`Channel.wait` returns when the device has sent, :meth:`Channel.answer` lets its receive go on.
+makes the device's stream wait until the host has answered, then copies the answer in. Both are XLA
+FFI calls (``exchange.cc``) that only enqueue copies and stream memory operations on XLA's stream, so
+the host thread that runs the loop never waits for them, where a Python callback (``io_callback``)
+synchronises with the device, copies its operands and enters Python on every call. The host side is
+a :class:`Channel`: :meth:`Channel.wait` returns when the device has sent, :meth:`Channel.answer`
+lets its receive go on.
 
 The library is compiled on first use from ``exchange.cc`` with the system's C++ compiler (``$CXX``,
 else ``c++``) and XLA's FFI headers, into zgen's cache directory; it needs the CUDA driver only at run

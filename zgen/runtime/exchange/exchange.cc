@@ -1,8 +1,7 @@
-// A device-to-host mailbox that a CUDA graph can hold: zgen's decode loop hands each draw to the host
-// and takes the host's answer (a grammar's token masks) without leaving the device's while loop.
+// A device-to-host mailbox for a compiled loop: zgen's decode loop hands each draw to the host and
+// takes the host's answer (a grammar's token masks) with no Python callback and no host wait.
 //
-// Two XLA FFI handlers, both command-buffer compatible (they only enqueue copies and stream memory
-// operations, which graph capture records, so the loop stays one CUDA graph):
+// Two XLA FFI handlers that only enqueue copies and stream memory operations on XLA's stream:
 //   zgen_exchange_send(payload s32[n], sequence u32[]): copies the payload, then the sequence
 //       number, into pinned host memory (the host polls the sequence number);
 //   zgen_exchange_recv(after s32[...]) -> s32[m]: waits until the host set the channel's ready flag,
@@ -149,16 +148,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ZgenExchangeSend, Send,
                                   .Ctx<ffi::PlatformStream<CUstream>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("channel"),
-                              {ffi::Traits::kCmdBufferCompatible});
+                                  .Attr<int64_t>("channel"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ZgenExchangeReceive, Receive,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<CUstream>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("channel"),
-                              {ffi::Traits::kCmdBufferCompatible});
+                                  .Attr<int64_t>("channel"));
 
 // The host's side, through ctypes (which releases the GIL around each call).
 extern "C" {
