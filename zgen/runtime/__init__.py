@@ -9,6 +9,8 @@
 * :mod:`~zgen.runtime.speculation` — the speculator protocol and the speculative loop (draft, verify in
   one forward pass, accept, roll back) that runs every speculator of :mod:`zgen.speculative`;
 * :mod:`~zgen.runtime.grammar` — structured output: grammars whose token masks constrain the draw;
+* :mod:`~zgen.runtime.exchange` — the GPU mailbox through which a decode loop hands draws to a host
+  thread and takes its answers (a grammar's masks) with no Python in the loop;
 * :mod:`~zgen.runtime.metrics` — what an engine has done, as plain numbers and Prometheus text;
 * :mod:`~zgen.runtime.calibration` — the key statistics the coded KV formats need (it runs the model).
 
