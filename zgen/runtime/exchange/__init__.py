@@ -107,7 +107,6 @@ class Channel:
             raise ExchangeUnavailableError(f"the exchange channel could not be opened: {error.value.decode()}")
         self.inbox = np.ctypeslib.as_array(self._lib.zgen_exchange_inbox(self.id), (inbox_words,))
         self.outbox = np.ctypeslib.as_array(self._lib.zgen_exchange_outbox(self.id), (outbox_words,))
-        self.inbox_words, self.outbox_words = inbox_words, outbox_words
 
     def reset(self, sequence: int = 0) -> None:
         """Before a loop: no answer pending, and ``sequence`` as the last number sent."""

@@ -35,7 +35,6 @@ using CUresult = int;
 
 struct Driver {
   CUresult (*mem_host_alloc)(void**, size_t, unsigned int) = nullptr;
-  CUresult (*mem_free_host)(void*) = nullptr;
   CUresult (*host_device_pointer)(CUdeviceptr*, void*, unsigned int) = nullptr;
   CUresult (*copy_to_host)(void*, CUdeviceptr, size_t, CUstream) = nullptr;
   CUresult (*copy_to_device)(CUdeviceptr, const void*, size_t, CUstream) = nullptr;
@@ -67,7 +66,6 @@ const Driver& GetDriver() {
       return d;
     }
     bool ok = Load(lib, "cuMemHostAlloc", nullptr, &d.mem_host_alloc) &&
-              Load(lib, "cuMemFreeHost", nullptr, &d.mem_free_host) &&
               Load(lib, "cuMemHostGetDevicePointer_v2", "cuMemHostGetDevicePointer", &d.host_device_pointer) &&
               Load(lib, "cuMemcpyDtoHAsync_v2", "cuMemcpyDtoHAsync", &d.copy_to_host) &&
               Load(lib, "cuMemcpyHtoDAsync_v2", "cuMemcpyHtoDAsync", &d.copy_to_device) &&
@@ -94,7 +92,7 @@ struct Channel {
   int32_t* inbox = nullptr;
   int32_t* outbox = nullptr;
   uint32_t* flags = nullptr;
-  CUdeviceptr sequence_device = 0, ready_device = 0;
+  CUdeviceptr ready_device = 0;  // the device's address of flags[1]
   int64_t inbox_words = 0, outbox_words = 0;
 };
 
@@ -195,8 +193,9 @@ int64_t zgen_exchange_open(int64_t ordinal, int64_t inbox_words, int64_t outbox_
   c.inbox = static_cast<int32_t*>(inbox);
   c.outbox = static_cast<int32_t*>(outbox);
   c.flags = static_cast<uint32_t*>(flags);
-  if (d.host_device_pointer(&c.sequence_device, flags, 0) != 0) return fail("the ready flag has no device address");
-  c.ready_device = c.sequence_device + 4;
+  CUdeviceptr flags_device = 0;
+  if (d.host_device_pointer(&flags_device, flags, 0) != 0) return fail("the ready flag has no device address");
+  c.ready_device = flags_device + 4;
   std::lock_guard<std::mutex> lock(channels_mutex);
   channels.push_back(c);
   return static_cast<int64_t>(channels.size()) - 1;
