@@ -56,21 +56,23 @@ def test_a_constrained_loop_hands_over_through_the_exchange_inside_the_loop(monk
     monkeypatch.setitem(grammar._channels, width, channel)  # pyright: ignore[reportPrivateUsage]
 
     def loop(logits: jax.Array) -> jax.Array:
-        def body(step: jax.Array, tokens: jax.Array) -> jax.Array:
-            mask, ended = grammar.device_masks(logits + step, width)
+        def body(step: jax.Array, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+            tokens, ticket = carry
+            mask, ended = grammar.device_masks(logits + step, ticket, width)
             bits = (mask[:, :, None] >> jnp.arange(32)) & 1
             tokens = jnp.argmax(jnp.where(bits.reshape(width, -1)[:, :vocab] > 0, logits, -jnp.inf), axis=-1)
-            grammar.device_submit(tokens, ~ended, jnp.ones(width, bool), step + 1)
-            return tokens.astype(jnp.int32)
+            ticket = grammar.device_submit(tokens, ~ended, jnp.ones(width, bool), step + 1)
+            return tokens.astype(jnp.int32), ticket
 
-        return jax.lax.fori_loop(0, 4, body, jnp.zeros(width, jnp.int32))
+        return jax.lax.fori_loop(0, 4, body, (jnp.zeros(width, jnp.int32), grammar.first_ticket()))[0]
 
-    module = export.export(jax.jit(loop), platforms=["cuda"], disabled_checks=EXCHANGE_CALLS)(
-        jnp.zeros((width, vocab), jnp.float32)
-    ).mlir_module()
+    logits = jnp.zeros((width, vocab), jnp.float32)
+    module = export.export(jax.jit(loop), platforms=["cuda"], disabled_checks=EXCHANGE_CALLS)(logits).mlir_module()
     body = module[module.index("stablehlo.while") :]
     assert body.index("@zgen_exchange_receive") < body.index("@zgen_exchange_send")
     assert "callback" not in module
+    # Ordered by data, with no effect: an effect would take the loop off jax's C++ dispatch.
+    assert not jax.make_jaxpr(loop)(logits).effects
 
 
 def byte_level_model() -> Model:
@@ -220,3 +222,4 @@ def test_a_failing_host_turn_still_answers_and_finish_raises_it(monkeypatch: pyt
     assert not answer[:words].any() and answer[words:].all()
     with pytest.raises(RuntimeError, match="a bug in the host's turn"):
         loop.finish()
+

@@ -346,11 +346,14 @@ class GrammarLoop:
 
     # -- on the device (traced into the loop) -----------------------------------------------------
 
-    def device_masks(self, after: Array, width: int) -> tuple[Int[Array, "B W"], Bool[Array, " B"]]:
+    def device_masks(
+        self, after: Array, ticket: Int[Array, ""], width: int
+    ) -> tuple[Int[Array, "B W"], Bool[Array, " B"]]:
         """The masks of this iteration's draw and the rows whose grammar ended with the last one, once
-        ``after`` (a value of the forward pass) is computed."""
+        ``after`` (a value of the forward pass) is computed and the hand-over that gave ``ticket``
+        (:meth:`device_submit`'s, or :meth:`first_ticket` before the loop's first draw) is done."""
         if self.exchanges:
-            answer = exchange.receive(self._channel(width), after, (width * (self.words + 1),))
+            answer = exchange.receive(self._channel(width), after, ticket, (width * (self.words + 1),))
             return answer[: width * self.words].reshape(width, self.words), answer[width * self.words :] != 0
         shapes = (jax.ShapeDtypeStruct((width, self.words), jnp.int32), jax.ShapeDtypeStruct((width,), jnp.bool_))
         mask, ended = io_callback(self.wait, shapes, after.reshape(-1)[0], ordered=True)
@@ -358,13 +361,19 @@ class GrammarLoop:
 
     def device_submit(
         self, drawn: Int[Array, " B"], live: Bool[Array, " B"], masks_wanted: Bool[Array, " B"], step: Int[Array, ""]
-    ) -> None:
-        """Hand a draw to the host worker (``step``: the draws so far in this loop, 1 after the first)."""
+    ) -> Int[Array, ""]:
+        """Hand a draw to the host worker (``step``: the draws so far in this loop, 1 after the first).
+        Returns the ticket the next :meth:`device_masks` takes."""
         if self.exchanges:
             payload = jnp.concatenate([drawn, live.astype(jnp.int32), masks_wanted.astype(jnp.int32)])
-            exchange.send(self._channel(drawn.shape[0]), payload, step)
-        else:
-            io_callback(self.submit, None, drawn, live, masks_wanted, ordered=True)
+            return exchange.send(self._channel(drawn.shape[0]), payload, step)
+        io_callback(self.submit, None, drawn, live, masks_wanted, ordered=True)  # ordered: no ticket needed
+        return self.first_ticket()
+
+    @staticmethod
+    def first_ticket() -> Int[Array, ""]:
+        """The ticket of a loop's first draw (its masks come from :meth:`start`)."""
+        return jnp.zeros((), jnp.int32)
 
     # -- host callbacks (no exchange) -------------------------------------------------------------
 

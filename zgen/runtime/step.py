@@ -435,19 +435,18 @@ def decode_loop(
     (:meth:`~zgen.runtime.grammar.GrammarLoop.device_masks`). A row whose grammar completed with a draw is
     told so at the next wait: it keeps nothing of that iteration and ends."""
 
-    def cond(carry: tuple[DecodeLoop, S]) -> Array:
-        s = carry[0]
+    def going(s: DecodeLoop) -> Array:
         done = jnp.sum(s.done, dtype=jnp.int32)
         return (s.step < s.max_steps) & (done < s.done.shape[0]) & ~(s.exit_on_finish & (done > s.done_at_start))
 
-    def body(carry: tuple[DecodeLoop, S]) -> tuple[DecodeLoop, S]:
-        s, kv = carry
+    def body(carry: tuple[DecodeLoop, S, Array]) -> tuple[DecodeLoop, S, Array]:
+        s, kv, ticket = carry  # ticket: orders a grammar's hand-overs (the last draw's, then this one's)
         logits, kv = forward(
             model, params, kv, s.token[:, None], s.position[:, None], jnp.zeros_like(s.token)[:, None], s.adapter_slots
         )
         active, allowed = ~s.done, None
         if grammar is not None:
-            mask, grammar_ended = grammar.device_masks(logits, s.token.shape[0])
+            mask, grammar_ended = grammar.device_masks(logits, ticket, s.token.shape[0])
             active, allowed = active & ~grammar_ended, allowed_tokens(mask, logits.shape[-1])
         new, logprob = draw(logits[:, 0], sampling, s.penalties, s.keys, s.position, flags, allowed)
         ends = jnp.any(new[:, None] == s.stop_ids, axis=1) | (s.step >= s.last_step)
@@ -462,7 +461,8 @@ def decode_loop(
             step=s.step + 1,
         )
         if grammar is not None:  # masks only for the rows that draw again in this loop
-            grammar.device_submit(new, active, ~s.done & cond((s, kv)), s.step)
-        return s, kv
+            ticket = grammar.device_submit(new, active, ~s.done & going(s), s.step)
+        return s, kv, ticket
 
-    return jax.lax.while_loop(cond, body, (loop, kv))
+    loop, kv, _ = jax.lax.while_loop(lambda carry: going(carry[0]), body, (loop, kv, GrammarLoop.first_ticket()))
+    return loop, kv

@@ -2,10 +2,13 @@
 // takes the host's answer (a grammar's token masks) with no Python callback and no host wait.
 //
 // Two XLA FFI handlers that only enqueue copies and stream memory operations on XLA's stream:
-//   zgen_exchange_send(payload s32[n], sequence u32[]): copies the payload, then the sequence
-//       number, into pinned host memory (the host polls the sequence number);
-//   zgen_exchange_recv(after s32[...]) -> s32[m]: waits until the host set the channel's ready flag,
-//       clears it, then copies the host's answer in. `after` only orders the wait after its producer.
+//   zgen_exchange_send(payload s32[n], sequence u32[]) -> ticket s32[]: copies the payload, then the
+//       sequence number, into pinned host memory (the host polls the sequence number);
+//   zgen_exchange_receive(after, ticket) -> s32[m]: waits until the host set the channel's ready
+//       flag, clears it, then copies the host's answer in.
+// `after` and `ticket` are never read: they order the receive after their producers (a value of the
+// forward pass, and the last send). That data dependence is all that orders the two, so neither is
+// declared side-effecting, which keeps jax's fast C++ dispatch for the loop that calls them.
 // The host side (zgen/runtime/exchange/__init__.py) opens channels, waits for sends and answers.
 // The CUDA driver is opened at run time, so this file builds with any C++17 compiler and XLA's
 // FFI headers (no CUDA toolkit needed).
@@ -110,7 +113,9 @@ ffi::Error Failed(const Driver& d, CUresult r, const char* what) {
   return ffi::Error::Internal(std::string("zgen exchange: ") + what + " failed: " + text);
 }
 
-ffi::Error Send(CUstream stream, ffi::AnyBuffer payload, ffi::AnyBuffer sequence, int64_t channel) {
+ffi::Error Send(CUstream stream, ffi::AnyBuffer payload, ffi::AnyBuffer sequence, ffi::Result<ffi::AnyBuffer> ticket,
+                int64_t channel) {
+  (void)ticket;
   const Driver& d = GetDriver();
   const Channel* c = Find(channel);
   if (c == nullptr) return ffi::Error::InvalidArgument("zgen exchange: no such channel");
@@ -123,8 +128,10 @@ ffi::Error Send(CUstream stream, ffi::AnyBuffer payload, ffi::AnyBuffer sequence
   return ffi::Error::Success();
 }
 
-ffi::Error Receive(CUstream stream, ffi::AnyBuffer after, ffi::Result<ffi::AnyBuffer> answer, int64_t channel) {
+ffi::Error Receive(CUstream stream, ffi::AnyBuffer after, ffi::AnyBuffer ticket, ffi::Result<ffi::AnyBuffer> answer,
+                   int64_t channel) {
   (void)after;
+  (void)ticket;
   const Driver& d = GetDriver();
   const Channel* c = Find(channel);
   if (c == nullptr) return ffi::Error::InvalidArgument("zgen exchange: no such channel");
@@ -146,11 +153,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ZgenExchangeSend, Send,
                                   .Ctx<ffi::PlatformStream<CUstream>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("channel"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ZgenExchangeReceive, Receive,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<CUstream>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("channel"));
