@@ -223,3 +223,31 @@ def test_a_failing_host_turn_still_answers_and_finish_raises_it(monkeypatch: pyt
     with pytest.raises(RuntimeError, match="a bug in the host's turn"):
         loop.finish()
 
+
+def test_one_host_thread_serves_back_to_back_loops_then_ends_when_idle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loops in quick succession (a generation's) are served by the same thread, which ends once no
+    loop came for ``SERVER_IDLE_S`` seconds (and a later loop starts another)."""
+    import zgen.runtime.grammar as grammar_module
+    from zgen.runtime.grammar import GrammarMatcher, mask_words
+
+    model = byte_level_model()
+    width, words = 1, mask_words(model.config.vocab_size)
+    loop = GrammarLoop(model.config.vocab_size)
+    channel = FakeChannel(3 * width, width * (words + 1))
+    monkeypatch.setitem(loop.__dict__, "exchanges", True)
+    monkeypatch.setitem(loop._channels, width, channel)  # pyright: ignore[reportPrivateUsage]
+    monkeypatch.setattr(grammar_module, "SERVER_IDLE_S", 0.2)
+
+    def one_loop() -> threading.Thread:
+        loop.start([(GrammarMatcher(Grammar.regex("a+"), model, model.eos_token_ids), 0)], width)
+        channel.receive()
+        channel.send(np.array([model.tokenizer.encode("a")[0], 1, 0], np.int32), 1)  # drawn, live, no masks wanted
+        server = loop._server  # pyright: ignore[reportPrivateUsage]
+        assert loop.finish() == {} and server is not None
+        return server
+
+    first = one_loop()
+    assert one_loop() is first
+    first.join(timeout=20)
+    assert not first.is_alive() and loop._server is None  # pyright: ignore[reportPrivateUsage]
+    assert one_loop() is not first
