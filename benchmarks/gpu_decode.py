@@ -99,6 +99,25 @@ def per_token_s(generate: Callable[[int], object], new_tokens: int, runs: int) -
     return time_generations(generate, new_tokens, runs).per_token_s
 
 
+def interleaved_per_token_s(generates: dict[str, Callable[[int], object]], new_tokens: int, runs: int) -> dict[str, list[float]]:
+    """Per-token seconds of each way of generating, round by round: every round times each one's
+    ``new_tokens`` and 1-token generations back to back, so that a drift of the machine's speed
+    (clocks, a neighbour) falls on all of them alike, and the spread between rounds shows the noise."""
+    def timed(generate: Callable[[int], object], n: int) -> float:
+        start = time.perf_counter()
+        generate(n)
+        return time.perf_counter() - start
+
+    for generate in generates.values():
+        for n in (new_tokens, 1, new_tokens):
+            timed(generate, n)
+    rounds: dict[str, list[float]] = {name: [] for name in generates}
+    for _ in range(runs):
+        for name, generate in generates.items():
+            rounds[name].append((timed(generate, new_tokens) - timed(generate, 1)) / (new_tokens - 1))
+    return rounds
+
+
 def bench_zgen(
     shape: str, new_tokens: int, runs: int, attention: str, prompt_tokens: int, batch: int, dtype: str, trace_kernels: int
 ) -> dict[str, Any]:
