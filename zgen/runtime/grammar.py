@@ -291,13 +291,13 @@ class GrammarLoop:
     On a CUDA GPU with :mod:`zgen.runtime.exchange` the two are copies through pinned memory and a
     stream wait, served by a host thread (:meth:`_serve`); elsewhere they are host callbacks
     (:meth:`submit`, :meth:`wait`), each of which synchronises the host with the device and enters
-    Python (on an NVIDIA H200 the pair cost ~0.4 ms a token at SmolLM2's size, the exchange ~0.05).
+    Python (on an NVIDIA H200 the pair cost ~0.4 ms a token at SmolLM2's size, the exchange ~0.03).
 
     The first draw's masks are computed before the loop (:meth:`start`); after it, :meth:`finish`
     waits for the worker's last turn (the grammars then hold every kept token). One object serves an
     engine's loops, so the compiled loop that calls it stays the same; so does its exchange thread,
     which waits for the next loop until it has been idle :data:`SERVER_IDLE_S` seconds (starting a
-    thread per loop cost ~0.3 ms, against ~0.5 ms a token at SmolLM2's size).
+    thread per loop cost ~0.2 ms, against ~0.5 ms a token at SmolLM2's size).
     """
 
     def __init__(self, vocab_size: int, *, one_device: bool = True) -> None:
