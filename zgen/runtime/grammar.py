@@ -160,14 +160,15 @@ class _EndTokens:
     def of(eos: tuple[int, ...], stop_ids: tuple[int, ...]) -> _EndTokens:
         return _EndTokens(eos, stop_ids)
 
-    def apply(self, masks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Swap the end bits of every row of ``masks [n, W]`` in place. Returns per row whether the
-        generation may end there, and whether the row allows any token at all."""
-        may_end = np.asarray(((masks[:, self.eos_words] >> self.eos_shifts) & 1).any(axis=1))
-        masks[:, self.clear_words] &= ~self.clear_bits
+    def apply(self, masks: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Swap the end bits of ``rows`` (indices) of ``masks [n, W]`` in place, touching only the
+        words of those bits. Returns per row whether the generation may end there, and whether the
+        row allows any token at all."""
+        may_end = np.asarray(((masks[rows[:, None], self.eos_words] >> self.eos_shifts) & 1).any(axis=1))
+        masks[rows[:, None], self.clear_words] &= ~self.clear_bits
         if self.stop_words.size:
-            masks[np.ix_(np.flatnonzero(may_end), self.stop_words)] |= self.stop_bits
-        return may_end, np.asarray(masks.any(axis=1))
+            masks[rows[may_end][:, None], self.stop_words] |= self.stop_bits
+        return may_end, np.asarray(masks.any(axis=1))[rows]
 
 
 _NOTHING_ALLOWED = "the grammar allows no next token, and this generation has no stop token to end it"
@@ -218,7 +219,7 @@ class GrammarMatcher:
 
     def _end_bits(self, row: np.ndarray) -> bool:
         """:meth:`_fix_end` on a mask of any state (one along a draft): whether the generation may end there."""
-        may_end, allowed = self._end.apply(row[None])
+        may_end, allowed = self._end.apply(row[None], np.zeros(1, np.intp))
         if not allowed[0]:
             raise GrammarError(_NOTHING_ALLOWED)
         return bool(may_end[0])
@@ -257,10 +258,7 @@ def fill_masks(matchers: Sequence[tuple[GrammarMatcher, int]], masks: np.ndarray
         else:
             alike.setdefault(id(matcher._end), []).append((matcher, i))
     for group in alike.values():
-        rows = np.asarray([i for _, i in group])
-        block = masks[rows]
-        may_end, allowed = group[0][0]._end.apply(block)
-        masks[rows] = block
+        may_end, allowed = group[0][0]._end.apply(masks, np.asarray([i for _, i in group]))
         for (matcher, i), end, ok in zip(group, may_end.tolist(), allowed.tolist(), strict=True):
             matcher._may_end = end
             if not ok:
