@@ -163,19 +163,29 @@ class FakeChannel:
             return self.outbox.copy()
 
 
-def test_the_host_thread_answers_every_draw_and_takes_the_last_one_before_finishing(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The exchange's host thread, with this test as the device: each sent draw is answered with the
-    masks llguidance gives after it, and ``finish`` returns only once the loop's last draw (which no
-    receive waits for) is taken by the grammar."""
-    from zgen.runtime.grammar import GrammarMatcher, fill_masks, mask_words
+def fake_exchange(monkeypatch: pytest.MonkeyPatch, model: Model, width: int) -> tuple[GrammarLoop, FakeChannel, int]:
+    """A grammar loop whose loops of ``width`` rows hand over through a :class:`FakeChannel`, and the
+    mask words per row."""
+    from zgen.runtime.grammar import mask_words
 
-    model = byte_level_model()
-    grammar = Grammar.json_schema({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}, compact=True)
-    width, words = 2, mask_words(model.config.vocab_size)
+    words = mask_words(model.config.vocab_size)
     loop = GrammarLoop(model.config.vocab_size)
     channel = FakeChannel(3 * width, width * (words + 1))
     monkeypatch.setitem(loop.__dict__, "exchanges", True)
     monkeypatch.setitem(loop._channels, width, channel)  # pyright: ignore[reportPrivateUsage]
+    return loop, channel, words
+
+
+def test_the_host_thread_answers_every_draw_and_takes_the_last_one_before_finishing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The exchange's host thread, with this test as the device: each sent draw is answered with the
+    masks llguidance gives after it, and ``finish`` returns only once the loop's last draw (which no
+    receive waits for) is taken by the grammar."""
+    from zgen.runtime.grammar import GrammarMatcher, fill_masks
+
+    model = byte_level_model()
+    grammar = Grammar.json_schema({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}, compact=True)
+    width = 2
+    loop, channel, words = fake_exchange(monkeypatch, model, width)
     matcher, reference = (GrammarMatcher(grammar, model, model.eos_token_ids) for _ in range(2))
 
     assert loop.start([(matcher, 1)], width) == {}  # row 1 constrained, row 0 free
@@ -202,14 +212,11 @@ def test_the_host_thread_answers_every_draw_and_takes_the_last_one_before_finish
 def test_a_failing_host_turn_still_answers_and_finish_raises_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """A bug in the host's turn must not leave the device waiting: the thread answers (every row ends)
     and ``finish`` raises the error."""
-    from zgen.runtime.grammar import GrammarMatcher, mask_words
+    from zgen.runtime.grammar import GrammarMatcher
 
     model = byte_level_model()
-    width, words = 1, mask_words(model.config.vocab_size)
-    loop = GrammarLoop(model.config.vocab_size)
-    channel = FakeChannel(3 * width, width * (words + 1))
-    monkeypatch.setitem(loop.__dict__, "exchanges", True)
-    monkeypatch.setitem(loop._channels, width, channel)  # pyright: ignore[reportPrivateUsage]
+    width = 1
+    loop, channel, words = fake_exchange(monkeypatch, model, width)
 
     def broken(*_: Any) -> Any:
         raise RuntimeError("a bug in the host's turn")
@@ -228,14 +235,11 @@ def test_one_host_thread_serves_back_to_back_loops_then_ends_when_idle(monkeypat
     """Loops in quick succession (a generation's) are served by the same thread, which ends once no
     loop came for ``SERVER_IDLE_S`` seconds (and a later loop starts another)."""
     import zgen.runtime.grammar as grammar_module
-    from zgen.runtime.grammar import GrammarMatcher, mask_words
+    from zgen.runtime.grammar import GrammarMatcher
 
     model = byte_level_model()
-    width, words = 1, mask_words(model.config.vocab_size)
-    loop = GrammarLoop(model.config.vocab_size)
-    channel = FakeChannel(3 * width, width * (words + 1))
-    monkeypatch.setitem(loop.__dict__, "exchanges", True)
-    monkeypatch.setitem(loop._channels, width, channel)  # pyright: ignore[reportPrivateUsage]
+    width = 1
+    loop, channel, _ = fake_exchange(monkeypatch, model, width)
     monkeypatch.setattr(grammar_module, "SERVER_IDLE_S", 0.2)
 
     def one_loop() -> threading.Thread:
