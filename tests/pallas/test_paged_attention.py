@@ -61,6 +61,22 @@ def test_gathered_matches_reference(coded: bool) -> None:
     check()
 
 
+@pytest.mark.parametrize("rows_per_copy", [1, 2])
+def test_gathered_in_groups_of_rows_matches_reference(rows_per_copy: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch whose copy exceeds the cap is gathered a group of rows at a time (a last group padded
+    when the rows do not divide): the same attention."""
+    from zgen.pallas.paged_attention import gathered
+
+    @settings(max_examples=4, deadline=None, derandomize=True)
+    @given(paged_cases(formats=("native", "q4"), max_queries=40, page_masks=False))
+    def check(case: PagedCase) -> None:
+        row_bytes = gathered.gathered_bytes(1, case.block_tables.shape[1], case.k_pages, case.q.dtype)
+        monkeypatch.setattr(gathered, "MAX_GATHER_BYTES", rows_per_copy * row_bytes)
+        assert_close(case.run("gathered"), case.run("reference"), case.dtype)
+
+    check()
+
+
 def test_gathered_refuses_page_masks() -> None:
     q, k, v, tables, lengths = _dense_problem()
     with pytest.raises(ConfigError, match="page_mask"):

@@ -117,13 +117,13 @@ def default_implementation(
     window: int | None,
     coded_keys: bool = False,
     num_queries: int = 1,
-    gathered_bytes: int | None = None,
+    gathered_row_bytes: int | None = None,
 ) -> PagedImplementation:
     """Best implementation for the current platform that supports these pages and options
-    (``gathered_bytes``: the size of the "gathered" backend's copy, None if unknown)."""
+    (``gathered_row_bytes``: the size of one row's copy in the "gathered" backend, None if unknown)."""
     where = platform()
     if where == "gpu":
-        if not page_mask_given and gathered_bytes is not None and gathered.fits(num_queries, gathered_bytes):
+        if not page_mask_given and gathered_row_bytes is not None and gathered.fits(num_queries, gathered_row_bytes):
             return "gathered"
         # The Mosaic GPU kernel (bf16 pages only) stays opt-in: slower than Triton in the GPU runs.
         from zgen.pallas.paged_attention import triton
@@ -187,10 +187,9 @@ def paged_attention(
         )
     coded_keys = key_calibration is not None
     num_queries = q.shape[1]
-    b = q.shape[0]
-    copy_bytes = gathered.gathered_bytes(b, block_tables.shape[1], k_pages, q.dtype)
+    row_bytes = gathered.gathered_bytes(1, block_tables.shape[1], k_pages, q.dtype)
     impl = (
-        default_implementation(k_pages, page_mask is not None, sliding_window, coded_keys, num_queries, copy_bytes)
+        default_implementation(k_pages, page_mask is not None, sliding_window, coded_keys, num_queries, row_bytes)
         if implementation is None
         else _check_implementation(implementation)
     )
