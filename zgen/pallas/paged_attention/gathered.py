@@ -7,10 +7,10 @@ it each time: a prefill chunk of ``T`` queries reads and dequantizes each page `
 slower than into the dense cache at 8,000 tokens (BENCHMARKS.md, "KV formats end to end"). Here
 the pages are read once and the flash kernel's tiles (128 queries x 64 keys) do the rest. The price
 is a transient full-precision copy of the rows' pages, at most :data:`MAX_GATHER_BYTES` at a time:
-a batch whose copy would be larger is gathered and attended a group of rows after another (a
-layer's K and V of 32 rows of 32,000 tokens at Llama-3-8B's shape are 3.9 GiB in bf16: groups of 8). The caller keeps the paged
-kernel for decode, short chunks, masked pages (a page mask cannot be expressed as causal positions)
-and rows too long for one row's copy to fit (:func:`fits`).
+a batch whose copy would be larger is gathered and attended a group of rows after another (a layer's
+K and V of 32 rows of 32,000 tokens at Llama-3-8B's shape are 3.9 GiB in bf16: groups of 8). The
+caller keeps the paged kernel for decode, short chunks, masked pages (a page mask cannot be expressed
+as causal positions) and rows too long for one row's copy to fit (:func:`fits`).
 """
 
 from __future__ import annotations
