@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -75,6 +76,39 @@ def test_gathered_in_groups_of_rows_matches_reference(rows_per_copy: int, monkey
         assert_close(case.run("gathered"), case.run("reference"), case.dtype)
 
     check()
+
+
+def test_a_gpu_gathers_long_chunks_while_one_rows_copy_fits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU's choice: long query chunks without a page mask gather whatever the batch (it goes a
+    group of rows at a time), unless one row's copy alone exceeds the cap."""
+    from zgen.pallas.paged_attention import api, gathered
+
+    monkeypatch.setattr(api, "platform", lambda: "gpu")
+    _, k, _, _, _ = _dense_problem()
+    cap = gathered.MAX_GATHER_BYTES
+    long_chunk = gathered.MIN_QUERIES
+    assert api.default_implementation(k, False, None, num_queries=long_chunk, gathered_row_bytes=cap) == "gathered"
+    assert api.default_implementation(k, False, None, num_queries=long_chunk, gathered_row_bytes=cap + 1) == "triton"
+    assert api.default_implementation(k, True, None, num_queries=long_chunk, gathered_row_bytes=1) == "triton"
+    assert api.default_implementation(k, False, None, num_queries=long_chunk - 1, gathered_row_bytes=1) == "triton"
+
+    # paged_attention asks about one row: a batch of two over the cap still gathers (in two groups).
+    rng = np.random.default_rng(1)
+    q = jnp.asarray(rng.standard_normal((2, long_chunk, 4, 64)), jnp.float32)
+    tables = jnp.asarray([[0, 1, 2, 3], [4, 5, 1, 0]], jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(long_chunk, dtype=jnp.int32), (2, long_chunk))
+    monkeypatch.setattr(gathered, "MAX_GATHER_BYTES", gathered.gathered_bytes(1, tables.shape[1], k, q.dtype))
+    taken: list[str] = []
+    gather = gathered.paged_attention
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        taken.append("gathered")
+        return gather(*args, **kwargs)
+
+    monkeypatch.setattr(gathered, "paged_attention", spy)
+    out = paged_attention(q, k, k, tables, positions)
+    assert taken == ["gathered"]
+    np.testing.assert_allclose(out, paged_attention(q, k, k, tables, positions, implementation="reference"), atol=1e-5)
 
 
 def test_gathered_refuses_page_masks() -> None:
