@@ -72,7 +72,7 @@ GREEDY = SamplingConfig(temperature=0.0)
 #: Most grammar-constrained rows a decode loop takes (a host worker advances them beside each forward
 #: pass, :class:`~zgen.runtime.grammar.GrammarLoop`); more rows step the engine token by token. On an
 #: NVIDIA H200 (SmolLM2 shape, JSON schema, ``benchmarks/grammar.py``) 32 constrained rows take
-#: 0.93-0.95 ms/token in the loop (unconstrained: 0.87-0.93); larger batches are not measured.
+#: 0.98-1.01 ms/token in the loop (unconstrained: 0.93-0.94); larger batches are not measured.
 GRAMMAR_LOOP_ROWS = 32
 
 
