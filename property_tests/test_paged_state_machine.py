@@ -40,7 +40,8 @@ from hypothesis import event, strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, precondition, rule
 
 from zgen.cache.block_pool import BlockPool, blocks_for
-from zgen.cache.formats import KV_DTYPES, kv_format, q3_group_size, q4_group_size
+from zgen.cache.formats import KV_DTYPES, kv_format, q3_group_size
+from zgen.pallas.paged_attention.layouts import q4_group_size
 from zgen.cache.page_store import PagedConfig, PageStore
 from zgen.cache.paged import PagedKVCache
 from zgen.cache.paged_manager import PagedKVManager

@@ -41,18 +41,13 @@ from zgen.pallas.paged_attention.layouts import (
     Q3Pages,
     Q4Pages,
     as_bits,
+    q4_group_size,
     quantize_fp8,
     quantize_q3,
     quantize_q4,
 )
 
-Q4_GROUP = 32
 Q3_GROUP = 16
-
-
-def q4_group_size(head_dim: int) -> int:
-    """Dims per Q4 (scale, min) group: 32, or the largest divisor of head_dim/2 below it."""
-    return math.gcd(Q4_GROUP, head_dim // 2)
 
 
 def q3_group_size(head_dim: int) -> int:
@@ -128,7 +123,7 @@ FORMATS: dict[str, KVFormat] = {
         KVFormat("fp8", None, coded=False, empty=_empty_fp8, quantize=quantize_fp8),
         KVFormat(
             "q4", None, coded=True, empty=_empty_q4,
-            quantize=lambda x: quantize_q4(x, group_size=q4_group_size(x.shape[-1])),
+            quantize=quantize_q4,
             head_dim_rule=lambda d: None if d % 2 == 0 else "packs two dims per byte and needs an even head_dim",
         ),
         KVFormat(

@@ -10,7 +10,7 @@ layout      leaves (per kv head, page, token)                      bits per valu
 ==========  =====================================================  ==================  ==============
 bf16        ``[D]`` bfloat16                                       16                  1x
 ``Fp8``     ``values [D]`` float8_e4m3fn, ``scale []`` f32         8 + 32/D            ~0.52x
-``Q4``      ``packed [D/2]`` u8, ``scale, zero [D/G]`` bf16        4 + 32/G            0.31x (G=32)
+``Q4``      ``packed [D/2]`` u8, ``scale, zero [D/G]`` bf16        4 + 32/G            0.28x (G=64)
 ``Q3``      ``planes [3, D/8]`` u8, ``scale [D/G]`` bf16           3 + 16/G            0.25x (G=16)
 ==========  =====================================================  ==================  ==============
 
@@ -19,8 +19,11 @@ Why these granularities:
 * FP8: one scale per token — E4M3's exponent already covers the spread inside a head vector; the
   scale only maps the token's absolute maximum onto 448, and it folds into the logits (K) and the
   probabilities (V) instead of touching every element.
-* Q4: asymmetric (scale and min) groups of ``G`` consecutive dims (default 32, like GGUF Q4_1). Nibbles
-  are packed *split-half*: byte ``j`` holds dim ``j`` (low nibble) and dim ``j + D/2`` (high nibble), so
+* Q4: asymmetric (scale and min) groups of ``G`` consecutive dims (:func:`q4_group_size`: 64, or
+  ``D/2`` for heads narrower than 128 -- 32 at SmolLM2's D = 64, like GGUF Q4_1). After the coding
+  below each group is nearly Gaussian, and 64 rather than 32 dims raise a unit Gaussian's squared
+  error from 0.0061 to 0.0080 while cutting the bytes of a D = 128 token from 80 to 72 (0.31x → 0.28x
+  of bf16: 11 % more tokens in a pool). Nibbles are packed *split-half*: byte ``j`` holds dim ``j`` (low nibble) and dim ``j + D/2`` (high nibble), so
   a kernel unpacks two contiguous half-tiles with a shift and a mask and never interleaves lanes.
 * Q3: 8 non-uniform levels :data:`Q3_LEVELS`, scaled per group of ``G`` dims (the group's codebook is
   ``Q3_LEVELS * scale``, the scale fitted by least squares to the group's values), stored as 3
@@ -48,6 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Literal, Protocol, TypeAlias
 
 import jax
@@ -249,9 +253,19 @@ def quantize_fp8(x: Float[Array, "*lead d"]) -> Fp8Pages:
     return Fp8Pages(values=(x / scale[..., None]).astype(jnp.float8_e4m3fn), scale=scale)
 
 
-def quantize_q4(x: Float[Array, "*lead d"], group_size: int = 32, scale_dtype: jnp.dtype = jnp.bfloat16) -> Q4Pages:
-    """Asymmetric 4-bit groups of ``group_size`` dims; codes are fitted to the *stored* (rounded) scales."""
+Q4_GROUP = 64
+
+
+def q4_group_size(head_dim: int) -> int:
+    """Dims per Q4 (scale, min) group: :data:`Q4_GROUP`, or the largest divisor of head_dim/2 below it."""
+    return math.gcd(Q4_GROUP, head_dim // 2)
+
+
+def quantize_q4(x: Float[Array, "*lead d"], group_size: int | None = None, scale_dtype: jnp.dtype = jnp.bfloat16) -> Q4Pages:
+    """Asymmetric 4-bit groups of ``group_size`` dims (default :func:`q4_group_size`); codes are fitted to
+    the *stored* (rounded) scales."""
     d = x.shape[-1]
+    group_size = q4_group_size(d) if group_size is None else group_size
     if d % 2 or (d // 2) % group_size:
         raise ValueError(f"Q4 needs group_size ({group_size}) to divide head_dim/2 ({d}/2)")
     g = x.astype(jnp.float32).reshape(*x.shape[:-1], d // group_size, group_size)
