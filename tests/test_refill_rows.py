@@ -90,6 +90,28 @@ def test_paged_steps_are_never_narrower_than_a_refill_group(tmp_path: Path, monk
     assert prefill_widths == {4}  # the first 8 prompts too: a group at a time, one compiled prefill width
 
 
+def test_paged_steps_are_never_wider_than_the_batch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows are padded to a power of two, but not past ``max_batch_size``: 3 rows step 3 wide, not 4."""
+    from zgen.runtime.engine import Engine
+
+    save_random_checkpoint(small_configs()["llama"], tmp_path)
+    model = load_model(tmp_path)
+    widths: list[int] = []
+    step_rows = Engine._step_rows
+
+    def recorded(self: Engine, rows: list, tokens: int) -> tuple:  # type: ignore[type-arg]
+        out = step_rows(self, rows, tokens)
+        widths.append(out[0])
+        return out
+
+    requests = [Request(list(range(5, 9 + 2 * i)), SamplingConfig(temperature=0.0, max_new_tokens=3 + i, ignore_eos=True)) for i in range(5)]
+    want = [r.token_ids for r in Generator(model, max_batch_size=3).batch_generate(requests)]
+    monkeypatch.setattr(Engine, "_step_rows", recorded)
+    generator = Generator(model, paged_kv(max_memory_mb=4), max_batch_size=3, refill_rows=2)
+    assert [r.token_ids for r in generator.batch_generate(requests)] == want
+    assert max(widths) == 3 and set(widths) <= {2, 3}
+
+
 def test_generating_rows_that_step_are_not_split_into_groups(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Only prompts prefill a group at a time: rows that draw on the host (a choice function) step
     all together, one step per token."""

@@ -12,7 +12,7 @@ from pallas_cases import PagedCase, assert_close, paged_cases
 from zgen.errors import ConfigError
 from zgen.pallas import paged_attention, paged_decode_attention
 from zgen.pallas.common import platform
-from zgen.pallas.paged_attention.common import visible_pages
+from zgen.pallas.paged_attention.common import split_pages, visible_pages
 from zgen.pallas.paged_attention.layouts import KeyCalibration, dequantize, hadamard, quantize
 from zgen.rope import apply_rope
 
@@ -135,6 +135,36 @@ def test_triton_splits_match_reference() -> None:
         assert_close(got, case.run("reference"), case.dtype)
 
     check()
+
+
+def test_quantized_pages_split_into_shorter_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Enough programs for the GPU already, quantized pages still split into runs of at most
+    QUANTIZED_SPLIT_PAGES pages (their loop is latency-bound); bf16 pages keep the longer runs."""
+    from zgen.pallas.paged_attention import triton
+
+    tables, visible = jnp.zeros((64, 512), jnp.int32), jnp.ones((64, 512), bool)
+    assert split_pages(tables, visible, 64 * 8, None)[0] == 256
+    assert split_pages(tables, visible, 64 * 8, None, 128)[0] == 128
+    longest: dict[str, int | None] = {}
+    for fmt in ("native", "q4"):
+        k = jnp.zeros((2, 8, 16, 64), jnp.float32)
+        pages = k.astype(jnp.bfloat16) if fmt == "native" else quantize(k, "q4")
+
+        def spy(*args: Any, fmt: str = fmt) -> Any:
+            longest[fmt] = args[4]
+            return split_pages(*args)
+
+        monkeypatch.setattr(triton, "split_pages", spy)
+        q = jnp.zeros((2, 1, 4, 64), jnp.bfloat16)
+        block_tables = jnp.zeros((2, 4), jnp.int32)
+        jax.eval_shape(
+            lambda q, t: triton.paged_attention(
+                q, pages, pages, t, jnp.zeros((2, 1), jnp.int32), jnp.ones((2, 4), bool), scale=0.125, soft_cap=None,
+                sliding_window=None, interpret=True,
+            ),
+            q, block_tables,
+        )
+    assert longest == {"native": None, "q4": triton.QUANTIZED_SPLIT_PAGES}
 
 
 def test_query_chunk_equals_decoding_token_by_token() -> None:

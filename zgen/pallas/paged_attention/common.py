@@ -59,14 +59,17 @@ def split_pages(
     page_mask: Bool[Array, "b pages_per_seq"],
     programs: int,
     num_splits: int | None,
+    max_pages_per_split: int | None = None,
 ) -> tuple[int, Int[Array, "b padded"], Int[Array, "b padded"], Int[Array, " b"]]:
-    """Compacted tables cut into equal splits for a grid of ``programs`` programs per split.
+    """Compacted tables cut into equal splits for a grid of ``programs`` programs per split (by
+    default enough for :data:`TARGET_PROGRAMS`, and no split longer than ``max_pages_per_split``).
 
     Returns pages per split and the compacted tables and logical page indices (both padded to a
     whole number of splits) and the visible-page counts.
     """
     pps = block_tables.shape[1]
-    splits = num_splits or min(pps, max(1, cdiv(TARGET_PROGRAMS, programs)))
+    longest = 1 if max_pages_per_split is None else cdiv(pps, max_pages_per_split)
+    splits = num_splits or min(pps, max(1, cdiv(TARGET_PROGRAMS, programs), longest))
     per_split = cdiv(pps, splits)
     splits = cdiv(pps, per_split)
     tables, logical, count = compact_pages(block_tables, page_mask)
