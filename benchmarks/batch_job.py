@@ -4,23 +4,30 @@ The job (the issue's shape): 1,000 requests, prompts of 256–1,024 tokens, 128�
 shared 200-token system prompt on half of them; random weights of the SmolLM2 or Llama-3-8B shape,
 greedy, token-id prompts (``/v1/completions`` takes them), the same requests on both sides in one run:
 
-* **batch job** — ``zgen.batch.run`` on the JSONL file, on a paged cache (``--kv-memory-mb``): requests
-  queued on the engine as room allows (freed rows refilled ``--refill-rows`` at a time), the prefix
-  cache serving the shared system prompt (``--no-prefix-cache`` turns it off), results appended and
-  synced as they finish.
+* **batch job** — ``zgen.batch.run`` on the JSONL file, on a paged cache (``--kv-memory-mb``), up to
+  ``--job-batch-size`` rows: requests queued on the engine as room allows (freed rows refilled
+  ``--refill-rows`` at a time), the prefix cache serving the shared system prompt
+  (``--no-prefix-cache`` turns it off), results appended and synced as they finish.
 * **fixed chunks** — the baseline a user writes without a job runner: ``Generator.batch_generate``
   over consecutive chunks of ``--max-batch-size`` requests, each chunk waiting for its longest request.
+
+Both sides get the same KV memory: by default the job's page pool is what the chunks' dense cache
+allocates (``--max-batch-size`` rows of the next power of two above the longest request, the dense
+cache's capacity rule). Rows of a dense cache hold their longest possible length; pages hold what a
+row has written, so the same memory runs more rows at once (``--job-batch-size``, default twice the
+chunks'), and a row that finds the pool full waits or is recomputed later (the engine's preemption).
+``--job-batch-size`` equal to ``--max-batch-size`` compares the two at the same batch instead.
 
 With ``--lora-adapters K`` the batch job also runs a third time with K random rank-``--lora-rank``
 LoRA modules registered (``lora_modules=``), request *i* naming module ``i mod (K+1)`` (the last share
 on the base model) by its ``model`` field: its tokens/s next to the plain job's shows what per-request
 adapters cost in a job (rows of different adapters share each step).
 
-Both sides first run a warm-up job of ``2 × max-batch-size`` requests of the same kind (compiling most
+Both sides first run a warm-up job of twice their batch of requests of the same kind (compiling most
 shape buckets), then the measured one. ``--trace-steps`` adds where each measured side's time went:
 its compiles (count, seconds), and per kind of engine step (prefill/mixed steps, decode loops) the
 calls, forward passes, tokens and seconds, compiles taken out. ``--scale`` shrinks the job for a CPU (request count, prompt
-and output lengths); the roofline printed is the weights-only one (``max-batch-size`` rows per
+and output lengths); the roofline printed is the weights-only one (``job-batch-size`` rows per
 read of the weights at ``--bandwidth-gbs``), which the KV reads lower further.
 
     python benchmarks/batch_job.py --shape llama3-8b --dtype bfloat16 --bandwidth-gbs 4800     # H200
@@ -31,6 +38,7 @@ read of the weights at ``--bandwidth-gbs``), which the KV reads lower further.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import random
 import sys
@@ -136,7 +144,7 @@ def batch_job(
     start = time.perf_counter()
     summary = run(
         model, write_jsonl(requests, directory / f"{name}.jsonl", adapters), directory / f"{name}.out.jsonl", *options,
-        max_batch_size=args.max_batch_size, prefill_chunk=args.prefill_chunk, refill_rows=args.refill_rows, progress=False,
+        max_batch_size=args.job_batch_size, prefill_chunk=args.prefill_chunk, refill_rows=args.refill_rows, progress=False,
         model_name="random", lora_modules=modules,
     )
     assert summary.failed == 0, summary
@@ -173,12 +181,13 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--scale", type=float, default=1.0, help="Shrinks the request count and every length (CPU runs).")
-    parser.add_argument("--max-batch-size", type=int, default=64)
+    parser.add_argument("--max-batch-size", type=int, default=64, help="The fixed chunks' rows.")
+    parser.add_argument("--job-batch-size", type=int, default=None, help="The batch job's most rows (default: twice --max-batch-size).")
     parser.add_argument("--prefill-chunk", type=int, default=512)
     parser.add_argument("--prefix-blocks", type=int, default=4096)
     parser.add_argument("--refill-rows", type=int, default=None, help="The batch job's refill group (default: half the batch).")
     parser.add_argument("--no-prefix-cache", action="store_true")
-    parser.add_argument("--kv-memory-mb", type=float, default=None, help="The batch job's page pool (default: 1.5x what max-batch-size rows of the longest request need).")
+    parser.add_argument("--kv-memory-mb", type=float, default=None, help="The batch job's page pool (default: the fixed chunks' dense cache).")
     parser.add_argument("--bandwidth-gbs", type=float, default=0.0, help="Memory bandwidth for the weights-only roofline (H200 ~4800, H100 ~3350).")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lora-adapters", type=int, default=0, help="Also run the job with this many random LoRA modules, requests spread over them and the base model.")
@@ -189,22 +198,28 @@ def main() -> None:
     import jax
 
     from zgen import ModelConfig
+    from zgen.cache.slots import SlotKVManager
     from zgen.model import random_model
+    from zgen.shapes import next_pow2
 
     config = ModelConfig.from_hf({**SHAPES[args.shape], "model_type": "llama", "rms_norm_eps": 1e-5})
     model = random_model(config, dtype=args.dtype)
-    if args.kv_memory_mb is None:  # K and V of every layer, per token, for full rows of the longest request
-        per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * model.dtype.itemsize
-        args.kv_memory_mb = 1.5 * args.max_batch_size * round((1024 + 512) * args.scale + 16) * per_token / 2**20
+    args.job_batch_size = args.job_batch_size or 2 * args.max_batch_size
     n = max(2, round(args.requests * args.scale))
     requests = make_requests(n, args.scale, config.vocab_size, args.seed)
-    warmup = make_requests(2 * args.max_batch_size, args.scale, config.vocab_size, args.seed + 1)
+    if args.kv_memory_mb is None:  # the dense cache of a chunk: K and V of every layer for every row's capacity
+        per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * model.dtype.itemsize
+        longest = max(len(r["prompt"]) + r["max_tokens"] for r in requests)
+        min_capacity = inspect.signature(SlotKVManager).parameters["min_capacity"].default
+        capacity = min(config.max_position_embeddings, next_pow2(longest, min_capacity))
+        args.kv_memory_mb = args.max_batch_size * capacity * per_token / 2**20
+    warmup = make_requests(2 * max(args.job_batch_size, args.max_batch_size), args.scale, config.vocab_size, args.seed + 1)
     trace = StepTrace() if args.trace_steps else None
     traced: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
         batch_job(model, warmup, directory, "warmup", args)
-        fixed_chunks(model, warmup, args)
+        fixed_chunks(model, warmup[: 2 * args.max_batch_size], args)
         if args.lora_adapters:
             batch_job(model, warmup, directory, "warmup-lora", args, args.lora_adapters)
         if trace is not None:
@@ -225,9 +240,10 @@ def main() -> None:
         "requests": n,
         "prompt_tokens": sum(len(r["prompt"]) for r in requests),
         "max_batch_size": args.max_batch_size,
+        "job_batch_size": args.job_batch_size,
         "prefix_cache": not args.no_prefix_cache,
         "kv_memory_mb": args.kv_memory_mb,
-        "refill_rows": args.refill_rows or max(1, args.max_batch_size // 2),
+        "refill_rows": args.refill_rows or max(1, args.job_batch_size // 2),
         "batch_job": job_report(job_s, job),
         "fixed_chunks": {"seconds": chunk_s, "output_tokens": chunk_tokens, "output_tokens_per_s": chunk_tokens / chunk_s},
         "speedup": (job_tokens / job_s) / (chunk_tokens / chunk_s),
@@ -238,7 +254,7 @@ def main() -> None:
         report["batch_job_lora"] = {"adapters": args.lora_adapters, "rank": args.lora_rank, **job_report(*lora)}
         report["lora_vs_plain_job"] = report["batch_job_lora"]["output_tokens_per_s"] / report["batch_job"]["output_tokens_per_s"]
     if args.bandwidth_gbs:
-        roofline = args.max_batch_size * args.bandwidth_gbs * 1e9 / weight_bytes
+        roofline = args.job_batch_size * args.bandwidth_gbs * 1e9 / weight_bytes
         report["weights_roofline_tokens_per_s"] = roofline
         report["batch_job_fraction_of_roofline"] = report["batch_job"]["output_tokens_per_s"] / roofline
     print(json.dumps(report, indent=2))
