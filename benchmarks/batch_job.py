@@ -6,8 +6,9 @@ greedy, token-id prompts (``/v1/completions`` takes them), the same requests on 
 
 * **batch job** — ``zgen.batch.run`` on the JSONL file, on a paged cache (``--kv-memory-mb``), up to
   ``--job-batch-size`` rows: requests queued on the engine as room allows (freed rows refilled
-  ``--refill-rows`` at a time), the prefix cache serving the shared system prompt
-  (``--no-prefix-cache`` turns it off), results appended and synced as they finish.
+  ``--refill-rows`` at a time; ``--step-tokens`` packs prefill steps into streams of that many tokens),
+  the prefix cache serving the shared system prompt (``--no-prefix-cache`` turns it off), results
+  appended and synced as they finish.
 * **fixed chunks** — the baseline a user writes without a job runner: ``Generator.batch_generate``
   over consecutive chunks of ``--max-batch-size`` requests, each chunk waiting for its longest request.
 
@@ -144,7 +145,8 @@ def batch_job(
     start = time.perf_counter()
     summary = run(
         model, write_jsonl(requests, directory / f"{name}.jsonl", adapters), directory / f"{name}.out.jsonl", *options,
-        max_batch_size=args.job_batch_size, prefill_chunk=args.prefill_chunk, refill_rows=args.refill_rows, progress=False,
+        max_batch_size=args.job_batch_size, prefill_chunk=args.prefill_chunk, refill_rows=args.refill_rows, step_tokens=args.step_tokens,
+        progress=False,
         model_name="random", lora_modules=modules,
     )
     assert summary.failed == 0, summary
@@ -186,6 +188,7 @@ def main() -> None:
     parser.add_argument("--prefill-chunk", type=int, default=512)
     parser.add_argument("--prefix-blocks", type=int, default=4096)
     parser.add_argument("--refill-rows", type=int, default=None, help="The batch job's refill group (default: half the batch).")
+    parser.add_argument("--step-tokens", type=int, default=None, help="The batch job's prefill steps packed into streams of this many tokens (default: padded steps).")
     parser.add_argument("--no-prefix-cache", action="store_true")
     parser.add_argument("--kv-memory-mb", type=float, default=None, help="The batch job's page pool (default: the fixed chunks' dense cache).")
     parser.add_argument("--bandwidth-gbs", type=float, default=0.0, help="Memory bandwidth for the weights-only roofline (H200 ~4800, H100 ~3350).")
@@ -244,6 +247,7 @@ def main() -> None:
         "prefix_cache": not args.no_prefix_cache,
         "kv_memory_mb": args.kv_memory_mb,
         "refill_rows": args.refill_rows or max(1, args.job_batch_size // 2),
+        "step_tokens": args.step_tokens,
         "batch_job": job_report(job_s, job),
         "fixed_chunks": {"seconds": chunk_s, "output_tokens": chunk_tokens, "output_tokens_per_s": chunk_tokens / chunk_s},
         "speedup": (job_tokens / job_s) / (chunk_tokens / chunk_s),

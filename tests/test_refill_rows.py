@@ -61,6 +61,43 @@ def test_packed_steps_give_the_same_tokens_and_logprobs(tmp_path: Path, cache: s
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
 
 
+def test_a_token_budget_fills_packed_steps_and_gives_the_same_tokens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``step_tokens`` every packed prefill step is one stream of exactly that width, rows' chunks
+    are cut to fill it (a cut row goes on in the next step), and the tokens are the padded steps'."""
+    from zgen.runtime.engine import Engine
+    from zgen.runtime.step import Packing
+
+    save_random_checkpoint(small_configs()["llama"], tmp_path)
+    model = load_model(tmp_path, dtype="float32")
+    requests = [
+        Request(list(range(3 + i, 3 + i + 5 + 7 * i)), SamplingConfig(temperature=0.0, max_new_tokens=3 + i % 4, ignore_eos=True))
+        for i in range(9)
+    ]
+    want = [r.token_ids for r in Generator(model, paged_kv(max_memory_mb=4), max_batch_size=4, prefill_chunk=16).batch_generate(requests)]
+    streams: list[tuple[int, int]] = []  # (stream width, tokens in it)
+    of = Packing.of
+
+    def recorded(*args: object) -> tuple:  # type: ignore[type-arg]
+        out = of(*args)  # type: ignore[arg-type]
+        streams.append((out[0].shape[1], sum(args[3])))  # type: ignore[arg-type]
+        return out
+
+    monkeypatch.setattr(Packing, "of", staticmethod(recorded))
+    steps = []
+    for budget in (None, 24):
+        generator = Generator(
+            model, paged_kv(max_memory_mb=4), max_batch_size=4, prefill_chunk=16, refill_rows=2, prefill_apart=True,
+            packed_steps=True, step_tokens=budget,
+        )
+        assert [r.token_ids for r in generator.batch_generate(requests)] == want
+        steps.append(list(streams))
+        streams.clear()
+    unbudgeted, budgeted = steps
+    assert {width for width, _ in budgeted} == {24}
+    assert any(tokens == 24 for _, tokens in budgeted)  # full steps: chunks were cut to fill them
+    assert sum(t for _, t in budgeted) == sum(t for _, t in unbudgeted)  # the same prompt tokens fed
+
+
 def test_paged_steps_are_never_narrower_than_a_refill_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every step width is a compiled shape: a group of refills and a smaller remainder share one, and
     the first admission of a full batch prefills a group at a time (the same tokens)."""
@@ -142,6 +179,10 @@ def test_refill_rows_is_checked() -> None:
         EngineConfig(refill_rows=0)
     with pytest.raises(ConfigError, match="packed_steps"):
         EngineConfig(packed_steps=1)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="packed_steps=True"):
+        EngineConfig(step_tokens=64)
+    with pytest.raises(ConfigError, match="step_tokens"):
+        EngineConfig(max_batch=8, packed_steps=True, step_tokens=4)
 
 
 def test_decode_loops_never_narrow_their_output(tmp_path: Path) -> None:

@@ -55,7 +55,8 @@ class Generator:
     speculator (:mod:`zgen.speculative`: ``PromptLookup``, ``DraftModel``): greedy output is token for
     token the plain output, and results carry the speculator's figures (``result.speculative``).
     ``refill_rows``: queued requests wait until that many rows are free, then prefill together;
-    ``prefill_apart``: on a paged cache, prefill steps leave the decoding rows out
+    ``prefill_apart``: on a paged cache, prefill steps leave the decoding rows out; ``packed_steps``:
+    a prefill step's rows are one token stream, of ``step_tokens`` tokens when that is set
     (:class:`~zgen.runtime.engine.EngineConfig`).
 
     A generator is a context manager: :meth:`close` frees what its cache holds outside the device (a
@@ -75,13 +76,14 @@ class Generator:
         refill_rows: int = 1,
         prefill_apart: bool = False,
         packed_steps: bool = False,
+        step_tokens: int | None = None,
     ) -> None:
         self.model = model
         self.host_sampler = host_sampler
         self.speculative = speculative
         config = EngineConfig(
             max_batch=max_batch_size, steps_per_sync=sync_interval, prefill_chunk=prefill_chunk, on_pool_exhausted="wait",
-            refill_rows=refill_rows, prefill_apart=prefill_apart, packed_steps=packed_steps,
+            refill_rows=refill_rows, prefill_apart=prefill_apart, packed_steps=packed_steps, step_tokens=step_tokens,
         )
         self.engine = Engine(model, *options, config=config, default_kind="tensor")
         self._paged_engine: Engine | None = None  # for beam search when the chosen cache cannot fork

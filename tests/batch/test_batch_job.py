@@ -171,3 +171,19 @@ def test_speculative_decoding_gives_the_plain_records(model: Model, model_dir: P
     assert not (tmp_path / "bad.jsonl").exists()
     with pytest.raises(ConfigError, match="one device"):
         run(model, source, tmp_path / "bad.jsonl", data_parallel=2, speculative=PromptLookup())
+
+
+def test_packed_prefill_steps_give_the_plain_records(model: Model, model_dir: Path, tmp_path: Path) -> None:
+    """``--step-tokens``: prefill steps packed into streams of that many tokens, chunks cut to fill
+    them; the records are the padded steps'. A budget below the batch is refused before anything runs."""
+    lines = [completion_line(f"r{i}", words(*range(5, 12 + 5 * i)), max_tokens=3 + i, temperature=0) for i in range(5)]
+    source = write_lines(tmp_path / "in.jsonl", lines)
+    run(model, source, tmp_path / "plain.jsonl", max_batch_size=4, prefill_chunk=16, progress=False)
+    args = ["batch", "--model", str(model_dir), "--input", str(source), "--quiet", "--max-batch-size", "4", "--prefill-chunk", "16", "--kv-memory-mb", "4"]
+    packed = CliRunner().invoke(app, [*args, "--output", str(tmp_path / "packed.jsonl"), "--step-tokens", "24"])
+    assert packed.exit_code == 0, packed.output
+    texts = {k: r["response"]["body"]["choices"][0]["text"] for k, r in by_id(read_records(tmp_path / "plain.jsonl")).items()}
+    assert texts == {k: r["response"]["body"]["choices"][0]["text"] for k, r in by_id(read_records(tmp_path / "packed.jsonl")).items()}
+    refused = CliRunner().invoke(app, [*args, "--output", str(tmp_path / "bad.jsonl"), "--step-tokens", "2"], env={"COLUMNS": "200"})
+    assert refused.exit_code == 1 and "step_tokens" in refused.stderr
+    assert not (tmp_path / "bad.jsonl").exists()

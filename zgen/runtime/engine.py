@@ -95,6 +95,11 @@ class EngineConfig:
     # the matmuls see no padding, so decoding rows ride along at the price of their one token and a
     # prefill chunk costs its own tokens. Steps of rows with LoRA adapters stay padded.
     packed_steps: bool = False
+    # With packed steps: a step that prefills carries at most this many tokens, in a stream of exactly
+    # this width (one compiled shape). Rows take their chunks in turn until it is full, and a row cut
+    # short goes on in the next step, so steps hold tokens rather than the padding of short chunks
+    # (a group of prompts of 256-1,024 tokens in [rows, 512] steps fills ~63 % of its slots).
+    step_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "prefill_chunk", "steps_per_sync", "refill_rows"):
@@ -104,6 +109,14 @@ class EngineConfig:
         for name in ("prefill_apart", "packed_steps"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"EngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.step_tokens is not None:
+            if isinstance(self.step_tokens, bool) or not isinstance(self.step_tokens, int) or self.step_tokens < self.max_batch:
+                raise ConfigError(
+                    f"EngineConfig.step_tokens must be an integer >= max_batch ({self.max_batch}): a step's every row "
+                    f"takes at least one token; got {self.step_tokens!r}"
+                )
+            if not self.packed_steps:
+                raise ConfigError("EngineConfig.step_tokens budgets packed steps; set packed_steps=True with it")
         if self.on_pool_exhausted not in ("error", "wait"):
             raise ConfigError(f"EngineConfig.on_pool_exhausted must be 'error' or 'wait', got {self.on_pool_exhausted!r}")
 
@@ -485,13 +498,17 @@ class Engine:
         blocked: list[tuple[Job, PoolExhaustedError]] = []
         preempted: set[int] = set()
         position = {id(job): n for n, job in enumerate(jobs)}  # candidates may skip jobs: preempt only later ones
+        budget = None if decode else self.config.step_tokens  # tokens this step may still take
         for job in candidates:
             n = position[id(job)]
             if id(job) in preempted:
                 continue  # its KV was just freed for an earlier job: it feeds its tokens again next step
+            if budget == 0:
+                break  # the step is full: the rest go on in the next one
             while True:
                 try:
-                    rows.append(self._reserve(job, steps if decode else None, extra))
+                    rows.append(self._reserve(job, steps if decode else None, extra, limit=budget))
+                    budget = None if budget is None else budget - rows[-1].count
                     break
                 except PoolExhaustedError as err:
                     if self._preempt(jobs[n + 1 :], preempted, running=self.config.on_pool_exhausted == "wait"):
@@ -592,9 +609,10 @@ class Engine:
             return True
         return False
 
-    def _reserve(self, job: Job, decode_steps: int | None, extra: int = 0) -> _Row:
+    def _reserve(self, job: Job, decode_steps: int | None, extra: int = 0, limit: int | None = None) -> _Row:
         """Room for the job's next step; a decode loop's row gets ``decode_steps`` draws (and ``extra``
-        positions past them, where a speculative loop writes drafts it may reject)."""
+        positions past them, where a speculative loop writes drafts it may reject), a step's row at most
+        ``limit`` tokens of its chunk."""
         seq = job.seq
         if not job.admitted or seq.kv_len == 0:
             self._admit(job)
@@ -608,7 +626,7 @@ class Engine:
                 want = min(want, self.config.steps_per_sync)
                 seq.kv.reserve(room(want))  # a smaller step fits more often; raises if even that does not
             return _Row(job, start, want, [start])
-        end = min(job.feed_end(), start + self.config.prefill_chunk)
+        end = min(job.feed_end(), start + min(self.config.prefill_chunk, limit or self.config.prefill_chunk))
         seq.kv.reserve(end - start)
         r = job.request
         if job.text is not None and not job.generating:
@@ -689,6 +707,8 @@ class Engine:
 
     def _run_mixed(self, rows: list[_Row]) -> None:
         t = next_pow2(max(row.count for row in rows), 1 if all(row.count == 1 for row in rows) else 16)
+        if self.config.step_tokens is not None and t > 1:  # chunks cut to fill a budget come in any length: one width
+            t = next_pow2(self.config.prefill_chunk, 16)
         r = next_pow2(max(max(len(row.reads), 1) for row in rows))
         width, index, state = self._step_rows(rows, t)
         tokens = np.zeros((width, t), np.int32)
@@ -710,7 +730,7 @@ class Engine:
             counts = [0] * width
             for row, i in zip(rows, index, strict=True):
                 counts[i] = row.count
-            tokens, positions, read_rows, packing = Packing.of(tokens, positions, read_rows, counts)
+            tokens, positions, read_rows, packing = Packing.of(tokens, positions, read_rows, counts, self.config.step_tokens)
         host: dict[str, Any] = dict(tokens=tokens, positions=positions, read_rows=read_rows, draw_index=draw_index, keys=keys)
         batch = MixedBatch(**host, sampling=params, penalties=penalties, adapter_slots=slots, packing=packing)  # numpy: sent by the compiled call
         constrained = [(row.job.grammar, i) for row, i in zip(rows, index, strict=True) if row.job.grammar is not None and row.reads]

@@ -128,13 +128,15 @@ class Packing:
 
     @staticmethod
     def of(
-        tokens: np.ndarray, positions: np.ndarray, read_rows: np.ndarray, counts: Sequence[int]
+        tokens: np.ndarray, positions: np.ndarray, read_rows: np.ndarray, counts: Sequence[int], width: int | None = None
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, Packing]:
         """A padded step (``tokens``/``positions`` ``[B, T]``, row ``b`` holding ``counts[b]`` tokens,
         ``read_rows`` indices into T) packed on the host: the stream's tokens, positions and read
-        indices, and the packing. The stream is padded to a power of two (a compiled shape)."""
+        indices, and the packing. The stream is ``width`` tokens long, or padded to a power of two (a
+        compiled shape)."""
         b, t = tokens.shape
-        n = next_pow2(sum(counts), 16)
+        n = next_pow2(sum(counts), 16) if width is None else width
+        assert sum(counts) <= n, (sum(counts), n)
         stream_tokens, stream_positions = np.zeros((1, n), np.int32), np.full((1, n), -1, np.int32)
         rows, order = np.full((b, t), -1, np.int32), np.zeros(n, np.int32)
         read_rows, start = read_rows.copy(), 0
