@@ -626,7 +626,8 @@ class Engine:
                 want = min(want, self.config.steps_per_sync)
                 seq.kv.reserve(room(want))  # a smaller step fits more often; raises if even that does not
             return _Row(job, start, want, [start])
-        end = min(job.feed_end(), start + min(self.config.prefill_chunk, limit or self.config.prefill_chunk))
+        chunk = self.config.prefill_chunk if limit is None else min(self.config.prefill_chunk, limit)
+        end = min(job.feed_end(), start + chunk)
         seq.kv.reserve(end - start)
         r = job.request
         if job.text is not None and not job.generating:
@@ -658,8 +659,7 @@ class Engine:
             # Refills come in groups: no narrower step shapes (each a compile) than a group's. Nor wider
             # than the engine's batch: a padded row costs the paged kernels time (their split of the
             # pages counts every row: coded q4, 33 rows of 32k, H200: 1.41 ms alone, 2.44 padded to 64).
-            cap = self.config.max_batch
-            width = max(len(rows), min(max(width, next_pow2(self.config.refill_rows)), cap))
+            width = max(len(rows), min(max(width, next_pow2(self.config.refill_rows)), self.config.max_batch))
         step_rows = []
         for row in rows:
             seq, r = row.job.seq, row.job.request

@@ -23,8 +23,9 @@ Why these granularities:
   ``D/2`` for heads narrower than 128 -- 32 at SmolLM2's D = 64, like GGUF Q4_1). After the coding
   below each group is nearly Gaussian, and 64 rather than 32 dims raise a unit Gaussian's squared
   error from 0.0061 to 0.0080 while cutting the bytes of a D = 128 token from 80 to 72 (0.31x → 0.28x
-  of bf16: 11 % more tokens in a pool). Nibbles are packed *split-half*: byte ``j`` holds dim ``j`` (low nibble) and dim ``j + D/2`` (high nibble), so
-  a kernel unpacks two contiguous half-tiles with a shift and a mask and never interleaves lanes.
+  of bf16: 11 % more tokens in a pool). Nibbles are packed *split-half*: byte ``j`` holds dim ``j``
+  (low nibble) and dim ``j + D/2`` (high nibble), so a kernel unpacks two contiguous half-tiles with a
+  shift and a mask and never interleaves lanes.
 * Q3: 8 non-uniform levels :data:`Q3_LEVELS`, scaled per group of ``G`` dims (the group's codebook is
   ``Q3_LEVELS * scale``, the scale fitted by least squares to the group's values), stored as 3
   bit-planes: plane ``b`` byte ``j`` bit ``i`` is bit ``b`` of the code of dim ``i * D/8 + j``, so
