@@ -16,6 +16,22 @@ from zgen.runtime.engine import EngineConfig
 from zgen.runtime.runner import runner_for
 
 
+def record_steps(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, int]]:
+    """Every engine step from now on, as ``(rows, tokens per row, width)``."""
+    from zgen.runtime.engine import Engine
+
+    steps: list[tuple[int, int, int]] = []
+    step_rows = Engine._step_rows
+
+    def recorded(self: Engine, rows: list, tokens: int) -> tuple:  # type: ignore[type-arg]
+        out = step_rows(self, rows, tokens)
+        steps.append((len(rows), tokens, out[0]))
+        return out
+
+    monkeypatch.setattr(Engine, "_step_rows", recorded)
+    return steps
+
+
 def test_grouped_refills_give_the_same_tokens_in_fewer_steps(tmp_path: Path) -> None:
     save_random_checkpoint(small_configs()["llama"], tmp_path)
     model = load_model(tmp_path)
@@ -101,77 +117,45 @@ def test_a_token_budget_fills_packed_steps_and_gives_the_same_tokens(tmp_path: P
 def test_paged_steps_are_never_narrower_than_a_refill_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every step width is a compiled shape: a group of refills and a smaller remainder share one, and
     the first admission of a full batch prefills a group at a time (the same tokens)."""
-    from zgen.runtime.engine import Engine
-
     save_random_checkpoint(small_configs()["llama"], tmp_path)
     model = load_model(tmp_path)
-    widths: list[int] = []
-    prefill_widths: set[int] = set()
-    step_rows = Engine._step_rows
-
-    def recorded(self: Engine, rows: list, tokens: int) -> tuple:  # type: ignore[type-arg]
-        out = step_rows(self, rows, tokens)
-        widths.append(out[0])
-        if tokens > 1:
-            prefill_widths.add(out[0])
-        return out
-
     requests = [
         Request(list(range(5, 12 + 3 * i)), SamplingConfig(temperature=0.0, max_new_tokens=3 + i, ignore_eos=True)) for i in range(10)
     ]
     want = [r.token_ids for r in Generator(load_model(tmp_path), paged_kv(max_memory_mb=4), max_batch_size=8).batch_generate(requests)]
-    monkeypatch.setattr(Engine, "_step_rows", recorded)
+    steps = record_steps(monkeypatch)
     generator = Generator(model, paged_kv(max_memory_mb=4), max_batch_size=8, refill_rows=4, prefill_apart=True)
     assert [r.token_ids for r in generator.batch_generate(requests)] == want
-    assert widths and min(widths) >= 4  # 10 requests: the last 2 are admitted at a group's width
-    assert prefill_widths == {4}  # the first 8 prompts too: a group at a time, one compiled prefill width
+    assert steps and min(width for _, _, width in steps) >= 4  # 10 requests: the last 2 are admitted at a group's width
+    # The first 8 prompts too: a group at a time, one compiled prefill width.
+    assert {width for _, tokens, width in steps if tokens > 1} == {4}
 
 
 def test_paged_steps_are_never_wider_than_the_batch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows are padded to a power of two, but not past ``max_batch_size``: 3 rows step 3 wide, not 4."""
-    from zgen.runtime.engine import Engine
-
     save_random_checkpoint(small_configs()["llama"], tmp_path)
     model = load_model(tmp_path)
-    widths: list[int] = []
-    step_rows = Engine._step_rows
-
-    def recorded(self: Engine, rows: list, tokens: int) -> tuple:  # type: ignore[type-arg]
-        out = step_rows(self, rows, tokens)
-        widths.append(out[0])
-        return out
-
     requests = [Request(list(range(5, 9 + 2 * i)), SamplingConfig(temperature=0.0, max_new_tokens=3 + i, ignore_eos=True)) for i in range(5)]
     want = [r.token_ids for r in Generator(model, max_batch_size=3).batch_generate(requests)]
-    monkeypatch.setattr(Engine, "_step_rows", recorded)
+    steps = record_steps(monkeypatch)
     generator = Generator(model, paged_kv(max_memory_mb=4), max_batch_size=3, refill_rows=2)
     assert [r.token_ids for r in generator.batch_generate(requests)] == want
-    assert max(widths) == 3 and set(widths) <= {2, 3}
+    widths = {width for _, _, width in steps}
+    assert max(widths) == 3 and widths <= {2, 3}
 
 
 def test_generating_rows_that_step_are_not_split_into_groups(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Only prompts prefill a group at a time: rows that draw on the host (a choice function) step
     all together, one step per token."""
-    from zgen.runtime.engine import Engine
-
     save_random_checkpoint(small_configs()["llama"], tmp_path)
     model = load_model(tmp_path)
-    token_step_widths: list[int] = []
-    step_rows = Engine._step_rows
-
-    def recorded(self: Engine, rows: list, tokens: int) -> tuple:  # type: ignore[type-arg]
-        out = step_rows(self, rows, tokens)
-        if tokens == 1:
-            token_step_widths.append(len(rows))
-        return out
-
-    monkeypatch.setattr(Engine, "_step_rows", recorded)
+    steps = record_steps(monkeypatch)
     config = SamplingConfig(temperature=0.0, max_new_tokens=4, ignore_eos=True, choose=lambda ids, probs: int(ids[0]))
     generator = Generator(model, paged_kv(max_memory_mb=4), max_batch_size=8, refill_rows=4, prefill_apart=True)
     generator.batch_generate([Request(list(range(5, 9 + i)), config) for i in range(8)])
     # The first group's rows ride along with the second group's prefill, then all 8 step together
     # until the first group is done (each row's first token comes with its prompt's last step).
-    assert token_step_widths == [8, 8, 4]
+    assert [rows for rows, tokens, _ in steps if tokens == 1] == [8, 8, 4]
 
 
 def test_refill_rows_is_checked() -> None:
