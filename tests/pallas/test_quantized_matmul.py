@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 from zgen.errors import ConfigError
 from zgen.pallas.quantized_matmul import quantized_matmul, supports
-from zgen.pallas.quantized_matmul.triton import launch
+from zgen.pallas.quantized_matmul.triton import Launch, launch
 from zgen.quantized_weights import QuantizedWeight, WeightQuantization, dequantize, quantize
 
 TOLERANCE = {"bfloat16": 2e-2, "float32": 1e-4}
@@ -46,11 +46,12 @@ def test_matches_the_dequantized_product(problem: tuple[jax.Array, QuantizedWeig
 
 
 @pytest.mark.parametrize(("bits", "group", "width", "out", "scale_dtype"), [
-    (4, 64, 256, 64, "float16"), (4, 128, 512, 528, "bfloat16"), (8, None, 128, 64, "float16"),
+    (4, 64, 256, 64, "float16"), (4, 128, 512, 528, "bfloat16"), (4, 64, 1024, 64, "bfloat16"), (8, None, 128, 64, "float16"),
 ])
 def test_one_row_in_bfloat16(bits: int, group: int | None, width: int, out: int, scale_dtype: str) -> None:
-    """Batch-1 decode, the kernel's main case (528 int4 outputs: two channels a program); 2-byte scales
-    read in u32 pairs (int8's single scale per row, an odd count, stays as it is)."""
+    """Batch-1 decode, the kernel's main case (528 int4 outputs: two channels a program; 1024 inputs:
+    a loop of two steps of four groups); 2-byte scales read in u32 pairs (int8's single scale per
+    row, an odd count, stays as it is)."""
     rng = np.random.default_rng(bits)
     weight = quantize(jnp.asarray(rng.standard_normal((out, width)) * 0.1, jnp.float32), WeightQuantization(bits, group), jnp.dtype(scale_dtype))
     x = jnp.asarray(rng.standard_normal((1, 1, width)), jnp.bfloat16)
@@ -61,15 +62,16 @@ def test_one_row_in_bfloat16(bits: int, group: int | None, width: int, out: int,
 
 
 def test_launch_settings_and_what_goes_to_xla() -> None:
-    """int8 (one group per row) takes one output channel per program, int4 (groups of 64 or more)
-    16 KB of codes while that leaves 264 programs; GGUF's groups of 32 and a fifth row are XLA's."""
+    """int8 takes 4 output channels a program and int4 8 (fewer where that leaves under 264
+    programs), int4 loops over 4 groups a step where the width has them; GGUF's groups of 32 and a
+    fifth row are XLA's."""
     def weight(out: int, width: int, scheme: WeightQuantization) -> QuantizedWeight:
         return quantize(jnp.zeros((out, width), jnp.float32), scheme, jnp.dtype(jnp.float16))
 
-    assert launch(1, weight(48, 1024, WeightQuantization(8))) == (1, 1024, 1)
-    assert launch(1, weight(4096, 14336, WeightQuantization(8))) == (1, 1024, 2)
-    assert launch(4, weight(6144, 4096, WeightQuantization(4))) == (8, 128, 4)
-    assert launch(1, weight(576, 1536, WeightQuantization(4))) == (2, 128, 1)
+    assert launch(1, weight(48, 1024, WeightQuantization(8))) == Launch(1, 1024, 1)
+    assert launch(1, weight(4096, 14336, WeightQuantization(8))) == Launch(4, 1024, 1)
+    assert launch(4, weight(6144, 4096, WeightQuantization(4))) == Launch(8, 128, 4)
+    assert launch(1, weight(576, 1536, WeightQuantization(4))) == Launch(2, 128, 2)
     assert launch(1, weight(48, 1024, WeightQuantization(4, 32))) is None
     assert launch(5, weight(48, 1024, WeightQuantization(8))) is None
 

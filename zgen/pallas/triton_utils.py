@@ -58,8 +58,8 @@ def metadata_column(ref: jax.Ref, index: Array | int, dtype: jnp.dtype) -> Array
     (a 2-byte leaf arrives widened by :func:`widen_metadata`, two columns per u32 word)."""
     if ref.dtype != jnp.uint32 or jnp.dtype(dtype).itemsize != 2:
         return ref[:, index].astype(jnp.float32)
-    word = ref[:, index // 2]
-    bits = jnp.where(index % 2 == 1, word >> 16, word & 0xFFFF)
+    word = ref[:, index >> 1]
+    bits = (word >> ((index & 1) * 16)) & 0xFFFF  # shifts, not a select or a division: a traced index lowers too
     if jnp.dtype(dtype) == jnp.bfloat16:
         return jax.lax.bitcast_convert_type(bits << 16, jnp.float32)
     return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), dtype).astype(jnp.float32)

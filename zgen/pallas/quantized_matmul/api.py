@@ -3,10 +3,10 @@ stored width.
 
 XLA's forms (:func:`zgen.quantized_weights.quantized_linear`) read int8 codes at ~2.7 TB/s on an H200
 and int4 at ~1.3 TB/s (unpacking nibbles). The Triton kernel takes a decode step's few rows on the
-CUDA cores, each program loading its whole slice of codes at once and accumulating dequantized
-products elementwise (Llama-3-8B batch-1 decode: int8 1.38x bf16's tokens/s against a byte bound
-of 1.87x; BENCHMARKS.md, "Weight-only quantization"); other products go to XLA's multiply-and-sum
-(``matmul="reduce"``: its fastest form for decode-sized steps) or, for prefill, its dot.
+CUDA cores, making codes floats by bit operations on 32-bit words (int8 at ~3.4 TB/s on an H200's
+widest product; BENCHMARKS.md, "Weight-only quantization"); other products go to XLA's
+multiply-and-sum (``matmul="reduce"``: its fastest form for decode-sized steps) or, for prefill, its
+dot.
 """
 
 from __future__ import annotations

@@ -2,116 +2,193 @@
 
 A decode step's few rows (at most :data:`MAX_ROWS`) on the CUDA cores, for groups of at least
 :data:`MIN_PIECE` bytes (zgen's own int8 and int4 layouts; GGUF's groups of 32 stay with XLA). Grid:
-one program per ``block_n`` output channels (:func:`launch`), each holding its rows' whole width of
-codes and loading all of it first, in pieces that never straddle a group (the fused norm kernel's
-loop over chunks waited for each chunk in turn, see ``zgen.pallas.norm_linear``). Each code becomes
-f32, takes its group's scale and offset (int8's wide groups: the scale once per group) and
-multiplies the rows' inputs into elementwise accumulators, summed across threads once at the end.
-No tile is padded to the tensor cores' 16 rows and nothing goes through shared memory.
+one program per ``block_n`` output channels (:func:`launch`), each looping over its rows' width in
+steps of a few pieces (a piece never straddles a group; a step issues its pieces' loads before their
+products) and accumulating products elementwise, summed across threads once at the end.
+
+Codes are read as 32-bit words and become floats by bit operations, not int-to-float conversions (a
+quarter of the float rate; what bound the earlier form): a code masked in place in the low 16 bits
+of a word and or'ed under float32's exponent of 2^23 reads ``2^23 + c * 2^shift``, exact, so one
+logic op and one subtraction give it. The inputs come arranged per code position and scaled by
+``2^-shift`` (:func:`arranged_inputs`, outside the kernel: one small fusion), so each product is one
+fused multiply-add; a word's upper half is shifted down once for its upper codes. int8's signed byte
+flips its sign bit in the same logic op (``(w & mask) ^ (magic | 0x80 << shift)`` reads ``2^23 +
+(b + 128) * 2^shift``). Group scales multiply per-group partial sums; offsets multiply the sums of
+each word's inputs.
 
 4-bit codes are planar: byte ``j`` of a row holds input ``j`` in its low nibble and input
-``j + in / 2`` in its high one, so a byte's two codes multiply the two halves of the rows' inputs.
-(A form that fed the codes to the tensor cores as dot operands, in 16-row tiles, was slower than
-XLA's forms at every shape timed: BENCHMARKS.md, "Weight-only quantization".)
+``j + in / 2`` in its high one, so nibble ``p`` of word ``m`` holds input ``(p % 2) * in / 2 + 4 m +
+p // 2``. (A form that fed the codes to the tensor cores as dot operands, in 16-row tiles, was
+slower than XLA's forms at every shape timed: BENCHMARKS.md, "Weight-only quantization".)
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, UInt32
 
 from zgen.errors import ConfigError
 from zgen.pallas.triton_utils import metadata_column, prev_pow2, widen_metadata
 from zgen.quantized_weights import QuantizedWeight
 
-# Rows the kernel takes, the code bytes a 4-bit program holds, the narrowest and widest piece it
-# reads, and the code bytes each thread holds (which sets the warps).
+# Rows the kernel takes; the narrowest and widest piece it reads (code bytes).
 MAX_ROWS = 4
-SLICE_BYTES_4BIT = 16384
 MIN_PIECE = 64
 MAX_PIECE = 1024
-THREAD_BYTES = 128
-# Programs a 4-bit product keeps at least, where it has the outputs: two per SM of an H100/H200.
+# Launch settings timed at Llama-3-8B widths on an H200 (BENCHMARKS.md): output channels a program,
+# pieces a loop step (int4's pieces are one group of 128: 128 bytes a channel) per code width.
+BLOCK_N = {8: 4, 4: 8}
+PIECES_PER_STEP = {8: 1, 4: 4}
+NUM_WARPS = 2
+NUM_STAGES = 3
+# Programs a product keeps at least, where it has the outputs: two per SM of an H100/H200.
 MIN_PROGRAMS = 264
+# float32 2^23: a code in the low mantissa bits under this exponent reads 2^23 + code.
+_MAGIC = 0x4B000000
+_MAGIC_VALUE = 8388608.0
+
+
+class Launch(NamedTuple):
+    block_n: int  # output channels a program
+    piece: int  # code bytes a piece (within one group)
+    pieces_per_step: int  # pieces a loop step loads before its products
+
+
+def _code_positions(bits: int) -> list[tuple[int, int]]:
+    """``(shift, e)`` of each code in a word: its bits sit at ``shift`` (``src >> 16`` for the upper
+    half) and read ``c * 2^(bits * e)`` once masked in place."""
+    per_half = 16 // bits
+    return [(bits * (p % per_half), p % per_half) for p in range(32 // bits)]
+
+
+def arranged_inputs(x: Float[Array, "rows inp"], bits: int) -> tuple[Float[Array, "rows_codes words"], Float[Array, "rows_halves words"]]:
+    """The inputs the kernel multiplies, per row and code position ``p`` of a word (row-major
+    ``[rows * codes_per_word, words]``, scaled by ``2^(-bits * e)``), and per row and half (int4) the
+    sum of each word's inputs (``[rows * halves, words]``, for the offsets)."""
+    rows, width = x.shape
+    x = x.astype(jnp.float32)
+    if bits == 8:  # word m holds inputs 4m .. 4m + 3, byte p = input 4m + p
+        per_word = x.reshape(rows, width // 4, 4)
+        by_position = jnp.transpose(per_word, (0, 2, 1))  # [rows, 4, words]
+        sums = per_word.sum(axis=-1)  # [rows, words]
+    else:  # nibble p = 2i + h: input h * width / 2 + 4m + i
+        per_word = x.reshape(rows, 2, width // 8, 4)  # [rows, h, m, i]
+        by_position = jnp.transpose(per_word, (0, 3, 1, 2)).reshape(rows, 8, width // 8)
+        sums = per_word.sum(axis=-1).reshape(rows * 2, width // 8)
+    factors = jnp.asarray([2.0 ** (-bits * e) for _, e in _code_positions(bits)], jnp.float32)
+    scaled = by_position * factors[None, :, None]
+    return scaled.reshape(rows * scaled.shape[1], scaled.shape[2]), sums
+
+
+def code_words(weight: QuantizedWeight) -> UInt32[Array, "out words"]:
+    """The codes as little-endian u32 words (a bitcast, free in XLA)."""
+    values = jnp.asarray(weight.values)
+    out, stored = values.shape
+    return jax.lax.bitcast_convert_type(values.reshape(out, stored // 4, 4), jnp.uint32)
 
 
 def _kernel(
-    x_ref: jax.Ref,
-    values_ref: jax.Ref,
+    xw_ref: jax.Ref,
+    sums_ref: jax.Ref,
+    words_ref: jax.Ref,
     scales_ref: jax.Ref,
     *refs: jax.Ref,
     bits: int,
+    rows: int,
     piece: int,
     pieces_per_group: int,
     metadata_dtype: jnp.dtype,
     asymmetric: bool,
+    pieces_per_step: int,
 ) -> None:
     offsets_ref = refs[0] if asymmetric else None
     o_ref = refs[-1]
-    block_n, columns = values_ref.shape
-    column_groups = columns // (piece * pieces_per_group)
-    # int8 groups of several pieces take the scale once per group; otherwise each code is dequantized.
+    block_n, words = words_ref.shape
+    positions = _code_positions(bits)
+    # 4-bit words hold two groups (the row's two planar halves): nibble p belongs to half p % 2.
+    halves = 2 if bits == 4 else 1
+    groups_per_half = words // (piece * pieces_per_group)
     scale_after = bits == 8 and pieces_per_group > 1 and offsets_ref is None
-    codes = [values_ref[:, pl.ds(j * piece, piece)] for j in range(columns // piece)]  # every load first
-    # Products accumulate elementwise: one cross-thread sum per row at the end, not one per piece.
-    acc = [jnp.zeros((block_n, piece), jnp.float32) for _ in range(x_ref.shape[0])]
-    part = list(acc)
-    for j, byte in enumerate(codes):
-        group = j // pieces_per_group
-        if bits == 8:
-            halves = [(byte.astype(jnp.float32), j * piece, group)]
-        else:  # planar nibbles: the high ones are the inputs of the row's second half
-            halves = [((byte & 0xF).astype(jnp.float32), j * piece, group),
-                      ((byte >> 4).astype(jnp.float32), columns + j * piece, group + column_groups)]
-        for code, column, g in halves:
-            scale = metadata_column(scales_ref, g, metadata_dtype)[:, None]
-            weight = code if scale_after else code * scale
-            if offsets_ref is not None:
-                weight = weight + metadata_column(offsets_ref, g, metadata_dtype)[:, None]
-            for row in range(len(acc)):
-                x = x_ref[pl.ds(row, 1), pl.ds(column, piece)].astype(jnp.float32)  # [1, piece]
-                if not scale_after:
-                    acc[row] = acc[row] + weight * x
-                elif (j + 1) % pieces_per_group:
-                    part[row] = part[row] + weight * x
-                else:  # the group's last piece
-                    acc[row] = acc[row] + (part[row] + weight * x) * scale
-                    part[row] = jnp.zeros_like(part[row])
+    mask = (1 << bits) - 1
+
+    def products(j: Array | int, word: Array, acc: list[Array]) -> list[Array]:
+        """The rows' elementwise products with piece ``j``'s codes ``word`` added to ``acc``."""
+        columns = pl.ds(j * piece, piece)
+        group = j // pieces_per_group if isinstance(j, int) else jax.lax.div(j, pieces_per_group)  # non-negative
+        upper = word >> 16
+        values = []
+        for shift, _ in positions:
+            src = word if len(values) < len(positions) // 2 else upper
+            if bits == 8:  # the sign bit flipped in the same logic op: reads 2^23 + (b + 128) * 2^shift
+                raw = (src & (mask << shift)) ^ (_MAGIC | (0x80 << shift))
+                values.append(jax.lax.bitcast_convert_type(raw, jnp.float32) - (_MAGIC_VALUE + 128.0 * 2.0**shift))
+            else:
+                raw = (src & (mask << shift)) | _MAGIC
+                values.append(jax.lax.bitcast_convert_type(raw, jnp.float32) - _MAGIC_VALUE)
+        acc = list(acc)
+        for row in range(rows):
+            parts = [jnp.zeros((block_n, piece), jnp.float32) for _ in range(halves)]
+            for p, value in enumerate(values):
+                x = xw_ref[pl.ds(row * len(positions) + p, 1), columns]  # [1, piece]
+                parts[p % halves] = parts[p % halves] + value * x
+            for h, part in enumerate(parts):
+                g = group + h * groups_per_half
+                scale = metadata_column(scales_ref, g, metadata_dtype)[:, None]
+                acc[row] = acc[row] + (part if scale_after else part * scale)
+                if offsets_ref is not None:
+                    offset = metadata_column(offsets_ref, g, metadata_dtype)[:, None]
+                    acc[row] = acc[row] + offset * sums_ref[pl.ds(row * halves + h, 1), columns]
+        return acc
+
+    def step(first: Array | int, acc: list[Array]) -> list[Array]:
+        """``pieces_per_step`` pieces from piece ``first``: every load first, then the products."""
+        codes = [words_ref[:, pl.ds((first + u) * piece, piece)] for u in range(pieces_per_step)]
+        for u, word in enumerate(codes):
+            acc = products(first + u, word, acc)
+        return acc
+
+    acc = [jnp.zeros((block_n, piece), jnp.float32) for _ in range(rows)]
+    steps = words // piece // pieces_per_step
+    if steps == 1:
+        acc = step(0, acc)
+    else:
+        acc = list(jax.lax.fori_loop(0, steps, lambda i, acc: tuple(step(i * pieces_per_step, list(acc))), tuple(acc)))
     for row, total in enumerate(acc):
-        o_ref[pl.ds(row, 1), :] = jnp.sum(total, axis=1)[None, :].astype(o_ref.dtype)
+        y = jnp.sum(total, axis=1)
+        if scale_after:  # int8's single group per row
+            y = y * metadata_column(scales_ref, 0, metadata_dtype)
+        o_ref[pl.ds(row, 1), :] = y[None, :].astype(o_ref.dtype)
 
 
-def _kernel_leaves(weight: QuantizedWeight) -> tuple[list[Array], jnp.dtype]:
-    """The leaves the kernel reads (codes; 2-byte scales and offsets widened to u32 pairs) and the
-    metadata's own dtype."""
+def _metadata_leaves(weight: QuantizedWeight) -> tuple[list[Array], jnp.dtype]:
+    """Scales (and offsets), 2-byte ones widened to u32 pairs, and the metadata's own dtype."""
     metadata = [jnp.asarray(weight.scales)] + ([] if weight.offsets is None else [jnp.asarray(weight.offsets)])
-    return [jnp.asarray(weight.values), *map(widen_metadata, metadata)], metadata[0].dtype
+    return list(map(widen_metadata, metadata)), metadata[0].dtype
 
 
-def launch(rows: int, weight: QuantizedWeight) -> tuple[int, int, int] | None:
-    """``(block_n, piece, num_warps)`` of the kernel for ``rows`` rows, or None where it does not take
-    the product (more rows, or groups narrower than :data:`MIN_PIECE` bytes, e.g. GGUF's 32: XLA's
-    forms take those).
-
-    Timed at Llama-3-8B widths on an H200 (BENCHMARKS.md): int8 is fastest one output row per program,
-    4-bit codes (twice the work per byte) with 16 KB per program, fewer where that would leave fewer
-    than :data:`MIN_PROGRAMS` programs (SmolLM2's 576 outputs); each thread holding
-    :data:`THREAD_BYTES` of codes sets the warps."""
+def launch(rows: int, weight: QuantizedWeight) -> Launch | None:
+    """The kernel's settings for ``rows`` rows of ``weight``, or None where it does not take the
+    product (more rows, or groups narrower than :data:`MIN_PIECE` bytes, e.g. GGUF's 32: XLA's forms
+    take those). Fewer channels a program where :data:`BLOCK_N` would leave fewer than
+    :data:`MIN_PROGRAMS` programs (SmolLM2's 576 outputs)."""
     out = weight.shape[0]
     columns = int(weight.values.shape[1])
     piece = min(weight.group_size & -weight.group_size, MAX_PIECE)
     if rows > MAX_ROWS or piece < MIN_PIECE or columns % piece:
         return None
-    block_n = 1 if weight.bits == 8 else prev_pow2(max(1, min(SLICE_BYTES_4BIT // columns, out // MIN_PROGRAMS)))
+    block_n = min(BLOCK_N[weight.bits], prev_pow2(max(1, out // MIN_PROGRAMS)))
     while out % block_n:
         block_n //= 2
-    num_warps = min(8, max(1, prev_pow2(block_n * columns // (32 * THREAD_BYTES))))
-    return block_n, piece, num_warps
+    pieces_per_step = PIECES_PER_STEP[weight.bits]
+    while (columns // piece) % pieces_per_step:
+        pieces_per_step //= 2
+    return Launch(block_n, piece, pieces_per_step)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -119,29 +196,34 @@ def quantized_matmul(x: Float[Array, "*rows inp"], weight: QuantizedWeight, *, i
     """``x @ W.T`` for a product :func:`launch` takes (the caller checks)."""
     out, inp = weight.shape
     flat = x.reshape(-1, inp)
-    setting = launch(flat.shape[0], weight)
+    rows = flat.shape[0]
+    setting = launch(rows, weight)
     if setting is None:
-        raise ConfigError(f"quantized_matmul: the kernel does not take {flat.shape[0]} rows of this weight (see launch)")
-    block_n, piece, num_warps = setting
-    leaves, metadata_dtype = _kernel_leaves(weight)
+        raise ConfigError(f"quantized_matmul: the kernel does not take {rows} rows of this weight (see launch)")
+    words = code_words(weight)
+    xw, sums = arranged_inputs(flat, weight.bits)
+    metadata, metadata_dtype = _metadata_leaves(weight)
     y = pl.pallas_call(
         functools.partial(
             _kernel,
             bits=weight.bits,
-            piece=piece,
-            pieces_per_group=weight.group_size // piece,
+            rows=rows,
+            piece=setting.piece // 4,
+            pieces_per_group=weight.group_size // setting.piece,
+            pieces_per_step=setting.pieces_per_step,
             metadata_dtype=metadata_dtype,
             asymmetric=weight.offsets is not None,
         ),
-        grid=(out // block_n,),
+        grid=(out // setting.block_n,),
         in_specs=[
-            pl.BlockSpec(flat.shape, lambda i: (0, 0)),
-            *(pl.BlockSpec((block_n, leaf.shape[1]), lambda i: (i, 0)) for leaf in leaves),
+            pl.BlockSpec(xw.shape, lambda i: (0, 0)),
+            pl.BlockSpec(sums.shape, lambda i: (0, 0)),
+            *(pl.BlockSpec((setting.block_n, leaf.shape[1]), lambda i: (i, 0)) for leaf in (words, *metadata)),
         ],
-        out_specs=pl.BlockSpec((flat.shape[0], block_n), lambda i: (0, i)),
-        out_shape=jax.ShapeDtypeStruct((flat.shape[0], out), flat.dtype),
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        out_specs=pl.BlockSpec((rows, setting.block_n), lambda i: (0, i)),
+        out_shape=jax.ShapeDtypeStruct((rows, out), flat.dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
         interpret=interpret,
         name="zgen_quantized_matmul",
-    )(flat, *leaves)
+    )(xw, sums, words, *metadata)
     return y.reshape(*x.shape[:-1], out)
