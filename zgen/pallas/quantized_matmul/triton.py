@@ -67,23 +67,29 @@ def _code_positions(bits: int) -> list[tuple[int, int]]:
     return [(bits * (p % per_half), p % per_half) for p in range(32 // bits)]
 
 
-def arranged_inputs(x: Float[Array, "rows inp"], bits: int) -> tuple[Float[Array, "rows_codes words"], Float[Array, "rows_halves words"]]:
-    """The inputs the kernel multiplies, per row and code position ``p`` of a word (row-major
-    ``[rows * codes_per_word, words]``, scaled by ``2^(-bits * e)``), and per row and half (int4) the
-    sum of each word's inputs (``[rows * halves, words]``, for the offsets)."""
+def _per_word(x: Float[Array, "rows inp"], bits: int) -> Float[Array, "rows halves words per_half"]:
+    """``x`` as the inputs of each word: int8's word ``m`` holds inputs ``4m .. 4m + 3`` (byte ``p`` =
+    input ``4m + p``); int4's nibble ``p = 2i + h`` holds input ``h * inp / 2 + 4m + i``."""
     rows, width = x.shape
-    x = x.astype(jnp.float32)
-    if bits == 8:  # word m holds inputs 4m .. 4m + 3, byte p = input 4m + p
-        per_word = x.reshape(rows, width // 4, 4)
-        by_position = jnp.transpose(per_word, (0, 2, 1))  # [rows, 4, words]
-        sums = per_word.sum(axis=-1)  # [rows, words]
-    else:  # nibble p = 2i + h: input h * width / 2 + 4m + i
-        per_word = x.reshape(rows, 2, width // 8, 4)  # [rows, h, m, i]
-        by_position = jnp.transpose(per_word, (0, 3, 1, 2)).reshape(rows, 8, width // 8)
-        sums = per_word.sum(axis=-1).reshape(rows * 2, width // 8)
+    halves = 2 if bits == 4 else 1
+    return x.astype(jnp.float32).reshape(rows, halves, width // (4 * halves), 4)
+
+
+def arranged_inputs(x: Float[Array, "rows inp"], bits: int) -> Float[Array, "rows_codes words"]:
+    """The inputs the kernel multiplies, per row and code position ``p`` of a word (row-major
+    ``[rows * codes_per_word, words]``), each scaled by ``2^-shift`` of its code's position."""
+    per_word = _per_word(x, bits)
+    rows, _, words, _ = per_word.shape
+    by_position = jnp.transpose(per_word, (0, 3, 1, 2)).reshape(rows, 32 // bits, words)  # p = halves * i + h
     factors = jnp.asarray([2.0 ** (-bits * e) for _, e in _code_positions(bits)], jnp.float32)
-    scaled = by_position * factors[None, :, None]
-    return scaled.reshape(rows * scaled.shape[1], scaled.shape[2]), sums
+    return (by_position * factors[None, :, None]).reshape(rows * (32 // bits), words)
+
+
+def word_sums(x: Float[Array, "rows inp"], bits: int) -> Float[Array, "rows_halves words"]:
+    """Per row and half (int4's planar halves) the sum of each word's inputs (``[rows * halves,
+    words]``): what a group's offset multiplies."""
+    per_word = _per_word(x, bits)
+    return per_word.sum(axis=-1).reshape(-1, per_word.shape[2])
 
 
 def code_words(weight: QuantizedWeight) -> UInt32[Array, "out words"]:
@@ -95,7 +101,6 @@ def code_words(weight: QuantizedWeight) -> UInt32[Array, "out words"]:
 
 def _kernel(
     xw_ref: jax.Ref,
-    sums_ref: jax.Ref,
     words_ref: jax.Ref,
     scales_ref: jax.Ref,
     *refs: jax.Ref,
@@ -107,7 +112,7 @@ def _kernel(
     asymmetric: bool,
     pieces_per_step: int,
 ) -> None:
-    offsets_ref = refs[0] if asymmetric else None
+    offsets_ref, sums_ref = refs[:2] if asymmetric else (None, None)
     o_ref = refs[-1]
     block_n, words = words_ref.shape
     positions = _code_positions(bits)
@@ -141,7 +146,7 @@ def _kernel(
                 g = group + h * groups_per_half
                 scale = metadata_column(scales_ref, g, metadata_dtype)[:, None]
                 acc[row] = acc[row] + (part if scale_after else part * scale)
-                if offsets_ref is not None:
+                if offsets_ref is not None and sums_ref is not None:
                     offset = metadata_column(offsets_ref, g, metadata_dtype)[:, None]
                     acc[row] = acc[row] + offset * sums_ref[pl.ds(row * halves + h, 1), columns]
         return acc
@@ -201,8 +206,9 @@ def quantized_matmul(x: Float[Array, "*rows inp"], weight: QuantizedWeight, *, i
     if setting is None:
         raise ConfigError(f"quantized_matmul: the kernel does not take {rows} rows of this weight (see launch)")
     words = code_words(weight)
-    xw, sums = arranged_inputs(flat, weight.bits)
+    xw = arranged_inputs(flat, weight.bits)
     metadata, metadata_dtype = _metadata_leaves(weight)
+    sums = [word_sums(flat, weight.bits)] if weight.offsets is not None else []
     y = pl.pallas_call(
         functools.partial(
             _kernel,
@@ -217,13 +223,13 @@ def quantized_matmul(x: Float[Array, "*rows inp"], weight: QuantizedWeight, *, i
         grid=(out // setting.block_n,),
         in_specs=[
             pl.BlockSpec(xw.shape, lambda i: (0, 0)),
-            pl.BlockSpec(sums.shape, lambda i: (0, 0)),
             *(pl.BlockSpec((setting.block_n, leaf.shape[1]), lambda i: (i, 0)) for leaf in (words, *metadata)),
+            *(pl.BlockSpec(leaf.shape, lambda i: (0, 0)) for leaf in sums),
         ],
         out_specs=pl.BlockSpec((rows, setting.block_n), lambda i: (0, i)),
         out_shape=jax.ShapeDtypeStruct((rows, out), flat.dtype),
         compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
         interpret=interpret,
         name="zgen_quantized_matmul",
-    )(xw, sums, words, *metadata)
+    )(xw, words, *metadata, *sums)
     return y.reshape(*x.shape[:-1], out)
