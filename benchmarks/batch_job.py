@@ -28,8 +28,11 @@ Both sides first run a warm-up job of twice their batch of requests of the same 
 shape buckets), then the measured one. ``--trace-steps`` adds where each measured side's time went:
 its compiles (count, seconds), and per kind of engine step (prefill/mixed steps, decode loops) the
 calls, forward passes, tokens and seconds, compiles taken out. ``--scale`` shrinks the job for a CPU (request count, prompt
-and output lengths); the roofline printed is the weights-only one (``job-batch-size`` rows per
-read of the weights at ``--bandwidth-gbs``), which the KV reads lower further.
+and output lengths). With ``--bandwidth-gbs`` the report gives the weights-only roofline
+(``job-batch-size`` rows per read of the weights); with ``--trace-steps`` too, each side's decode
+against the bandwidth roofline at the batch sizes it reached: the bytes its decode passes had to
+read (the weights once a pass, the embedding table aside, and each decoded token's valid KV: its
+row's prompt and the tokens before it) over ``--bandwidth-gbs``, against its measured decode seconds.
 
     python benchmarks/batch_job.py --shape llama3-8b --dtype bfloat16 --bandwidth-gbs 4800     # H200
     python benchmarks/batch_job.py --shape smollm2 --scale 0.03 --dtype float32 --max-batch-size 8  # CPU
@@ -153,6 +156,31 @@ def batch_job(
     return time.perf_counter() - start, summary
 
 
+def completions(path: Path) -> dict[str, int]:
+    """Each request's completion tokens in a job's output file."""
+    with open(path, encoding="utf-8") as lines:
+        records = [json.loads(line) for line in lines]
+    return {r["custom_id"]: r["response"]["body"]["usage"]["completion_tokens"] for r in records}
+
+
+def decode_kv_reads(requests: list[dict[str, Any]], made: dict[str, int]) -> int:
+    """KV token reads of every decoded token (the first token of a request comes from its prefill):
+    the ``i``-th decoded token of a row reads its prompt and the ``i`` tokens before it."""
+    reads = 0
+    for r in requests:
+        decoded = max(made[r["id"]] - 1, 0)
+        reads += decoded * len(r["prompt"]) + decoded * (decoded + 1) // 2
+    return reads
+
+
+def decode_roofline(steps: dict[str, Any], kv_reads: int, weight_bytes: int, kv_bytes_per_token: int, bandwidth_gbs: float) -> dict[str, Any]:
+    """A side's decode passes against the time their bytes take at ``bandwidth_gbs``."""
+    decode = steps["steps"]["decode"]
+    needed = decode["forward_passes"] * weight_bytes + kv_reads * kv_bytes_per_token
+    roofline_s = needed / (bandwidth_gbs * 1e9)
+    return {"bytes_read_gb": needed / 1e9, "roofline_s": roofline_s, "decode_s": decode["seconds"], "fraction_of_roofline": roofline_s / decode["seconds"]}
+
+
 def job_report(seconds: float, summary: Any) -> dict[str, Any]:
     """Tokens/s and the latency percentiles the job's summary read from the engine's metrics."""
     return {
@@ -167,14 +195,14 @@ def fixed_chunks(model: Any, requests: list[dict[str, Any]], args: argparse.Name
 
     generator = Generator(model, max_batch_size=args.max_batch_size, prefill_chunk=args.prefill_chunk)
     start = time.perf_counter()
-    tokens = 0
+    made: dict[str, int] = {}
     for i in range(0, len(requests), args.max_batch_size):
         chunk = requests[i : i + args.max_batch_size]
         results = generator.batch_generate(
             [Request(r["prompt"], SamplingConfig(temperature=0.0, max_new_tokens=r["max_tokens"])) for r in chunk]
         )
-        tokens += sum(len(r.token_ids) for r in results)
-    return time.perf_counter() - start, tokens
+        made.update({r["id"]: len(result.token_ids) for r, result in zip(chunk, results, strict=True)})
+    return time.perf_counter() - start, made
 
 
 def main() -> None:
@@ -210,12 +238,12 @@ def main() -> None:
     args.job_batch_size = args.job_batch_size or 2 * args.max_batch_size
     n = max(2, round(args.requests * args.scale))
     requests = make_requests(n, args.scale, config.vocab_size, args.seed)
-    if args.kv_memory_mb is None:  # the dense cache of a chunk: K and V of every layer for every row's capacity
-        per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * model.dtype.itemsize
+    kv_bytes_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * model.dtype.itemsize  # K and V, every layer
+    if args.kv_memory_mb is None:  # the dense cache of a chunk: every row's capacity
         longest = max(len(r["prompt"]) + r["max_tokens"] for r in requests)
         min_capacity = inspect.signature(SlotKVManager).parameters["min_capacity"].default
         capacity = min(config.max_position_embeddings, next_pow2(longest, min_capacity))
-        args.kv_memory_mb = args.max_batch_size * capacity * per_token / 2**20
+        args.kv_memory_mb = args.max_batch_size * capacity * kv_bytes_per_token / 2**20
     warmup = make_requests(2 * max(args.job_batch_size, args.max_batch_size), args.scale, config.vocab_size, args.seed + 1)
     trace = StepTrace() if args.trace_steps else None
     traced: dict[str, Any] = {}
@@ -230,11 +258,12 @@ def main() -> None:
         job_s, job = batch_job(model, requests, directory, "job", args)
         if trace is not None:
             traced["batch_job"] = trace.take()
-        chunk_s, chunk_tokens = fixed_chunks(model, requests, args)
+        job_made = completions(directory / "job.out.jsonl")
+        chunk_s, chunk_made = fixed_chunks(model, requests, args)
         if trace is not None:
             traced["fixed_chunks"] = trace.take()
         lora = batch_job(model, requests, directory, "job-lora", args, args.lora_adapters) if args.lora_adapters else None
-    job_tokens = job.completion_tokens
+    job_tokens, chunk_tokens = job.completion_tokens, sum(chunk_made.values())
     weight_bytes = sum(p.size * p.dtype.itemsize for p in model.params.values())
     report: dict[str, Any] = {
         "device": str(jax.devices()[0].device_kind),
@@ -261,6 +290,13 @@ def main() -> None:
         roofline = args.job_batch_size * args.bandwidth_gbs * 1e9 / weight_bytes
         report["weights_roofline_tokens_per_s"] = roofline
         report["batch_job_fraction_of_roofline"] = report["batch_job"]["output_tokens_per_s"] / roofline
+        if traced:  # decode against the bytes it had to read, at the batch sizes each side reached
+            embed = model.params["embed"]
+            read_a_pass = weight_bytes - (0 if config.tie_word_embeddings else embed.size * embed.dtype.itemsize)
+            report["decode_roofline"] = {
+                side: decode_roofline(traced[side], decode_kv_reads(requests, made), read_a_pass, kv_bytes_per_token, args.bandwidth_gbs)
+                for side, made in (("batch_job", job_made), ("fixed_chunks", chunk_made))
+            }
     print(json.dumps(report, indent=2))
 
 
