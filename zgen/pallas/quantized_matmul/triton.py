@@ -60,11 +60,10 @@ class Launch(NamedTuple):
     pieces_per_step: int  # pieces a loop step loads before its products
 
 
-def _code_positions(bits: int) -> list[tuple[int, int]]:
-    """``(shift, e)`` of each code in a word: its bits sit at ``shift`` (``src >> 16`` for the upper
-    half) and read ``c * 2^(bits * e)`` once masked in place."""
-    per_half = 16 // bits
-    return [(bits * (p % per_half), p % per_half) for p in range(32 // bits)]
+def _code_shifts(bits: int) -> list[int]:
+    """Where each code of a word sits once its half is in the low 16 bits (``word >> 16`` for the
+    upper half): masked in place, code ``p`` reads ``c * 2^shift``."""
+    return [bits * p % 16 for p in range(32 // bits)]
 
 
 def _per_word(x: Float[Array, "rows inp"], bits: int) -> Float[Array, "rows halves words per_half"]:
@@ -81,7 +80,7 @@ def arranged_inputs(x: Float[Array, "rows inp"], bits: int) -> Float[Array, "row
     per_word = _per_word(x, bits)
     rows, _, words, _ = per_word.shape
     by_position = jnp.transpose(per_word, (0, 3, 1, 2)).reshape(rows, 32 // bits, words)  # p = halves * i + h
-    factors = jnp.asarray([2.0 ** (-bits * e) for _, e in _code_positions(bits)], jnp.float32)
+    factors = jnp.asarray([2.0**-shift for shift in _code_shifts(bits)], jnp.float32)
     return (by_position * factors[None, :, None]).reshape(rows * (32 // bits), words)
 
 
@@ -121,7 +120,7 @@ def _kernel(
     offsets_ref, sums_ref = refs[:2] if asymmetric else (None, None)
     o_ref = refs[-1]
     block_n, words = words_ref.shape
-    positions = _code_positions(bits)
+    shifts = _code_shifts(bits)
     # 4-bit words hold two groups (the row's two planar halves): nibble p belongs to half p % 2.
     halves = 2 if bits == 4 else 1
     groups_per_half = words // (piece * pieces_per_group)
@@ -137,8 +136,8 @@ def _kernel(
         group = j // pieces_per_group if isinstance(j, int) else jax.lax.div(j, pieces_per_group)  # non-negative
         upper = word >> 16
         values = []
-        for shift, _ in positions:
-            src = word if len(values) < len(positions) // 2 else upper
+        for p, shift in enumerate(shifts):
+            src = word if p < len(shifts) // 2 else upper
             if bits == 8:  # the sign bit flipped in the same logic op: reads 2^23 + (b + 128) * 2^shift
                 raw = (src & masks[shift // bits]) ^ (_MAGIC | (0x80 << shift))
                 values.append(jax.lax.bitcast_convert_type(raw, jnp.float32) - (_MAGIC_VALUE + 128.0 * 2.0**shift))
@@ -150,7 +149,7 @@ def _kernel(
             # int8's single group per row takes its scale at the end: its products go straight into acc.
             parts = [acc[row]] if scale_after else [jnp.zeros((block_n, piece), jnp.float32) for _ in range(halves)]
             for p, value in enumerate(values):
-                x = xw_ref[pl.ds(row * len(positions) + p, 1), columns]  # [1, piece]
+                x = xw_ref[pl.ds(row * len(shifts) + p, 1), columns]  # [1, piece]
                 parts[p % halves] = parts[p % halves] + value * x
             if scale_after:
                 acc[row] = parts[0]
