@@ -10,6 +10,12 @@ reduction). Also one matmul alone (batch 1
 by the MLP's down projection), where only the weight bytes differ. Goals: int8 ≥ 1.7×, int4 ≥ 2.8×
 bf16's tokens/s at the Llama-3-8B shape.
 
+``products`` (a GPU): each of a decoder layer's four products alone (qkv, o, gate/up, down; one row),
+bf16 against int8 (per output channel) and int4 (default groups: 128 at Llama-3-8B) in each ``--matmul`` form: device
+time per product from a profiler trace of every kernel the call launches (arrangement fusions
+included), over ``--weights`` distinct matrices per format so that the codes come from memory, not
+from L2.
+
 ``ppl`` (any machine; CPU is fine): SmolLM2-135M-Instruct's perplexity over the start of
 ``docs/eval/english.txt`` (``zgen.evaluation.perplexity``, dense float32 cache) for the GGUF
 dequantized to float32 (today's default), the GGUF's own Q4_1 blocks computed directly
@@ -17,6 +23,7 @@ dequantized to float32 (today's default), the GGUF's own Q4_1 blocks computed di
 
     python benchmarks/quantized_weights.py speed                # GPU: both shapes, JSON lines
     python benchmarks/quantized_weights.py speed --shape llama3-8b --new-tokens 128
+    python benchmarks/quantized_weights.py products --matmul reduce kernel   # GPU: per product, µs
     python benchmarks/quantized_weights.py ppl --tokens 1024    # CPU
 """
 
@@ -112,6 +119,53 @@ def speed(args: argparse.Namespace) -> None:
         del base
 
 
+def layer_products(shape: str) -> dict[str, tuple[int, int]]:
+    """``[out, in]`` of a decoder layer's four products at ``shape``."""
+    from zgen import ModelConfig
+
+    c = ModelConfig.from_hf({**SHAPES[shape], "model_type": "llama", "rms_norm_eps": 1e-5})
+    return {
+        "qkv": ((c.num_heads + 2 * c.num_kv_heads) * c.head_dim, c.hidden_size),
+        "o": (c.hidden_size, c.num_heads * c.head_dim),
+        "gate_up": (2 * c.intermediate_size, c.hidden_size),
+        "down": (c.hidden_size, c.intermediate_size),
+    }
+
+
+def products(args: argparse.Namespace) -> None:
+    from kernel_trace import _kernel_times  # benchmarks/ is on sys.path when this script runs
+    from zgen.pallas.common import platform
+
+    if platform() != "gpu":
+        raise SystemExit("products reads device time from a GPU's stream events; run it on a GPU")
+    schemes: dict[str, WeightQuantization | None] = {"bf16": None}
+    for bits in (8, 4):
+        for matmul in args.matmul:
+            schemes[f"int{bits}-{matmul}"] = WeightQuantization(bits, matmul=matmul)
+    key = jax.random.key(0)
+    rows = []
+    for name, (out, inp) in layer_products(args.shape).items():
+        floats = [(jax.random.normal(jax.random.fold_in(key, i), (out, inp), jnp.float32) * inp**-0.5).astype(jnp.bfloat16) for i in range(args.weights)]
+        x = jax.random.normal(jax.random.fold_in(key, args.weights), (1, inp), jnp.bfloat16)
+        row: dict[str, Any] = {"product": name, "shape": [out, inp], "device": jax.devices()[0].device_kind}
+        for label, scheme in schemes.items():
+            weights: list[Any] = floats if scheme is None else [quantize(w, scheme, jnp.dtype(jnp.bfloat16)) for w in floats]
+            fn = jax.jit(lambda ws, x: [product(x, w) if isinstance(w, QuantizedWeight) else x @ w.T for w in ws])
+            jax.block_until_ready(fn(weights, x))
+            samples = []
+            for _ in range(args.runs):
+                times = _kernel_times(lambda: jax.block_until_ready(fn(weights, x)))
+                samples.append(sum(v for k, v in times.items() if not k.startswith("#")) / len(weights))
+            row[label] = round(statistics.median(samples), 2)
+            del weights
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    labels = list(schemes)
+    print("\n| product | " + " | ".join(labels) + " |\n| --- | " + " | ".join("---:" for _ in labels) + " |")
+    for row in rows:
+        print(f"| {row['product']} {row['shape'][1]} -> {row['shape'][0]} | " + " | ".join(f"{row[k]:.1f} µs" for k in labels) + " |")
+
+
 def ppl(args: argparse.Namespace) -> None:
     from zgen.evaluation import perplexity, read_text_file
 
@@ -149,15 +203,17 @@ def main() -> None:
     fast.add_argument("--prompt-tokens", type=int, default=16)
     fast.add_argument("--runs", type=int, default=5)
     fast.add_argument("--matmul", nargs="+", choices=MATMULS, default=list(MATMULS))
+    per_product = parts.add_parser("products")
+    per_product.add_argument("--shape", choices=list(SHAPES), default="llama3-8b")
+    per_product.add_argument("--matmul", nargs="+", choices=MATMULS, default=["reduce", "kernel"])
+    per_product.add_argument("--weights", type=int, default=4, help="Distinct matrices per format, timed one after another.")
+    per_product.add_argument("--runs", type=int, default=3)
     quality = parts.add_parser("ppl")
     quality.add_argument("--tokens", type=int, default=1024, help="Score the text's first N tokens.")
     quality.add_argument("--window", type=int, default=512)
     quality.add_argument("--chunk", type=int, default=64)
     args = parser.parse_args()
-    if args.part == "speed":
-        speed(args)
-    else:
-        ppl(args)
+    {"speed": speed, "products": products, "ppl": ppl}[args.part](args)
 
 
 if __name__ == "__main__":
