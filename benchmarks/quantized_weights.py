@@ -2,7 +2,8 @@
 
 ``speed`` (a GPU): batch-1 greedy decode, ms per token, of random bf16 weights of the Llama-3-8B and
 SmolLM2 shapes against the same weights quantized to int8 (per output channel) and int4 (groups of
-128 for Llama-3-8B, 32 for SmolLM2's width 576), in one process, same prompt and method as
+128 for Llama-3-8B, 32 for SmolLM2's width 576), as the named formats do it (Llama-3-8B's untied LM
+head in int8; SmolLM2's is tied to its embeddings and stays bf16), in one process, same prompt and method as
 ``gpu_decode.py`` (generate N tokens minus generate 1). Each quantized format runs with each
 ``--matmul`` way of computing the product (``zgen.quantized_weights.MATMULS``: dequantize-then-dot;
 dots over the raw codes per group with the scales applied after; or, for decode, a multiply-and-sum
@@ -30,6 +31,7 @@ dequantized to float32 (today's default), the GGUF's own Q4_1 blocks computed di
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -43,7 +45,7 @@ from gpu_decode import SHAPES, per_token_s, prompt_ids, random_shape_model  # be
 from zgen import Generator, SamplingConfig
 from zgen.model import Model, load_model, quantize_model
 from zgen.pallas.quantized_matmul import quantized_matmul
-from zgen.quantized_weights import MATMULS, QuantizedWeight, WeightQuantization, quantize, quantized_linear
+from zgen.quantized_weights import MATMULS, WEIGHT_FORMATS, QuantizedWeight, WeightQuantization, quantize, quantized_linear
 
 TEXT = Path(__file__).resolve().parent.parent / "docs" / "eval" / "english.txt"
 
@@ -94,8 +96,8 @@ def matmul_ms(hidden: int, intermediate: int, schemes: dict[str, WeightQuantizat
 def speed(args: argparse.Namespace) -> None:
     schemes: dict[str, WeightQuantization | None] = {"bf16": None}
     for bits in (8, 4):
-        for matmul in args.matmul:
-            schemes[f"int{bits}-{matmul}"] = WeightQuantization(bits, matmul=matmul)
+        for matmul in args.matmul:  # the named format (its int8 LM head included) with each product form
+            schemes[f"int{bits}-{matmul}"] = dataclasses.replace(WEIGHT_FORMATS[f"int{bits}"], matmul=matmul)
     for shape in args.shape:
         base = random_shape_model(shape)
         c = base.config

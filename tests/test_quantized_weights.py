@@ -77,6 +77,8 @@ def test_default_groups_and_bad_group_sizes() -> None:
         WeightQuantization(3)
     with pytest.raises(ConfigError, match="matmul must be one of"):
         WeightQuantization(8, matmul="fast")
+    with pytest.raises(ConfigError, match="head_bits must be None, 8 or 4"):
+        WeightQuantization(4, head_bits=16)
 
 
 # -- a tiny random Llama, quantized at load ---------------------------------------------------------
@@ -115,7 +117,10 @@ def test_int8_and_int4_models_compute_their_weights_and_stay_near_the_float_mode
     int8 = load_model(tiny_dir, dtype="float32", weights="int8")
     int4 = load_model(tiny_dir, dtype="float32", weights="int4")
     assert isinstance(int8.params["layers.0.qkv"], QuantizedWeight)
-    assert int8.params["embed"].dtype == jnp.float32  # embeddings and LM head stay float
+    assert int8.params["embed"].dtype == jnp.float32  # the embedding table stays float
+    for model in (int8, int4):  # both named formats keep the (untied) LM head in int8
+        head = model.params["lm_head"]
+        assert isinstance(head, QuantizedWeight) and head.bits == 8 and head.matmul == "kernel"
     # The quantized matmuls compute the float model of the dequantized weights (int8's matmul is the
     # same dequantize-then-dot, checked per matrix above).
     assert _relative_logit_error(_with_dequantized_weights(int4), int4) < 1e-5
@@ -128,6 +133,13 @@ def test_int8_and_int4_models_compute_their_weights_and_stay_near_the_float_mode
     greedy = SamplingConfig(temperature=0.0, max_new_tokens=16, ignore_eos=True)
     reference = Generator(tiny_float).generate(IDS, greedy).token_ids
     assert Generator(int8).generate(IDS, greedy).token_ids == reference
+
+
+def test_a_head_tied_to_the_embeddings_stays_float(small_chat: Model) -> None:
+    """The head's rows are also the embedding lookups: the named formats leave a tied table float."""
+    int8 = quantize_model(small_chat, "int8")
+    assert isinstance(int8.params["layers.0.gate_up"], QuantizedWeight)
+    assert not isinstance(int8.params["embed"], QuantizedWeight) and "lm_head" not in int8.params
 
 
 def test_quantize_model_matches_quantizing_at_load(tiny_dir: Path, tiny_float: Model) -> None:

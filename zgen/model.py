@@ -194,7 +194,8 @@ def load_model(
     ``weights`` picks how the linear layers' weights (q/k/v/o, gate/up/down) are held: None in
     ``dtype``; ``"int8"`` / ``"int4"`` (or a :class:`~zgen.quantized_weights.WeightQuantization`)
     quantized at load; ``"gguf"`` a GGUF file's own Q8_0/Q4_0/Q4_1/Q4_K blocks, computed on directly.
-    Embeddings, norms and the LM head stay in ``dtype``.
+    Embeddings and norms stay in ``dtype``; the LM head too, except that ``"int8"`` and ``"int4"``
+    hold an untied one in int8 (``WeightQuantization.head_bits``).
     """
     if dtype not in DTYPES:
         raise ConfigError(f"dtype {dtype!r} is not supported; choose one of {sorted(DTYPES)}")

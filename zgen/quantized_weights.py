@@ -84,11 +84,15 @@ jax.tree_util.register_dataclass(
 class WeightQuantization:
     """How to quantize linear weights at load: ``bits`` 8 or 4; ``group_size`` inputs per scale
     (None: int8 one group per row, int4 the largest of 128/64/32 that the matrix's width allows);
-    ``matmul`` how the product is computed (:data:`MATMULS`, see the module notes)."""
+    ``matmul`` how the product is computed (:data:`MATMULS`, see the module notes); ``head_bits``
+    the LM head's width (None: it stays in the compute dtype; 8 or 4: quantized like a linear weight
+    of that width with default groups). A head tied to the embedding table always stays in the
+    compute dtype: its rows are also looked up."""
 
     bits: int
     group_size: int | None = None
     matmul: str = "dequantize"
+    head_bits: int | None = None
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
@@ -97,6 +101,12 @@ class WeightQuantization:
             raise ConfigError(f"weight quantization group_size must be a positive integer or None, got {self.group_size!r}")
         if self.matmul not in MATMULS:
             raise ConfigError(f"weight quantization matmul must be one of {', '.join(MATMULS)}, got {self.matmul!r}")
+        if self.head_bits not in (None, 4, 8):
+            raise ConfigError(f"weight quantization head_bits must be None, 8 or 4, got {self.head_bits!r}")
+
+    def head(self) -> WeightQuantization | None:
+        """How the LM head is quantized (None: it is not)."""
+        return None if self.head_bits is None else WeightQuantization(self.head_bits, matmul=self.matmul)
 
     def group_for(self, width: int) -> int:
         """The group size for a matrix of ``width`` inputs (ConfigError when none fits)."""
@@ -122,9 +132,11 @@ class WeightQuantization:
 
 # The named formats take zgen's kernel on a GPU (int8 batch-1 decode 1.38x bf16's tokens/s at the
 # Llama-3-8B shape, where "dequantize" is slower than bf16: BENCHMARKS.md) and "dequantize" elsewhere.
+# Both keep an untied LM head in int8 (a decode step reads it whole: 1.05 GB in bf16 at Llama-3-8B's
+# shape, 13 % of int8's bytes), wider than int4's linear weights as GGUF's 4-bit mixes keep theirs.
 WEIGHT_FORMATS: dict[str, WeightQuantization] = {
-    "int8": WeightQuantization(8, matmul="kernel"),
-    "int4": WeightQuantization(4, matmul="kernel"),
+    "int8": WeightQuantization(8, matmul="kernel", head_bits=8),
+    "int4": WeightQuantization(4, matmul="kernel", head_bits=8),
 }
 
 
