@@ -93,11 +93,17 @@ def matmul_ms(hidden: int, intermediate: int, schemes: dict[str, WeightQuantizat
     return times
 
 
-def speed(args: argparse.Namespace) -> None:
+def named_schemes(matmuls: list[str]) -> dict[str, WeightQuantization | None]:
+    """bf16 and each named format (its int8 LM head included) with each product form."""
     schemes: dict[str, WeightQuantization | None] = {"bf16": None}
     for bits in (8, 4):
-        for matmul in args.matmul:  # the named format (its int8 LM head included) with each product form
+        for matmul in matmuls:
             schemes[f"int{bits}-{matmul}"] = dataclasses.replace(WEIGHT_FORMATS[f"int{bits}"], matmul=matmul)
+    return schemes
+
+
+def speed(args: argparse.Namespace) -> None:
+    schemes = named_schemes(args.matmul)
     for shape in args.shape:
         base = random_shape_model(shape)
         c = base.config
@@ -140,10 +146,7 @@ def products(args: argparse.Namespace) -> None:
 
     if platform() != "gpu":
         raise SystemExit("products reads device time from a GPU's stream events; run it on a GPU")
-    schemes: dict[str, WeightQuantization | None] = {"bf16": None}
-    for bits in (8, 4):
-        for matmul in args.matmul:
-            schemes[f"int{bits}-{matmul}"] = WeightQuantization(bits, matmul=matmul)
+    schemes = named_schemes(args.matmul)
     key = jax.random.key(0)
     rows = []
     for name, (out, inp) in layer_products(args.shape).items():
