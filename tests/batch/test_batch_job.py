@@ -135,7 +135,7 @@ def test_a_rerun_skips_done_requests_and_repairs_a_torn_line(model: Model, tmp_p
 
 
 def test_cli_exit_code_summary_and_foreign_output(model_dir: Path, tmp_path: Path) -> None:
-    source = write_lines(tmp_path / "in.jsonl", [completion_line("a", "w5 w6", max_tokens=2), "oops"])
+    source = write_lines(tmp_path / "in.jsonl", [completion_line("a", "w5 w6", max_tokens=2, temperature=0), "oops"])
     args = ["batch", "--model", str(model_dir), "--input", str(source), "--output", str(tmp_path / "out.jsonl"), "--max-batch-size", "4"]
     result = CliRunner().invoke(app, [*args, "--summary", str(tmp_path / "summary.json")], env={"TTY_COMPATIBLE": "1", "COLUMNS": "200"})
     assert result.exit_code == 3, result.output
