@@ -124,11 +124,11 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for batch in args.batch:
         requests = [Request(p, sampling) for p in prompts(model, batch, real=args.model is not None)]
-        base_s, base = timed(Generator(model, max_batch_size=batch), requests, args.runs)
+        base_s, base, _ = timed(Generator(model, max_batch_size=batch), requests, args.runs)
         tokens = sum(len(r.token_ids) for r in base)
         rows.append(dict(batch=batch, prompts="mix", speculator="plain", tokens_per_s=tokens / base_s, speedup=1.0, same=True))
         for name, eagle in speculators.items():
-            spec_s, spec = timed(Generator(model, max_batch_size=batch, speculative=eagle), requests, args.runs)
+            spec_s, spec, _ = timed(Generator(model, max_batch_size=batch, speculative=eagle), requests, args.runs)
             rows.append(dict(
                 batch=batch, prompts="mix", speculator=name, tokens_per_s=tokens / spec_s, speedup=base_s / spec_s,
                 same=[r.token_ids for r in spec] == [r.token_ids for r in base], **figures(spec),

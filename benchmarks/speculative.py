@@ -24,10 +24,11 @@ smollm2``, a .gguf path or an HF directory) for real acceptance. ``--runs 0`` sk
     python benchmarks/speculative.py --model smollm2 --speculators prompt-lookup jacobi jacobi:adaptive
 
 ``prompt-lookup:MAX-MIN`` tries n-grams of MAX down to MIN tokens (default 3-1); ``prompt-lookup:MAX-MINxR``
-verifies what followed the R best matches as one token tree (``PromptLookup(branches=R)``).
+verifies what followed the R best matches as one token tree (``PromptLookup(branches=R)``); a ``+adaptive``
+suffix (``prompt-lookup:adaptive`` alone for the defaults) adds the fallback to plain decoding.
 ``jacobi`` is Jacobi (lookahead) decoding with its default fixed draft width (every pass verifies
-``--num-draft-tokens`` guesses, default 8); ``jacobi:adaptive`` adds the adaptive draft length and
-fallback to plain decoding. ``eagle:DIR`` drafts with the EAGLE head in DIR (trained for the same
+``--num-draft-tokens`` guesses, default 8); ``jacobi:adaptive`` adds the fallback to plain
+decoding. ``eagle:DIR`` drafts with the EAGLE head in DIR (trained for the same
 model and weights, e.g. by ``benchmarks/eagle.py --out DIR``).
 """
 
@@ -145,11 +146,12 @@ def figures(results: list[GenerationResult]) -> dict[str, float]:
 
 
 def print_rows(rows: list[dict[str, Any]]) -> None:
-    print(f"{'batch':>5} {'prompts':<8} {'speculator':<22} {'tok/s':>9} {'speedup':>8} {'accept':>7} {'acc/pass':>8} {'same':<5} fallback loops")
+    print(f"{'batch':>5} {'prompts':<8} {'speculator':<22} {'tok/s':>9} {'speedup':>8} {'accept':>7} {'acc/pass':>8} {'same':<5} "
+          "fallback loops  compiled in timed runs (s)")
     for row in rows:
         print(f"{row['batch']:>5} {row.get('prompts', 'mix'):<8} {row['speculator']:<22} {row['tokens_per_s']:>9.1f} "
               f"{row['speedup']:>7.2f}x {row.get('acceptance_rate', 0.0):>7.2f} {row.get('mean_accepted_per_step', 0.0):>8.2f} "
-              f"{row['same']!s:<5} {row.get('fallback_loops', '')}")
+              f"{row['same']!s:<5} {row.get('fallback_loops', ''):<15} {row.get('compile_s_in_timed_runs', '')}")
 
 
 def speculator(spec: str, model: Model, args: argparse.Namespace) -> Speculator:
@@ -158,9 +160,12 @@ def speculator(spec: str, model: Model, args: argparse.Namespace) -> Speculator:
 
     kind, _, value = spec.partition(":")
     if kind == "prompt-lookup":
-        ngrams, _, branches = (value or "3-1").partition("x")
+        value, adaptive = value.removesuffix("+adaptive"), value.endswith("+adaptive") or value == "adaptive"
+        ngrams, _, branches = ("3-1" if value in ("", "adaptive") else value).partition("x")
         longest, _, shortest = ngrams.partition("-")
-        return PromptLookup(int(longest), args.num_draft_tokens or 8, min_ngram=int(shortest or longest), branches=int(branches or 1))
+        return PromptLookup(
+            int(longest), args.num_draft_tokens or 8, min_ngram=int(shortest or longest), branches=int(branches or 1), adaptive=adaptive
+        )
     if kind == "early-exit":
         return DraftModel.early_exit(model, layers=int(value or 8), num_tokens=args.num_draft_tokens or 4)
     if kind == "draft":
@@ -170,20 +175,26 @@ def speculator(spec: str, model: Model, args: argparse.Namespace) -> Speculator:
     if kind == "jacobi" and value in ("", "adaptive"):
         return Jacobi(args.num_draft_tokens or 8, adaptive=value == "adaptive")
     raise SystemExit(
-        f"unknown speculator {spec!r}: prompt-lookup[:MAX-MIN[xR]], early-exit:N, draft:MODEL, eagle:DIR, jacobi or jacobi:adaptive"
+        f"unknown speculator {spec!r}: prompt-lookup[:MAX-MIN[xR]][+adaptive], early-exit:N, draft:MODEL, eagle:DIR, jacobi or jacobi:adaptive"
     )
 
 
-def timed(generator: Generator, requests: list[Any], runs: int) -> tuple[float, list[GenerationResult]]:
-    """Median wall time of ``runs`` generations after a warm-up that compiles (``runs == 0``: the
-    warm-up's results, time NaN: acceptance figures only)."""
-    results = generator.batch_generate(requests)  # compiles
-    times = []
+def timed(generator: Generator, requests: list[Any], runs: int) -> tuple[float, list[GenerationResult], float]:
+    """Median wall time of ``runs`` generations after warm-ups until one compiles nothing (an adaptive
+    speculator's loops change shape as it learns what a pass costs; ``runs == 0``: the first warm-up's
+    results, time NaN: acceptance figures only); also the seconds the timed runs still spent compiling."""
+    runner = generator.engine.runner
+    for _ in range(4 if runs else 1):
+        compiled = runner.compile_seconds
+        results = generator.batch_generate(requests)
+        if runner.compile_seconds == compiled:
+            break
+    times, compiled = [], runner.compile_seconds
     for _ in range(runs):
         start = time.perf_counter()
         results = generator.batch_generate(requests)
         times.append(time.perf_counter() - start)
-    return statistics.median(times) if times else float("nan"), results
+    return statistics.median(times) if times else float("nan"), results, runner.compile_seconds - compiled
 
 
 def main() -> None:
@@ -208,16 +219,16 @@ def main() -> None:
     for batch in args.batch:
         for group in args.prompts:
             requests = [Request(p, sampling) for p in prompts(model, batch, real=args.model is not None, group=group)]
-            base_s, base = timed(Generator(model, *options, max_batch_size=max(batch, 1)), requests, args.runs)
+            base_s, base, _ = timed(Generator(model, *options, max_batch_size=max(batch, 1)), requests, args.runs)
             tokens = sum(len(r.token_ids) for r in base)
             rows.append(dict(batch=batch, prompts=group, speculator="plain", tokens_per_s=tokens / base_s, speedup=1.0, same=True))
             for name, spec in speculators.items():
                 generator = Generator(model, *options, max_batch_size=max(batch, 1), speculative=spec)
-                seconds, results = timed(generator, requests, args.runs)
+                seconds, results, compiling = timed(generator, requests, args.runs)
                 rows.append(dict(
                     batch=batch, prompts=group, speculator=name, tokens_per_s=tokens / seconds, speedup=base_s / seconds,
                     same=[r.token_ids for r in results] == [r.token_ids for r in base], **figures(results),
-                    fallback_loops=generator.engine.stats.fallback_loops,
+                    fallback_loops=generator.engine.stats.fallback_loops, compile_s_in_timed_runs=round(compiling, 2),
                 ))
     report = dict(device=str(jax.devices()[0]), model=args.model or "random smollm2 shape", dtype=args.dtype,
                   new_tokens=args.new_tokens, kv_cache=args.kv_cache, kv_dtype=args.kv_dtype, rows=rows)

@@ -99,12 +99,12 @@ def main() -> None:
             Request(question, SamplingConfig(temperature=args.temperature, seed=i, max_new_tokens=args.new_tokens, grammar=grammar))
             for i in range(batch)
         ]
-        base_s, base = timed(Generator(model, max_batch_size=batch), requests, args.runs)
+        base_s, base, _ = timed(Generator(model, max_batch_size=batch), requests, args.runs)
         tokens, example = sum(len(r.token_ids) for r in base), base[0].text
         rows.append(dict(batch=batch, speculator="plain", tokens_per_s=tokens / base_s, speedup=1.0, same=True,
                          valid=all(valid(r.text) for r in base)))
         for name, spec in speculators.items():
-            seconds, results = timed(Generator(model, max_batch_size=batch, speculative=spec), requests, args.runs)
+            seconds, results, _ = timed(Generator(model, max_batch_size=batch, speculative=spec), requests, args.runs)
             stats = [r.speculative for r in results if r.speculative is not None]
             drafted, accepted, passes = (sum(getattr(s, f) for s in stats) for f in ("draft_tokens", "accepted_tokens", "steps"))
             rows.append(dict(

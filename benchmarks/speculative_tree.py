@@ -58,11 +58,11 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for batch in args.batch:
         requests = [Request(p, sampling) for p in prompts(model, batch, real=args.model is not None)]
-        base_s, base = timed(Generator(model, *options, max_batch_size=max(batch, 1)), requests, args.runs)
+        base_s, base, _ = timed(Generator(model, *options, max_batch_size=max(batch, 1)), requests, args.runs)
         tokens = sum(len(r.token_ids) for r in base)
         rows.append(dict(batch=batch, speculator="plain", tokens_per_s=tokens / base_s, speedup=1.0, same=True))
         for name, spec in speculators.items():
-            seconds, results = timed(Generator(model, *options, max_batch_size=max(batch, 1), speculative=spec), requests, args.runs)
+            seconds, results, _ = timed(Generator(model, *options, max_batch_size=max(batch, 1), speculative=spec), requests, args.runs)
             rows.append(dict(
                 batch=batch, speculator=name, tokens_per_s=tokens / seconds, speedup=base_s / seconds,
                 same=[r.token_ids for r in results] == [r.token_ids for r in base], **figures(results),

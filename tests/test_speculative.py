@@ -22,7 +22,9 @@ from zgen.errors import ConfigError
 from zgen.model import Model, random_model
 from zgen.runtime.engine import Engine
 from zgen.runtime.sampling import SamplingFlags, SamplingParams, filter_logits
-from zgen.runtime.speculation import PROBE_AFTER, WINDOW, DraftControl, DraftInput, Proposal, draft_cost, update_control, verify
+from zgen.runtime.speculation import (
+    PROBE_AFTER, TIMING_DRAWS, WINDOW, DraftControl, DraftInput, LoopTimes, Proposal, draft_cost, update_control, verify,
+)
 from zgen.runtime.stop import StopCondition
 from zgen.speculative import DraftModel, PromptLookup
 
@@ -304,6 +306,67 @@ def test_a_draft_that_costs_more_than_it_yields_falls_back() -> None:
     assert int(again.length[0]) == 0 and int(again.wait[0]) == 2 * PROBE_AFTER
     paying = run(run(run(again, 2 * PROBE_AFTER, 0, 0, 0.9), 1, 1, 1, 0.9), WINDOW, 2, 2, cost=0.9)
     assert int(paying.length[0]) > 0 and int(paying.misses[0]) == 0
+
+
+def test_a_measured_pass_cost_decides_the_fallback() -> None:
+    """Free drafts (lookups) accepting one token every other pass: a pass measured at 1.2 plain steps
+    pays (1.5 tokens for 1.2 steps), one at 2 steps does not, judged on half a window (the cost is
+    known); a probe resumes drafting when it pays its measured pass, all of its draft accepted or not."""
+
+    def run(control: DraftControl, passes: int, drafted: int, accepted: int, pass_cost: float) -> DraftControl:
+        for n in range(passes):
+            control = update_control(
+                control, jnp.asarray([drafted]), jnp.asarray([accepted if n % 2 else 0]), jnp.asarray([True]), 4, 0.0, pass_cost
+            )
+        return control
+
+    start = DraftControl(**{name: jnp.asarray(value) for name, value in DraftControl.initial(1, 4).items()})
+    assert int(run(start, WINDOW, 4, 1, pass_cost=1.2).length[0]) > 0
+    assert int(run(start, WINDOW, 4, 1, pass_cost=0.0).length[0]) > 0  # not measured: a pass is one step
+    assert int(run(start, WINDOW // 2 - 1, 4, 1, pass_cost=2.0).length[0]) > 0  # not judged yet
+    fell = run(start, WINDOW // 2, 4, 1, pass_cost=2.0)
+    assert int(fell.length[0]) == 0 and int(fell.wait[0]) == PROBE_AFTER
+    probe = run(fell, PROBE_AFTER, 0, 0, pass_cost=2.0)
+    assert int(probe.length[0]) == 1 and int(probe.wait[0]) == -1
+    once = update_control(probe, jnp.asarray([1]), jnp.asarray([1]), jnp.asarray([True]), 4, 0.0, 2.5)  # 2 tokens for 2.5 steps
+    assert int(once.length[0]) == 0 and int(once.wait[0]) == 2 * PROBE_AFTER
+    again = update_control(probe, jnp.asarray([4]), jnp.asarray([2]), jnp.asarray([True]), 4, 0.0, 2.5)  # 3 tokens
+    assert int(again.length[0]) > 0 and int(again.wait[0]) == 0
+
+
+def test_loop_times_give_a_pass_in_plain_steps() -> None:
+    times, speculator = LoopTimes(), PromptLookup(3, 4, adaptive=True)
+    assert times.pass_cost(2, speculator) == 0.0  # nothing timed yet
+    times.record(("plain", 2), 0.4, 40)
+    times.record(("speculative", 2, speculator.cache_key()), 0.6, 20)
+    assert times.pass_cost(2, speculator) == pytest.approx(3.0) and times.pass_cost(4, speculator) == 0.0
+    times.record(("speculative", 2, speculator.cache_key()), 0.01, 10)  # faster than a plain step: noise
+    times.record(("speculative", 2, speculator.cache_key()), 0.0, 0)  # a loop that ran no pass: ignored
+    assert times.pass_cost(2, speculator) == pytest.approx(0.61 / 30 / 0.01)
+    for _ in range(100):  # recent calls weigh most: the plain step, 10 ms at first, now takes 5
+        times.record(("plain", 2), 0.05, 10)
+    assert times.per_iteration(("plain", 2)) == pytest.approx(0.005, rel=0.05)
+    times.record(("speculative", 2, speculator.cache_key()), 0.0001, 256)
+    assert times.pass_cost(2, speculator) == 1.0  # a pass does a plain step's work at least
+
+
+def test_adaptive_prompt_lookup_times_plain_steps_first_and_equals_plain(tiny_llama: Model) -> None:
+    """An adaptive speculator's first draws at a batch width are plain (they time the plain step), its
+    first loop returns after a window of passes (they time the pass); tokens are plain decoding's."""
+    sampling = dataclasses.replace(GREEDY, max_new_tokens=40)
+    requests = [_request(p, sampling) for p in PROMPTS]
+    plain = Generator(tiny_llama).batch_generate(requests)
+    speculator = PromptLookup(3, 4, adaptive=True)
+    generator = Generator(tiny_llama, speculative=speculator)
+    spec = generator.batch_generate(requests)
+    assert _ids(spec) == _ids(plain)
+    times = generator.engine.loop_times
+    width = next(w for w in range(1, 257) if times.per_iteration(("plain", w)) is not None)
+    assert times.pass_cost(width, speculator) >= 1.0
+    for result in spec:
+        assert result.speculative is not None and result.speculative.steps <= len(result.token_ids) - TIMING_DRAWS
+    with pytest.raises(ConfigError, match="adaptive"):
+        PromptLookup(adaptive=1)  # type: ignore[arg-type]
 
 
 def test_draft_cost_is_the_share_of_weight_bytes(tiny_llama: Model) -> None:

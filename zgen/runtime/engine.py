@@ -62,7 +62,8 @@ from zgen.runtime.runner import runner_for
 from zgen.runtime.sampling import PenaltyState, SamplingConfig, SamplingFlags, SamplingParams, penalty_state, row_key_data
 from zgen.runtime.sequence import Sequence
 from zgen.runtime.speculation import (
-    DraftControl, SpeculativeLoop, SpeculativeStats, Speculator, TreeSpeculator, after_plain_steps, draft_room, fallback_steps,
+    TIMING_DRAWS, WINDOW, DraftControl, LoopTimes, SpeculativeLoop, SpeculativeStats, Speculator, TreeSpeculator, after_plain_steps,
+    draft_room, fallback_steps,
 )
 from zgen.runtime.step import DecodeLoop, MixedBatch, Packing
 from zgen.runtime.stop import StopCondition, TextStream
@@ -280,6 +281,7 @@ class Engine:
         )
         self.runner = runner_for(model)
         self.stats = EngineStats()
+        self.loop_times = LoopTimes()  # what a speculative pass costs in plain steps, measured here
         self.collector = MetricsCollector(self.config.max_batch)
         self._step_started = time.perf_counter()
         self._queue: list[Job] = []
@@ -532,10 +534,14 @@ class Engine:
         try:
             if decode:
                 waiting = bool(blocked) or bool(preempted) or len(jobs) > len(candidates)
-                if speculator is not None:
+                if speculator is not None and self._times_plain_first(rows, speculator):
+                    self._run_fallback(rows, min(steps, _draw_bucket(TIMING_DRAWS)), TIMING_DRAWS, exit_on_finish=waiting, finishes=finishes, timing=True)
+                elif speculator is not None:
                     host = waiting or any(row.job.needs_host() for row in rows)
                     passes = min(steps, self.config.steps_per_sync) if host else steps
                     passes = 1 if any(row.job.request.per_token for row in rows) else passes
+                    if self._times_passes_first(rows, speculator):
+                        passes = min(passes, WINDOW)  # return once the passes are timed: the rest weigh their cost
                     self._run_speculative(rows, steps, passes, speculator, exit_on_finish=waiting)
                 elif plain_for:
                     self._run_fallback(rows, steps, plain_for, exit_on_finish=waiting, finishes=finishes)
@@ -653,13 +659,31 @@ class Engine:
             job.admitted = True
             job._started = time.perf_counter()
 
-    def _step_rows(self, rows: list[_Row], tokens: int) -> tuple[int, list[int], KVState]:
-        width, index = self.kv.layout([row.job.seq.kv for row in rows])
+    def _width(self, jobs: list[Job]) -> tuple[int, list[int]]:
+        """The batch width of a step of ``jobs``, and each one's row index in it."""
+        width, index = self.kv.layout([job.seq.kv for job in jobs])
         if self.kv.pages:
             # Refills come in groups: no narrower step shapes (each a compile) than a group's. Nor wider
             # than the engine's batch: a padded row costs the paged kernels time (their split of the
             # pages counts every row: coded q4, 33 rows of 32k, H200: 1.41 ms alone, 2.44 padded to 64).
-            width = max(len(rows), min(max(width, next_pow2(self.config.refill_rows)), self.config.max_batch))
+            width = max(len(jobs), min(max(width, next_pow2(self.config.refill_rows)), self.config.max_batch))
+        return width, index
+
+    def _times_plain_first(self, rows: list[_Row], speculator: Speculator) -> bool:
+        """Whether a decode step of ``rows`` with an adaptive ``speculator`` runs plainly first, to time
+        the plain step at this width: the fallback weighs a pass's measured cost against it (rows under
+        a grammar are not timed: their host work would count as the step's)."""
+        if not speculator.adaptive or any(row.job.grammar is not None for row in rows):
+            return False
+        return self.loop_times.per_iteration(("plain", self._width([row.job for row in rows])[0])) is None
+
+    def _times_passes_first(self, rows: list[_Row], speculator: Speculator) -> bool:
+        """Whether the plain step at this width is timed and ``speculator``'s pass not yet."""
+        width = self._width([row.job for row in rows])[0]
+        return speculator.adaptive and self.loop_times.per_iteration(("plain", width)) is not None and not self.loop_times.pass_cost(width, speculator)
+
+    def _step_rows(self, rows: list[_Row], tokens: int) -> tuple[int, list[int], KVState]:
+        width, index = self._width([row.job for row in rows])
         step_rows = []
         for row in rows:
             seq, r = row.job.seq, row.job.request
@@ -819,9 +843,12 @@ class Engine:
         )
         loop = DecodeLoop(**host, penalties=penalties, adapter_slots=slots)
         try:
+            started, compiling = time.perf_counter(), self.runner.compile_seconds
             loop, state = self.runner.decode(state, loop, params, flags=flags, adapters=bank, grammar=grammar)
             self.kv.absorb(state)
             out, logprobs, iterations = jax.device_get((loop.out_tokens, loop.out_logprobs, loop.step))
+            if grammar is None and bank is None and penalties is None:  # the steps a speculative pass competes with
+                self.loop_times.record(("plain", width), self.runner.run_seconds(started, compiling), int(iterations))
         finally:  # the loop has run (its results are here): the grammars' last turn is all that may be left
             failures = {} if grammar is None else grammar.finish()
         self.stats.steps += 1
@@ -834,16 +861,19 @@ class Engine:
             drawn = _row_draws(out[i, : min(row.count, int(iterations))].tolist(), ids)
             self._take_loop_draws(row, drawn, logprobs[i], grammar_taken=row.job.grammar is not None)
 
-    def _run_fallback(self, rows: list[_Row], steps: int, draws: int, *, exit_on_finish: bool, finishes: int) -> None:
+    def _run_fallback(self, rows: list[_Row], steps: int, draws: int, *, exit_on_finish: bool, finishes: int, timing: bool = False) -> None:
         """Speculative rows that are all in fallback take up to ``draws`` tokens in the plain decode loop
         (the same compiled loop, and so the same tokens, as plain decoding; ``draws``: until the last
         row's wait is over); their draft controls count those draws as plain passes, so the rows probe
-        again together in the next speculative loop."""
+        again together in the next speculative loop. ``timing``: rows that are not in fallback take
+        their first draws plainly to time the plain step (:meth:`_times_plain_first`)."""
         before = [len(row.job.result.tokens) for row in rows]
         for row in rows:
             row.count = min(row.count, draws)
-        self.stats.fallback_loops += 1
         self._run_decode(rows, steps, exit_on_finish=exit_on_finish, finishes=finishes)
+        if timing:
+            return
+        self.stats.fallback_loops += 1
         for row, taken in zip(rows, before, strict=True):
             if row.job.control is not None:
                 row.job.control = after_plain_steps(row.job.control, len(row.job.result.tokens) - taken)
@@ -892,12 +922,14 @@ class Engine:
             history=history, length=lengths, limit=limit, budget=budget, emitted=zeros(), done=done, stop_ids=stop_ids,
             keys=keys, out_tokens=np.full((width, steps + k + 1), -1, np.int32),
             out_logprobs=np.zeros((width, steps + k + 1), np.float32), drafted=zeros(), accepted=zeros(), verified=zeros(),
-            control=DraftControl(**control), step=np.int32(0), max_steps=np.int32(passes), exit_on_finish=np.bool_(exit_on_finish),
+            control=DraftControl(**control), pass_cost=np.float32(self.loop_times.pass_cost(width, speculator)),
+            step=np.int32(0), max_steps=np.int32(passes), exit_on_finish=np.bool_(exit_on_finish),
             done_at_start=np.int32(done.sum()),
         )
         loop = SpeculativeLoop(**host)
         constrained = [(row.job.grammar, i) for row, i in zip(rows, index, strict=True) if row.job.grammar is not None]
         self._draft_grammars.start(constrained)
+        started, compiling = time.perf_counter(), self.runner.compile_seconds
         try:
             grammar = self._draft_grammars if constrained else None
             loop, state = self.runner.speculate(state, loop, params, speculator, flags=flags, grammar=grammar)
@@ -907,6 +939,7 @@ class Engine:
         out, logprobs, emitted, drafted, accepted, verified, iterations, ctl = jax.device_get(
             (loop.out_tokens, loop.out_logprobs, loop.emitted, loop.drafted, loop.accepted, loop.verified, loop.step, loop.control)
         )
+        self.loop_times.record(("speculative", width, speculator.cache_key()), self.runner.run_seconds(started, compiling), int(iterations))
         self.stats.steps += 1
         self.stats.forward_passes += int(iterations)
         self.stats.rows += len(rows)

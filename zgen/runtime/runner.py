@@ -10,6 +10,7 @@ one model share its :class:`Runner` (:func:`runner_for`).
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -55,6 +56,7 @@ class Runner:
         lora_graph = inject_lora(model.graph)
         self.spec = ModelSpec(model.graph, model.config.sliding_window, lora_graph, model.mesh)
         self._executables: dict[Hashable, Any] = {}
+        self.compile_seconds = 0.0  # spent lowering and compiling so far (not part of a call's run time)
         # Decode loops' output columns never narrow, for every engine of the model (a batch job after a
         # warm-up, several Generators): each width is a compiled loop (seconds for an 8B model), while
         # a loop's draws are bounded by a traced step count.
@@ -66,6 +68,11 @@ class Runner:
         """The output columns of a decode loop of ``steps`` draws: the most any loop of the model had."""
         self._loop_columns = max(self._loop_columns, steps)
         return self._loop_columns
+
+    def run_seconds(self, started: float, compile_seconds: float) -> float:
+        """Seconds since ``started`` (a ``time.perf_counter()``) less the compiling done since then
+        (``compile_seconds`` was :attr:`compile_seconds` at the start)."""
+        return time.perf_counter() - started - (self.compile_seconds - compile_seconds)
 
     @property
     def params(self) -> Any:
@@ -205,7 +212,9 @@ class Runner:
     def _compiled(self, key: Hashable, lower: Callable[[], Any]) -> Any:
         compiled = self._executables.get(key)
         if compiled is None:
+            started = time.perf_counter()
             compiled = lower().compile()
+            self.compile_seconds += time.perf_counter() - started
             self._executables[key] = compiled
         return compiled
 

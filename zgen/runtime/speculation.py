@@ -62,13 +62,18 @@ the row key folded with salts of their own. No noise decides two things: a pass 
 indices up to its first rejection, and the next pass starts after them.
 
 Adaptive length (:class:`DraftControl`): grow the draft after a fully accepted one, shrink it after a
-rejection, and fall back to plain decoding (no draft) while, over the last ``WINDOW`` drafting
-passes, the acceptance rate is below ``FALLBACK_RATE`` or the passes yielded fewer tokens than they
-cost (a pass costs one target step plus, per drafted token or tree level, the draft's share of the
-target's weight bytes, :func:`draft_cost`: an early exit after 27 of 30 layers has to accept about 90 %
-of its drafts to pay). A row probes again after ``PROBE_AFTER`` plain steps, twice as many after each
-fall or failed probe in a row, up to ``MAX_PROBE_AFTER`` (a probe costs a return to this loop); a full
-window that pays resets the wait. Every pass drafts and verifies, with no conditionals (on a GPU each
+rejection (drafts that cost nothing, lookups, always take the pass's whole width), and fall back to
+plain decoding (no draft) while, over the last ``WINDOW`` drafting passes, the passes yielded no more
+tokens than plain steps in the same time would, or (drafts that cost) the acceptance rate is below
+``FALLBACK_RATE``. A pass's cost is measured by the engine (:class:`LoopTimes`: the speculative loop's
+time per pass over the plain decode loop's per step at the same batch width; an adaptive speculator's
+first draws at a width are plain, to time that step, and its first loop returns after ``WINDOW``
+passes, to time them); until then it is one target step plus, per drafted token or tree level, the
+draft's share of the target's weight bytes (:func:`draft_cost`: an early exit after 27 of 30 layers has
+to accept about 90 % of its drafts to pay). A row probes again after ``PROBE_AFTER`` plain steps
+(one pass; fully accepted and paying its cost, drafting resumes), twice as many after each fall or
+failed probe in a row, up to ``MAX_PROBE_AFTER`` (a probe costs a return to this loop); a full window
+that pays resets the wait. Every pass drafts and verifies, with no conditionals (on a GPU each
 would copy its predicate to the host): a row with nothing drafted (in fallback, or prompt lookup found nothing) gets
 its plain token from the verification pass. When every row left is in fallback the loop returns: the
 engine decodes the batch in the plain decode loop until the rows probe again (:func:`fallback_steps`, :func:`after_plain_steps`), so a batch in fallback costs what plain
@@ -105,7 +110,7 @@ from zgen.runtime.step import ModelSpec, Params, forward, forward_features, read
 from zgen.runtime.tree import ancestors, commit_path, forward_tree, forward_tree_features, tree_attention_mask
 
 __all__ = [
-    "DraftControl", "DraftInput", "after_plain_steps", "draft_cost", "fallback_steps", "FeatureObserver", "Observer", "Proposal", "SpeculativeLoop", "SpeculativeStats", "Speculator", "speculative_loop",
+    "DraftControl", "DraftInput", "LoopTimes", "after_plain_steps", "draft_cost", "fallback_steps", "FeatureObserver", "Observer", "Proposal", "SpeculativeLoop", "SpeculativeStats", "Speculator", "speculative_loop",
     "target_draws", "verify",
     "TreeSpeculator", "draft_room", "draws_at", "verify_tree",
 ]
@@ -120,6 +125,11 @@ FALLBACK_RATE = 0.4
 PROBE_AFTER = 16
 #: ... doubled after each failed probe in a row, up to this many.
 MAX_PROBE_AFTER = 256
+#: Loop iterations :class:`LoopTimes` averages over (older ones weigh half as much each time).
+RECENT_ITERATIONS = 256
+#: Plain draws an engine decodes first to time its plain step, before an adaptive speculator's first
+#: pass at a batch width.
+TIMING_DRAWS = 8
 
 # Salts that give the acceptance coins and the residual draws noise of their own.
 SALT_ACCEPT, SALT_RESIDUAL = 0xACCE97, 0x4E51D
@@ -274,6 +284,38 @@ class DraftControl:
         }
 
 
+class LoopTimes:
+    """Seconds per iteration of an engine's plain decode loops and speculative loops, by batch width
+    and speculator (compile time taken out; recent calls weigh most): what a pass costs in plain decode
+    steps on this device, which no static model gives: a prompt-lookup pass of SmolLM2 (9 positions)
+    took 2.5 plain steps on a 2-core CPU (XLA:CPU multiplies 2 to 16 rows at half its one-row rate),
+    and prompt lookup's 1.01x at 0.52 accepted tokens a pass on an H200 puts it near 1.5 there. A short
+    loop's figure includes the call's own overhead (a plain loop timed over 8 draws overstates the step
+    by that overhead's eighth)."""
+
+    def __init__(self) -> None:
+        self._totals: dict[Hashable, tuple[float, int]] = {}
+
+    def record(self, key: Hashable, seconds: float, iterations: int) -> None:
+        if iterations <= 0:
+            return
+        total, count = self._totals.get(key, (0.0, 0))
+        if count >= RECENT_ITERATIONS:
+            total, count = total / 2, count // 2
+        self._totals[key] = (total + seconds, count + iterations)
+
+    def per_iteration(self, key: Hashable) -> float | None:
+        total, count = self._totals.get(key, (0.0, 0))
+        return total / count if count else None
+
+    def pass_cost(self, width: int, speculator: Speculator) -> float:
+        """A pass of ``speculator``'s loop at ``width`` rows in plain decode steps at that width (at
+        least 1: a pass does a plain step's work); 0.0 until both have been timed."""
+        plain = self.per_iteration(("plain", width))
+        spec = self.per_iteration(("speculative", width, speculator.cache_key()))
+        return 0.0 if plain is None or spec is None else max(spec / plain, 1.0)
+
+
 def fallback_steps(controls: Sequence[dict[str, np.ndarray] | None]) -> int:
     """Plain draws a batch of requests (each one's host control, ``None``: none yet) should take in
     the plain decode loop before speculating again: 0 unless every row is in fallback, else until the
@@ -312,16 +354,21 @@ def update_control(
     active: Bool[Array, " B"],
     max_tokens: int,
     cost: float = 0.0,
+    pass_cost: Float[Array, ""] | float = 0.0,
 ) -> DraftControl:
     """Grow after a fully accepted draft, shrink after a rejection; fall back to plain decoding when a
-    full window's acceptance rate is below :data:`FALLBACK_RATE` or its passes yielded fewer tokens
-    (accepted + one each) than they cost (one step each + ``cost`` per drafted token); after the wait
-    draft one token (a probe, ``wait == -1``): accepted, drafting resumes on a fresh window, else the
-    row falls back again at once. Each fall or failed probe in a row doubles the wait (from
-    :data:`PROBE_AFTER` up to :data:`MAX_PROBE_AFTER`); a full window that pays starts it over."""
+    full window's passes yielded no more tokens (accepted + one each) than they cost, or (drafts that
+    cost, ``cost > 0``) its acceptance rate is below :data:`FALLBACK_RATE`. A pass costs ``pass_cost``
+    plain decode steps where the engine measured it (:class:`LoopTimes`), else one step + ``cost`` per
+    drafted token. After the wait the row drafts again (a probe, ``wait == -1``): fully accepted and
+    paying its pass, drafting resumes on a fresh window, else the row falls back again at once. Each
+    fall or failed probe in a row doubles the wait (from :data:`PROBE_AFTER` up to
+    :data:`MAX_PROBE_AFTER`); a full window that pays starts it over."""
     drafting = active & (drafted > 0)
     probing = drafting & (control.wait < 0)
+    measured = pass_cost > 0
     full = accepted >= drafted
+    probe_pays = 1 + accepted > jnp.where(measured, pass_cost, 1 + cost * drafted)
     length = jnp.where(drafting, jnp.clip(jnp.where(full, control.length + 1, control.length - 1), 1, max_tokens), control.length)
     rows = jnp.arange(drafted.shape[0])
     write = jnp.where(drafting & ~probing, control.slot, WINDOW)  # WINDOW: dropped
@@ -329,13 +376,16 @@ def update_control(
     window_a = control.accepted.at[rows, write].set(accepted, mode="drop")
     slot = jnp.where(drafting & ~probing, (control.slot + 1) % WINDOW, control.slot)
     passes = jnp.sum(window_d > 0, axis=1)
-    rate = jnp.sum(window_a, axis=1) / jnp.maximum(jnp.sum(window_d, axis=1), 1)
-    judged = drafting & ~probing & (passes >= WINDOW)
-    missed = probing & ~full
-    # The window's passes yielded passes + accepted tokens for passes + cost * drafted steps: they
-    # lose exactly when the acceptance rate is below the cost of a drafted token.
-    fall = (judged & (rate < max(FALLBACK_RATE, cost))) | missed
-    resume = probing & full
+    window_drafted, window_accepted = jnp.sum(window_d, axis=1), jnp.sum(window_a, axis=1)
+    rate = window_accepted / jnp.maximum(window_drafted, 1)
+    # A measured cost is judged on half a window: the passes' cost is known, only their yield is not.
+    judged = drafting & ~probing & (passes >= jnp.where(measured, WINDOW // 2, WINDOW))
+    missed = probing & ~probe_pays
+    # The window's passes yielded passes + accepted tokens; plain decoding gives one a step.
+    spent = jnp.where(measured, pass_cost * passes, passes + cost * window_drafted)
+    pays = passes + window_accepted > spent
+    fall = (judged & (~pays | (rate < (FALLBACK_RATE if cost > 0 else 0.0)))) | missed
+    resume = probing & probe_pays
     plain = active & ~drafting & (control.length == 0)
     misses = jnp.where(fall, control.misses + 1, jnp.where(judged, 0, control.misses))
     backoff = jnp.minimum(PROBE_AFTER * 2 ** jnp.clip(misses - 1, 0, 16), MAX_PROBE_AFTER)
@@ -587,6 +637,7 @@ class SpeculativeLoop:
     accepted: Int[Array, " B"]
     verified: Int[Array, " B"]  # passes that checked a draft
     control: DraftControl
+    pass_cost: Float[Array, ""]  # a pass in plain decode steps, as measured (0: not yet, see LoopTimes)
     step: Int[Array, ""]
     max_steps: Int[Array, ""]
     exit_on_finish: Bool[Array, ""]
@@ -624,7 +675,9 @@ def speculative_loop(
         p = s.length - 1
         pending = jnp.take_along_axis(s.history, p[:, None], axis=1)[:, 0]
         room = jnp.minimum(s.limit - 1 - p, s.budget - s.emitted - 1)
-        want = jnp.where(active, jnp.clip(jnp.minimum(s.control.length, room), 0, k), 0)
+        # Free drafts (lookups) take the whole width a pass verifies anyway: only the fallback applies.
+        length = s.control.length if cost > 0 else jnp.where(s.control.length > 0, k, 0)
+        want = jnp.where(active, jnp.clip(jnp.minimum(length, room), 0, k), 0)
 
         draft = DraftInput(s.history, s.length, want, active, s.keys, sampling, flags)
 
@@ -733,7 +786,7 @@ def speculative_loop(
             drafted=s.drafted + jnp.where(active, count, 0),
             accepted=s.accepted + jnp.where(active, jnp.minimum(accepted, keep), 0),
             verified=s.verified + (active & (count > 0)).astype(jnp.int32),
-            control=update_control(s.control, count, accepted, active, k, cost) if speculator.adaptive else s.control,
+            control=update_control(s.control, count, accepted, active, k, cost, s.pass_cost) if speculator.adaptive else s.control,
             step=s.step + 1,
         )
         return s, kv, state

@@ -64,10 +64,9 @@ class Jacobi:
 
     Every pass verifies ``num_tokens`` guesses, which costs little more than one token where decoding
     is bound by memory bandwidth (small batches on a GPU). ``adaptive`` (for compute-bound decoding:
-    large batches, the CPU) applies the draft-length control of :mod:`zgen.runtime.speculation`: it
-    judges tokens accepted per token drafted, and since Jacobi drafts its whole window every pass by
-    design, it mostly decodes plainly (on SmolLM2, greedy, the three prompts above: 5 tokens accepted in
-all, against 64 without it).
+    large batches, the CPU) adds the fallback of :mod:`zgen.runtime.speculation`: a row decodes plainly
+    while its passes yield no more tokens than plain steps would in the time they take (the engine
+    times both).
     """
 
     def __init__(self, num_tokens: int = 8, *, ngram: int = 4, pool_size: int = 256, adaptive: bool = False) -> None:

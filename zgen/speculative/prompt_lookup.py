@@ -33,9 +33,15 @@ class PromptLookup:
     as one token tree, the continuations merged where they agree, verified in one pass
     (:mod:`zgen.runtime.tree`): a paraphrase that leaves the latest match still finds a quote that goes
     on elsewhere. Trees are refused on the coded KV formats, and rows under a grammar decode plainly.
+
+    ``adaptive``: a row decodes plainly while its passes yield no more tokens than plain steps would in
+    the time they take (the engine times both; :mod:`zgen.runtime.speculation`), probing again later.
+    Without it every step is a pass, which costs more than a plain step where matches are rare.
     """
 
-    def __init__(self, max_ngram: int = 3, num_tokens: int = 8, *, min_ngram: int = 1, branches: int = 1) -> None:
+    def __init__(
+        self, max_ngram: int = 3, num_tokens: int = 8, *, min_ngram: int = 1, branches: int = 1, adaptive: bool = False
+    ) -> None:
         for name, value in (("max_ngram", max_ngram), ("min_ngram", min_ngram)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"PromptLookup {name} must be an integer >= 1, got {value!r}")
@@ -50,10 +56,14 @@ class PromptLookup:
                 f"{self._num_tokens} tokens per branch), got {branches!r}"
             )
         self.branches = branches
+        if not isinstance(adaptive, bool):
+            raise ConfigError(f"PromptLookup adaptive must be a bool, got {adaptive!r}")
+        self._adaptive = adaptive
 
     def __repr__(self) -> str:
         branches = "" if self.branches == 1 else f", branches={self.branches}"
-        return f"PromptLookup(max_ngram={self.max_ngram}, num_tokens={self._num_tokens}, min_ngram={self.min_ngram}{branches})"
+        adaptive = ", adaptive=True" if self._adaptive else ""
+        return f"PromptLookup(max_ngram={self.max_ngram}, num_tokens={self._num_tokens}, min_ngram={self.min_ngram}{branches}{adaptive})"
 
     @property
     def num_tokens(self) -> int:
@@ -66,10 +76,10 @@ class PromptLookup:
 
     @property
     def adaptive(self) -> bool:
-        return False  # a miss drafts nothing and costs a plain step
+        return self._adaptive
 
     def cache_key(self) -> Hashable:
-        return ("prompt-lookup", self.max_ngram, self.min_ngram, self._num_tokens, self.branches)
+        return ("prompt-lookup", self.max_ngram, self.min_ngram, self._num_tokens, self.branches, self._adaptive)
 
     def check_target(self, model: Model) -> None:
         del model  # drafts are the context's own tokens: any model
