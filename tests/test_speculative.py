@@ -4,6 +4,7 @@ rejection-sampling rule's output distribution."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -120,6 +121,58 @@ def test_a_bad_draft_falls_back_to_plain_decoding(tiny_llama: Model) -> None:
     assert stats is not None and stats.acceptance_rate < 0.4
     # A window of poor passes (shrinking drafts), then plain steps with a one-token probe every PROBE_AFTER.
     assert stats.steps <= WINDOW + 64 // PROBE_AFTER and stats.draft_tokens <= 4 * WINDOW
+
+
+def test_a_draft_model_goes_on_from_its_last_loop(tiny_llama: Model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A draft model's cache outlives its loop: the next loop over the same rows resumes it (its rows
+    catch up on the tokens decoded in between) instead of prefilling the context again, and drafts
+    exactly what a fresh start drafts, greedy and sampled (same tokens, same figures)."""
+    sampled = SamplingConfig(temperature=0.9, top_k=20, max_new_tokens=64, ignore_eos=True, seed=3)
+    requests = [[_request(p, sampling) for p in PROMPTS] for sampling in (dataclasses.replace(GREEDY, max_new_tokens=64), sampled)]
+    plain = Generator(tiny_llama).batch_generate(requests[0])
+
+    engine_module = sys.modules[Engine.__module__]
+    original = engine_module._carried
+
+    def run(resume: bool) -> tuple[list[list[Any]], list[bool]]:
+        resumed: list[bool] = []
+
+        def carried(*args: Any) -> Any:
+            state = original(*args) if resume else None
+            resumed.append(state is not None)
+            return state
+
+        with monkeypatch.context() as patch:
+            patch.setattr(engine_module, "_carried", carried)
+            generator = Generator(tiny_llama, speculative=DraftModel.early_exit(tiny_llama, layers=1, num_tokens=3))
+            return [generator.batch_generate(batch) for batch in requests], resumed
+
+    fresh, never = run(resume=False)
+    kept, resumed = run(resume=True)
+    assert not any(never) and any(resumed)
+    assert _ids(kept[0]) == _ids(fresh[0]) == _ids(plain)  # greedy
+    assert _ids(kept[1]) == _ids(fresh[1])  # sampled: a draft unlike the target draws other (equally distributed) tokens
+    for spec, again in zip(kept, fresh, strict=True):
+        assert [r.speculative for r in spec] == [r.speculative for r in again]
+
+
+def test_a_carried_draft_state_needs_the_same_rows_and_tokens() -> None:
+    from zgen.runtime.engine import _carried, _DraftCarry  # pyright: ignore[reportPrivateUsage]
+
+    speculator = PromptLookup(3, 4)
+    a: Any = object()  # two sequences
+    b: Any = object()
+    history = np.array([[5, 6, 7, 8, 0], [9, 9, 9, 0, 0]], np.int32)
+    carry = _DraftCarry(((0, a), (1, b)), speculator.cache_key(), "state", history, np.array([4, 3], np.int32))
+    grown, cut = history.copy(), history.copy()
+    grown[1, 3] = 4  # a token decoded since
+    cut[0, 2] = 1  # a token that differs from the one the state holds
+    assert _carried(carry, ((0, a), (1, b)), speculator, grown, np.array([4, 4], np.int32)) == "state"
+    assert _carried(carry, ((0, a), (1, b)), speculator, history, np.array([2, 3], np.int32)) == "state"  # rolled back
+    assert _carried(carry, ((0, a), (1, b)), speculator, cut, np.array([4, 3], np.int32)) is None
+    assert _carried(carry, ((1, a), (0, b)), speculator, history, np.array([4, 3], np.int32)) is None  # rows swapped
+    assert _carried(carry, ((0, a), (1, b)), PromptLookup(3, 5), history, np.array([4, 3], np.int32)) is None
+    assert _carried(carry, ((0, a), (1, b)), speculator, np.zeros((2, 8), np.int32), np.array([4, 3], np.int32)) is None
 
 
 def test_a_batch_in_fallback_runs_the_plain_decode_loop(tiny_llama: Model) -> None:

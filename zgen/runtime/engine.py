@@ -282,6 +282,7 @@ class Engine:
         self.runner = runner_for(model)
         self.stats = EngineStats()
         self.loop_times = LoopTimes()  # what a speculative pass costs in plain steps, measured here
+        self._draft_carry: _DraftCarry | None = None  # a resumable speculator's state after the last loop
         self.collector = MetricsCollector(self.config.max_batch)
         self._step_started = time.perf_counter()
         self._queue: list[Job] = []
@@ -929,16 +930,21 @@ class Engine:
         loop = SpeculativeLoop(**host)
         constrained = [(row.job.grammar, i) for row, i in zip(rows, index, strict=True) if row.job.grammar is not None]
         self._draft_grammars.start(constrained)
+        seqs = tuple((i, row.job.seq) for row, i in zip(rows, index, strict=True))
+        carried, self._draft_carry = _carried(self._draft_carry, seqs, speculator, history, lengths), None
         started, compiling = time.perf_counter(), self.runner.compile_seconds
         try:
             grammar = self._draft_grammars if constrained else None
-            loop, state = self.runner.speculate(state, loop, params, speculator, flags=flags, grammar=grammar)
+            loop, state, final = self.runner.speculate(state, loop, params, speculator, flags=flags, grammar=grammar, carried=carried)
         finally:
             failures = self._draft_grammars.finish()
         self.kv.absorb(state)
-        out, logprobs, emitted, drafted, accepted, verified, iterations, ctl = jax.device_get(
-            (loop.out_tokens, loop.out_logprobs, loop.emitted, loop.drafted, loop.accepted, loop.verified, loop.step, loop.control)
-        )
+        out, logprobs, emitted, drafted, accepted, verified, iterations, ctl, history, lengths = jax.device_get((
+            loop.out_tokens, loop.out_logprobs, loop.emitted, loop.drafted, loop.accepted, loop.verified, loop.step, loop.control,
+            loop.history, loop.length,
+        ))
+        if final is not None:
+            self._draft_carry = _DraftCarry(seqs, speculator.cache_key(), final, history, lengths)
         self.loop_times.record(("speculative", width, speculator.cache_key()), self.runner.run_seconds(started, compiling), int(iterations))
         self.stats.steps += 1
         self.stats.forward_passes += int(iterations)
@@ -1086,6 +1092,33 @@ class Engine:
         if speculator not in self._speculators:
             speculator.check_target(self.model)
             self._speculators.add(speculator)
+
+
+@dataclass(frozen=True)
+class _DraftCarry:
+    """A resumable speculator's state as its last loop left it, with the rows' sequences and tokens then."""
+
+    seqs: tuple[tuple[int, Sequence], ...]  # (batch row, sequence)
+    key: Any  # the speculator's cache key
+    state: Any
+    history: np.ndarray
+    lengths: np.ndarray
+
+
+def _carried(carry: _DraftCarry | None, seqs: tuple[tuple[int, Sequence], ...], speculator: Speculator, history: np.ndarray,
+             lengths: np.ndarray) -> Any:
+    """The state a speculative loop over ``seqs`` (holding ``history[:lengths]``) goes on from: the last
+    loop's, if it ran a resumable ``speculator`` over the same sequences in the same rows at the same
+    shapes and each row's tokens still agree with what it held then; else ``None`` (start over)."""
+    if carry is None or carry.key != speculator.cache_key() or carry.history.shape != history.shape:
+        return None
+    if len(carry.seqs) != len(seqs) or any(i != j or a is not b for (i, a), (j, b) in zip(carry.seqs, seqs, strict=True)):
+        return None
+    for i, _ in seqs:
+        m = min(int(carry.lengths[i]), int(lengths[i]))
+        if not np.array_equal(carry.history[i, :m], history[i, :m]):
+            return None
+    return carry.state
 
 
 def _draw_bucket(draws: int) -> int:

@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 from zgen.cache.base import KVState
@@ -25,7 +27,7 @@ from zgen.lora.graph import inject_lora
 from zgen.model import Model, attached
 from zgen.runtime.grammar import GrammarDrafts, GrammarLoop
 from zgen.runtime.sampling import SamplingFlags, SamplingParams
-from zgen.runtime.speculation import SpeculativeLoop, Speculator, speculative_loop
+from zgen.runtime.speculation import ResumableSpeculator, SpeculativeLoop, Speculator, speculative_loop
 from zgen.runtime.step import (
     DecodeLoop, MixedBatch, MixedOutput, ModelSpec, Packing, Pooling, decode_loop, draw_reads, forward, hidden_states, mixed_step,
     pool_hidden,
@@ -57,6 +59,7 @@ class Runner:
         self.spec = ModelSpec(model.graph, model.config.sliding_window, lora_graph, model.mesh)
         self._executables: dict[Hashable, Any] = {}
         self.compile_seconds = 0.0  # spent lowering and compiling so far (not part of a call's run time)
+        self._state_shapes: dict[Hashable, Any] = {}
         # Decode loops' output columns never narrow, for every engine of the model (a batch job after a
         # warm-up, several Generators): each width is a compiled loop (seconds for an 8B model), while
         # a loop's draws are bounded by a traced step count.
@@ -137,19 +140,39 @@ class Runner:
 
     def speculate(
         self, kv: S, loop: SpeculativeLoop, sampling: SamplingParams, speculator: Speculator, *, flags: SamplingFlags,
-        grammar: GrammarDrafts | None = None,
-    ) -> tuple[SpeculativeLoop, S]:
+        grammar: GrammarDrafts | None = None, carried: Any = None,
+    ) -> tuple[SpeculativeLoop, S, Any]:
         """The speculative loop (:func:`~zgen.runtime.speculation.speculative_loop`), compiled once per
-        shape, sampling flags and speculator key; ``grammar`` is compiled in, like the decode loop's."""
+        shape, sampling flags and speculator key; ``grammar`` is compiled in, like the decode loop's.
+        A :class:`~zgen.runtime.speculation.ResumableSpeculator` goes on from ``carried`` (the state
+        the last loop over the same rows returned; ``None``: it starts over) and returns its state."""
         draft_params = speculator.device_params()
+        resumable = isinstance(speculator, ResumableSpeculator)
+        fresh = carried is None
+        if resumable and fresh:  # a state of the loop's shapes for `start` to replace: one executable either way
+            carried = jax.tree_util.tree_map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), self._start_shapes(speculator, loop))
         key = ("speculate", _shape_key(kv), _shape_key(loop), _shape_key(draft_params), flags, speculator.cache_key(), grammar)
-        args = (self.params, kv, loop, sampling, draft_params)
+        args = (self.params, kv, loop, sampling, draft_params, carried, np.bool_(fresh))
 
-        def run(params: Any, kv: S, loop: SpeculativeLoop, sampling: SamplingParams, draft: Any) -> tuple[SpeculativeLoop, S]:
-            out, state = speculative_loop(self.spec, params, kv, loop, sampling, speculator, draft, flags=flags, grammar=grammar)
-            return out, state  # type: ignore[return-value]
+        def run(
+            params: Any, kv: S, loop: SpeculativeLoop, sampling: SamplingParams, draft: Any, carried: Any, fresh: Any
+        ) -> tuple[SpeculativeLoop, S, Any]:
+            out, state, final = speculative_loop(
+                self.spec, params, kv, loop, sampling, speculator, draft, flags=flags, grammar=grammar,
+                carried=carried if resumable else None, fresh=fresh,
+            )
+            return out, state, final  # type: ignore[return-value]
 
-        return self._compiled(key, lambda: jax.jit(run, donate_argnums=(1, 2)).lower(*args))(*args)
+        return self._compiled(key, lambda: jax.jit(run, donate_argnums=(1, 2, 5)).lower(*args))(*args)
+
+    def _start_shapes(self, speculator: Speculator, loop: SpeculativeLoop) -> Any:
+        """The shapes of ``speculator``'s state at the start of a loop like ``loop`` (traced once per shape)."""
+        key = ("start", speculator.cache_key(), loop.history.shape, loop.length.shape)
+        shapes = self._state_shapes.get(key)
+        if shapes is None:
+            shapes = jax.eval_shape(speculator.start, speculator.device_params(), loop.history, loop.length)
+            self._state_shapes[key] = shapes
+        return shapes
 
     def embed(
         self, kv: KVState, tokens: Int[Array, "B T"], positions: Int[Array, "B T"], lengths: Int[Array, " B"], *,

@@ -110,7 +110,7 @@ from zgen.runtime.step import ModelSpec, Params, forward, forward_features, read
 from zgen.runtime.tree import ancestors, commit_path, forward_tree, forward_tree_features, tree_attention_mask
 
 __all__ = [
-    "DraftControl", "DraftInput", "LoopTimes", "after_plain_steps", "draft_cost", "fallback_steps", "FeatureObserver", "Observer", "Proposal", "SpeculativeLoop", "SpeculativeStats", "Speculator", "speculative_loop",
+    "DraftControl", "DraftInput", "LoopTimes", "ResumableSpeculator", "after_plain_steps", "draft_cost", "fallback_steps", "FeatureObserver", "Observer", "Proposal", "SpeculativeLoop", "SpeculativeStats", "Speculator", "speculative_loop",
     "target_draws", "verify",
     "TreeSpeculator", "draft_room", "draws_at", "verify_tree",
 ]
@@ -202,6 +202,18 @@ class Speculator(Protocol):
 
     def advance(self, state: Any, kept: Int[Array, " B"]) -> Any:
         """After a pass: each row's first ``kept`` positions are final (the next pending token is at ``kept``)."""
+        ...
+
+
+@runtime_checkable
+class ResumableSpeculator(Speculator, Protocol):
+    """A speculator whose state stays valid after its loop returns: the next loop over the same
+    sequences goes on from it (a draft model's cache, whose rows catch up on the tokens decoded since)
+    instead of ``start``-ing over, which prefills a draft model's cache over the whole context."""
+
+    def resume(self, state: Any, history: Int[Array, "B L"], length: Int[Array, " B"]) -> Any:
+        """``state`` as the last loop left it, for rows that now hold ``history[:length]`` (the same
+        tokens as then up to the shorter of the two lengths, then those decoded since)."""
         ...
 
 
@@ -655,9 +667,13 @@ def speculative_loop(
     *,
     flags: SamplingFlags,
     grammar: GrammarDrafts | None = None,
-) -> tuple[SpeculativeLoop, KVState]:
+    carried: Any = None,
+    fresh: Bool[Array, ""] | None = None,
+) -> tuple[SpeculativeLoop, KVState, Any]:
     """Draft, verify, accept ... on the device until every row is done (see the module docstring);
-    ``grammar``: the host side of the constrained rows."""
+    ``grammar``: the host side of the constrained rows. A :class:`ResumableSpeculator` takes the state
+    its last loop over the same rows returned (``carried``, unless ``fresh``: then a state of the same
+    shapes that ``start`` replaces) and returns its final state; other speculators return ``None``."""
     k = speculator.num_tokens
     cost = draft_cost(draft_params, params)
 
@@ -791,12 +807,20 @@ def speculative_loop(
         )
         return s, kv, state
 
-    state = speculator.start(draft_params, loop.history, loop.length)
+    if carried is None:
+        state = speculator.start(draft_params, loop.history, loop.length)
+    else:
+        assert isinstance(speculator, ResumableSpeculator) and fresh is not None
+        state = jax.lax.cond(
+            fresh,
+            lambda: speculator.start(draft_params, loop.history, loop.length),
+            lambda: speculator.resume(carried, loop.history, loop.length),
+        )
     if isinstance(speculator, FeatureObserver):  # the features of the tokens before the loop
         at = (loop.length - 1)[:, None] - speculator.feature_window + jnp.arange(speculator.feature_window)[None, :]
         positions = jnp.where(~loop.done[:, None] & (at >= 0), at, -1)
         tokens = jnp.take_along_axis(loop.history, jnp.maximum(at, 0), axis=1)
         features = read_features(model, params, kv, tokens, positions, speculator.feature_layers)
         state = speculator.observe_features(state, features, positions)
-    loop, kv, _ = jax.lax.while_loop(cond, body, (loop, kv, state))
-    return loop, kv
+    loop, kv, state = jax.lax.while_loop(cond, body, (loop, kv, state))
+    return loop, kv, (None if carried is None else state)

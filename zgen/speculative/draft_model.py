@@ -1,7 +1,8 @@
 """A draft model: a smaller model with the target's vocabulary drafts, the target verifies.
 
 The draft keeps its own dense K/V for the rows of a loop (made and prefilled from the rows' tokens
-when the loop starts, inside the same compiled call), and tracks how far each row's K/V is valid:
+when the loop starts, inside the same compiled call; kept by the engine for the next loop over the
+same rows, which goes on from it: :meth:`DraftModel.resume`), and tracks how far each row's K/V is valid:
 after a pass whose drafts were all accepted, the last draft was never fed to the draft model, so the
 next pass feeds it together with the new pending token (the classic off-by-one after acceptance);
 after a rejection the K/V past the kept tokens are stale and overwritten. After a tree pass only the
@@ -131,6 +132,10 @@ class DraftModel:
         positions = jnp.where(slots < (length - 1)[:, None], slots, -1)  # all but the pending token
         _, kv = forward(self.spec, params, kv, history, positions, jnp.zeros((b, 1), jnp.int32))
         return DraftState(kv, length - 1)
+
+    def resume(self, state: DraftState, history: Int[Array, "B L"], length: Int[Array, " B"]) -> DraftState:
+        del history  # the same tokens as the state's up to the shorter length: what it fed stays valid below it
+        return replace(state, fed=jnp.minimum(state.fed, length - 1))
 
     def advance(self, state: DraftState, kept: Int[Array, " B"]) -> DraftState:
         return replace(state, fed=jnp.minimum(state.fed, kept))
