@@ -127,8 +127,8 @@ def test_a_draft_model_goes_on_from_its_last_loop(tiny_llama: Model, monkeypatch
     """A draft model's cache outlives its loop: the next loop over the same rows resumes it (its rows
     catch up on the tokens decoded in between) instead of prefilling the context again, and drafts
     exactly what a fresh start drafts, greedy and sampled (same tokens, same figures)."""
-    sampled = SamplingConfig(temperature=0.9, top_k=20, max_new_tokens=64, ignore_eos=True, seed=3)
-    requests = [[_request(p, sampling) for p in PROMPTS] for sampling in (dataclasses.replace(GREEDY, max_new_tokens=64), sampled)]
+    sampled = SamplingConfig(temperature=0.9, top_k=20, max_new_tokens=48, ignore_eos=True, seed=3)
+    requests = [[_request(p, sampling) for p in PROMPTS] for sampling in (dataclasses.replace(GREEDY, max_new_tokens=48), sampled)]
     plain = Generator(tiny_llama).batch_generate(requests[0])
 
     engine_module = sys.modules[Engine.__module__]
@@ -163,7 +163,7 @@ def test_a_carried_draft_state_needs_the_same_rows_and_tokens() -> None:
     a: Any = object()  # two sequences
     b: Any = object()
     history = np.array([[5, 6, 7, 8, 0], [9, 9, 9, 0, 0]], np.int32)
-    carry = _DraftCarry(((0, a), (1, b)), speculator.cache_key(), "state", history, np.array([4, 3], np.int32))
+    carry = _DraftCarry(((0, a), (1, b)), speculator, "state", history, np.array([4, 3], np.int32))
     grown, cut = history.copy(), history.copy()
     grown[1, 3] = 4  # a token decoded since
     cut[0, 2] = 1  # a token that differs from the one the state holds
@@ -171,7 +171,7 @@ def test_a_carried_draft_state_needs_the_same_rows_and_tokens() -> None:
     assert _carried(carry, ((0, a), (1, b)), speculator, history, np.array([2, 3], np.int32)) == "state"  # rolled back
     assert _carried(carry, ((0, a), (1, b)), speculator, cut, np.array([4, 3], np.int32)) is None
     assert _carried(carry, ((1, a), (0, b)), speculator, history, np.array([4, 3], np.int32)) is None  # rows swapped
-    assert _carried(carry, ((0, a), (1, b)), PromptLookup(3, 5), history, np.array([4, 3], np.int32)) is None
+    assert _carried(carry, ((0, a), (1, b)), PromptLookup(3, 4), history, np.array([4, 3], np.int32)) is None  # another speculator
     assert _carried(carry, ((0, a), (1, b)), speculator, np.zeros((2, 8), np.int32), np.array([4, 3], np.int32)) is None
 
 

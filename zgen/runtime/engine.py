@@ -493,6 +493,8 @@ class Engine:
         # Every row in fallback: the plain decode loop, until they probe again (then they speculate).
         plain_for = 0 if speculator is None else fallback_steps([job.control for job in candidates])
         speculator = None if plain_for else speculator
+        if speculator is None and not plain_for:
+            self._draft_carry = None  # only a speculative loop or a fallback's plain loop comes between two it serves
         extra = 0 if speculator is None else draft_room(speculator)  # written past a pass's pending token
         per_step = 1 if speculator is None else speculator.num_tokens + 1  # tokens one pass may keep
         steps = self._loop_steps(candidates, waiting=len(jobs) > len(candidates), per_step=per_step) if decode else 1
@@ -944,7 +946,7 @@ class Engine:
             loop.history, loop.length,
         ))
         if final is not None:
-            self._draft_carry = _DraftCarry(seqs, speculator.cache_key(), final, history, lengths)
+            self._draft_carry = _DraftCarry(seqs, speculator, final, history, lengths)
         self.loop_times.record(("speculative", width, speculator.cache_key()), self.runner.run_seconds(started, compiling), int(iterations))
         self.stats.steps += 1
         self.stats.forward_passes += int(iterations)
@@ -1099,7 +1101,7 @@ class _DraftCarry:
     """A resumable speculator's state as its last loop left it, with the rows' sequences and tokens then."""
 
     seqs: tuple[tuple[int, Sequence], ...]  # (batch row, sequence)
-    key: Any  # the speculator's cache key
+    speculator: Speculator
     state: Any
     history: np.ndarray
     lengths: np.ndarray
@@ -1110,7 +1112,7 @@ def _carried(carry: _DraftCarry | None, seqs: tuple[tuple[int, Sequence], ...], 
     """The state a speculative loop over ``seqs`` (holding ``history[:lengths]``) goes on from: the last
     loop's, if it ran a resumable ``speculator`` over the same sequences in the same rows at the same
     shapes and each row's tokens still agree with what it held then; else ``None`` (start over)."""
-    if carry is None or carry.key != speculator.cache_key() or carry.history.shape != history.shape:
+    if carry is None or carry.speculator is not speculator or carry.history.shape != history.shape:
         return None
     if len(carry.seqs) != len(seqs) or any(i != j or a is not b for (i, a), (j, b) in zip(carry.seqs, seqs, strict=True)):
         return None

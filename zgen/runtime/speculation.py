@@ -71,7 +71,7 @@ first draws at a width are plain, to time that step, and its first loop returns 
 passes, to time them); until then it is one target step plus, per drafted token or tree level, the
 draft's share of the target's weight bytes (:func:`draft_cost`: an early exit after 27 of 30 layers has
 to accept about 90 % of its drafts to pay). A row probes again after ``PROBE_AFTER`` plain steps
-(one pass; fully accepted and paying its cost, drafting resumes), twice as many after each fall or
+(one pass; if its tokens pay for it, drafting resumes), twice as many after each fall or
 failed probe in a row, up to ``MAX_PROBE_AFTER`` (a probe costs a return to this loop); a full window
 that pays resets the wait. Every pass drafts and verifies, with no conditionals (on a GPU each
 would copy its predicate to the host): a row with nothing drafted (in fallback, or prompt lookup found nothing) gets
@@ -372,8 +372,8 @@ def update_control(
     full window's passes yielded no more tokens (accepted + one each) than they cost, or (drafts that
     cost, ``cost > 0``) its acceptance rate is below :data:`FALLBACK_RATE`. A pass costs ``pass_cost``
     plain decode steps where the engine measured it (:class:`LoopTimes`), else one step + ``cost`` per
-    drafted token. After the wait the row drafts again (a probe, ``wait == -1``): fully accepted and
-    paying its pass, drafting resumes on a fresh window, else the row falls back again at once. Each
+    drafted token. After the wait the row drafts again (a probe, ``wait == -1``): if its tokens pay for
+    its pass, drafting resumes on a fresh window, else the row falls back again at once. Each
     fall or failed probe in a row doubles the wait (from :data:`PROBE_AFTER` up to
     :data:`MAX_PROBE_AFTER`); a full window that pays starts it over."""
     drafting = active & (drafted > 0)
