@@ -420,6 +420,10 @@ def test_adaptive_prompt_lookup_times_plain_steps_first_and_equals_plain(tiny_ll
         assert result.speculative is not None and result.speculative.steps <= len(result.token_ids) - TIMING_DRAWS
     with pytest.raises(ConfigError, match="adaptive"):
         PromptLookup(adaptive=1)  # type: ignore[arg-type]
+    # A stream taken a token at a time is not timed (a host round trip a pass) and gets no plain draws first.
+    streamed = Generator(tiny_llama, speculative=PromptLookup(3, 4, adaptive=True))
+    assert "".join(streamed.generate_stream(PROMPTS[0], sampling, per_token=True)) == plain[0].text
+    assert all(streamed.engine.loop_times.per_iteration(("plain", w)) is None for w in range(1, 257))
 
 
 def test_draft_cost_is_the_share_of_weight_bytes(tiny_llama: Model) -> None:

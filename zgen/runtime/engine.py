@@ -675,8 +675,8 @@ class Engine:
     def _times_plain_first(self, rows: list[_Row], speculator: Speculator) -> bool:
         """Whether a decode step of ``rows`` with an adaptive ``speculator`` runs plainly first, to time
         the plain step at this width: the fallback weighs a pass's measured cost against it (rows under
-        a grammar are not timed: their host work would count as the step's)."""
-        if not speculator.adaptive or any(row.job.grammar is not None for row in rows):
+        a grammar or taken a token at a time are not timed: their host work would count as the step's)."""
+        if not speculator.adaptive or not _timed(rows):
             return False
         return self.loop_times.per_iteration(("plain", self._width([row.job for row in rows])[0])) is None
 
@@ -850,7 +850,7 @@ class Engine:
             loop, state = self.runner.decode(state, loop, params, flags=flags, adapters=bank, grammar=grammar)
             self.kv.absorb(state)
             out, logprobs, iterations = jax.device_get((loop.out_tokens, loop.out_logprobs, loop.step))
-            if grammar is None and bank is None and penalties is None:  # the steps a speculative pass competes with
+            if _timed(rows) and bank is None and penalties is None:  # the steps a speculative pass competes with
                 self.loop_times.record(("plain", width), self.runner.run_seconds(started, compiling), int(iterations))
         finally:  # the loop has run (its results are here): the grammars' last turn is all that may be left
             failures = {} if grammar is None else grammar.finish()
@@ -947,7 +947,8 @@ class Engine:
         ))
         if final is not None:
             self._draft_carry = _DraftCarry(seqs, speculator, final, history, lengths)
-        self.loop_times.record(("speculative", width, speculator.cache_key()), self.runner.run_seconds(started, compiling), int(iterations))
+        if _timed(rows):
+            self.loop_times.record(("speculative", width, speculator.cache_key()), self.runner.run_seconds(started, compiling), int(iterations))
         self.stats.steps += 1
         self.stats.forward_passes += int(iterations)
         self.stats.rows += len(rows)
@@ -1094,6 +1095,12 @@ class Engine:
         if speculator not in self._speculators:
             speculator.check_target(self.model)
             self._speculators.add(speculator)
+
+
+def _timed(rows: list[_Row]) -> bool:
+    """Whether a loop over ``rows`` times the device's steps (``Engine.loop_times``): not with rows under
+    a grammar or taken a token at a time, whose host round trips would count as the steps'."""
+    return not any(row.job.grammar is not None or row.job.request.per_token for row in rows)
 
 
 @dataclass(frozen=True)
