@@ -538,7 +538,9 @@ class Engine:
             if decode:
                 waiting = bool(blocked) or bool(preempted) or len(jobs) > len(candidates)
                 if speculator is not None and self._times_plain_first(rows, speculator):
-                    self._run_fallback(rows, min(steps, _draw_bucket(TIMING_DRAWS)), TIMING_DRAWS, exit_on_finish=waiting, finishes=finishes, timing=True)
+                    for row in rows:  # a few plain draws time the plain step (the rows' drafting is untouched)
+                        row.count = min(row.count, TIMING_DRAWS)
+                    self._run_decode(rows, min(steps, _draw_bucket(TIMING_DRAWS)), exit_on_finish=waiting, finishes=finishes)
                 elif speculator is not None:
                     host = waiting or any(row.job.needs_host() for row in rows)
                     passes = min(steps, self.config.steps_per_sync) if host else steps
@@ -864,19 +866,16 @@ class Engine:
             drawn = _row_draws(out[i, : min(row.count, int(iterations))].tolist(), ids)
             self._take_loop_draws(row, drawn, logprobs[i], grammar_taken=row.job.grammar is not None)
 
-    def _run_fallback(self, rows: list[_Row], steps: int, draws: int, *, exit_on_finish: bool, finishes: int, timing: bool = False) -> None:
+    def _run_fallback(self, rows: list[_Row], steps: int, draws: int, *, exit_on_finish: bool, finishes: int) -> None:
         """Speculative rows that are all in fallback take up to ``draws`` tokens in the plain decode loop
         (the same compiled loop, and so the same tokens, as plain decoding; ``draws``: until the last
         row's wait is over); their draft controls count those draws as plain passes, so the rows probe
-        again together in the next speculative loop. ``timing``: rows that are not in fallback take
-        their first draws plainly to time the plain step (:meth:`_times_plain_first`)."""
+        again together in the next speculative loop."""
         before = [len(row.job.result.tokens) for row in rows]
         for row in rows:
             row.count = min(row.count, draws)
-        self._run_decode(rows, steps, exit_on_finish=exit_on_finish, finishes=finishes)
-        if timing:
-            return
         self.stats.fallback_loops += 1
+        self._run_decode(rows, steps, exit_on_finish=exit_on_finish, finishes=finishes)
         for row, taken in zip(rows, before, strict=True):
             if row.job.control is not None:
                 row.job.control = after_plain_steps(row.job.control, len(row.job.result.tokens) - taken)
