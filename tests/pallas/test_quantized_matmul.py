@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 from zgen.errors import ConfigError
 from zgen.pallas.quantized_matmul import quantized_matmul, supports
-from zgen.pallas.quantized_matmul.triton import Launch, launch
+from zgen.pallas.quantized_matmul.triton import BYTES_PER_PROGRAM, Launch, launch
 from zgen.quantized_weights import QuantizedWeight, WeightQuantization, dequantize, quantize
 
 TOLERANCE = {"bfloat16": 2e-2, "float32": 1e-4}
@@ -62,18 +62,34 @@ def test_one_row_in_bfloat16(bits: int, group: int | None, width: int, out: int,
 
 
 def test_launch_settings_and_what_goes_to_xla() -> None:
-    """int8 takes 4 output channels a program and int4 8 (fewer where that leaves under 264
-    programs), int4 loops over 4 groups a step where the width has them; GGUF's groups of 32 and a
-    fifth row are XLA's."""
+    """int8 takes 4 output channels a program and int4 16 (fewer where that leaves under 264
+    programs), int4 loops over 4 groups a step where the width has them, a long row is split over
+    programs (Llama-3-8B's down projection); GGUF's groups of 32 and a fifth row are XLA's."""
     def weight(out: int, width: int, scheme: WeightQuantization) -> QuantizedWeight:
         return quantize(jnp.zeros((out, width), jnp.float32), scheme, jnp.dtype(jnp.float16))
 
     assert launch(1, weight(48, 1024, WeightQuantization(8))) == Launch(1, 1024, 1)
-    assert launch(1, weight(4096, 14336, WeightQuantization(8))) == Launch(4, 1024, 1)
-    assert launch(4, weight(6144, 4096, WeightQuantization(4))) == Launch(8, 128, 4)
+    assert launch(1, weight(4096, 4096, WeightQuantization(8))) == Launch(4, 1024, 1)
+    assert launch(1, weight(4096, 14336, WeightQuantization(8))) == Launch(4, 1024, 1, 2)
+    assert launch(4, weight(6144, 4096, WeightQuantization(4))) == Launch(16, 128, 4, 4)
+    assert launch(1, weight(4096, 14336, WeightQuantization(4))) == Launch(16, 128, 4, 14)
     assert launch(1, weight(576, 1536, WeightQuantization(4))) == Launch(2, 128, 2)
     assert launch(1, weight(48, 1024, WeightQuantization(4, 32))) is None
     assert launch(5, weight(48, 1024, WeightQuantization(8))) is None
+
+
+@pytest.mark.parametrize(("bits", "group"), [(4, 64), (8, 128), (8, None)])
+def test_a_row_split_over_programs(monkeypatch: pytest.MonkeyPatch, bits: int, group: int | None) -> None:
+    """Programs that each read a part of a row (from their own group on), their partial sums added
+    outside: a small byte budget splits a small weight as Llama-3-8B's down projection is split."""
+    monkeypatch.setitem(BYTES_PER_PROGRAM, bits, 512)
+    rng = np.random.default_rng(bits)
+    weight = quantize(jnp.asarray(rng.standard_normal((24, 1536)) * 0.05, jnp.float32), WeightQuantization(bits, group), jnp.dtype(jnp.float32))
+    x = jnp.asarray(rng.standard_normal((2, 1536)), jnp.float32)
+    setting = launch(2, weight)
+    assert setting is not None and setting.splits > 1
+    got = quantized_matmul(x, weight, implementation="triton")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(x @ dequantize(weight).T), atol=1e-4, rtol=1e-4)
 
 
 def test_symmetric_int8_with_offsets_and_leading_axes() -> None:

@@ -2,9 +2,10 @@
 
 A decode step's few rows (at most :data:`MAX_ROWS`) on the CUDA cores, for groups of at least
 :data:`MIN_PIECE` bytes (zgen's own int8 and int4 layouts; GGUF's groups of 32 stay with XLA). Grid:
-one program per ``block_n`` output channels (:func:`launch`), each looping over its rows' width in
-steps of a few pieces (a piece never straddles a group; a step issues its pieces' loads before their
-products) and accumulating products elementwise, summed across threads once at the end.
+one program per ``block_n`` output channels and part of the width (:func:`launch`; a long row is
+split, the parts' float32 sums added outside), each looping over its part in steps of a few pieces (a
+piece never straddles a group; a step issues its pieces' loads before their products) and
+accumulating products elementwise, summed across threads once at the end.
 
 Codes are read as 32-bit words and become floats by bit operations, not int-to-float conversions (16
 a clock per SM on Hopper against 128 multiply-adds): a code masked in place in the low 16 bits
@@ -41,10 +42,13 @@ from zgen.quantized_weights import QuantizedWeight
 MAX_ROWS = 4
 MIN_PIECE = 64
 MAX_PIECE = 1024
-# Launch settings timed at Llama-3-8B widths on an H200 (BENCHMARKS.md): output channels a program,
-# pieces a loop step (int4's pieces are one group of 128: 128 bytes a channel) per code width.
-BLOCK_N = {8: 4, 4: 8}
+# Launch settings timed at Llama-3-8B widths on an H200 (BENCHMARKS.md), per code width: output
+# channels a program, pieces a loop step (int4's pieces are one group of 128: 128 bytes a channel),
+# and the code bytes one program reads at most -- a longer row is split over programs whose partial
+# sums are added outside (the down projection's 14,336 inputs: int4 54 -> 19 us, int8 27 -> 20 us).
+BLOCK_N = {8: 4, 4: 16}
 PIECES_PER_STEP = {8: 1, 4: 4}
+BYTES_PER_PROGRAM = {8: 32768, 4: 8192}
 NUM_WARPS = 2
 NUM_STAGES = 3
 # Programs a product keeps at least, where it has the outputs: two per SM of an H100/H200.
@@ -58,6 +62,7 @@ class Launch(NamedTuple):
     block_n: int  # output channels a program
     piece: int  # code bytes a piece (within one group)
     pieces_per_step: int  # pieces a loop step loads before its products
+    splits: int = 1  # programs a row's width is split over (partial sums added outside)
 
 
 def _code_shifts(bits: int) -> list[int]:
@@ -116,14 +121,16 @@ def _kernel(
     metadata_dtype: jnp.dtype,
     asymmetric: bool,
     pieces_per_step: int,
+    splits: int,
 ) -> None:
     offsets_ref, sums_ref = refs[:2] if asymmetric else (None, None)
     o_ref = refs[-1]
-    block_n, words = words_ref.shape
+    block_n, words = words_ref.shape  # this program's split of the row
+    first_piece = pl.program_id(1) * (words // piece) if splits > 1 else 0
     shifts = _code_shifts(bits)
     # 4-bit words hold two groups (the row's two planar halves): nibble p belongs to half p % 2.
     halves = 2 if bits == 4 else 1
-    groups_per_half = words // (piece * pieces_per_group)
+    groups_per_half = words * splits // (piece * pieces_per_group)
     scale_after = bits == 8 and pieces_per_group > 1 and offsets_ref is None
     # The code masks arrive as data so that they stay in registers: as constants, each logic op (one
     # immediate operand, the magic) had its mask rematerialized by a MOV -- a fifth of the loop's
@@ -133,7 +140,8 @@ def _kernel(
     def products(j: Array | int, word: Array, acc: list[Array]) -> list[Array]:
         """The rows' elementwise products with piece ``j``'s codes ``word`` added to ``acc``."""
         columns = pl.ds(j * piece, piece)
-        group = j // pieces_per_group if isinstance(j, int) else jax.lax.div(j, pieces_per_group)  # non-negative
+        row_piece = first_piece + j
+        group = row_piece // pieces_per_group if isinstance(row_piece, int) else jax.lax.div(row_piece, pieces_per_group)
         upper = word >> 16
         values = []
         for p, shift in enumerate(shifts):
@@ -192,20 +200,26 @@ def _metadata_leaves(weight: QuantizedWeight) -> tuple[list[Array], jnp.dtype]:
 def launch(rows: int, weight: QuantizedWeight) -> Launch | None:
     """The kernel's settings for ``rows`` rows of ``weight``, or None where it does not take the
     product (more rows, or groups narrower than :data:`MIN_PIECE` bytes, e.g. GGUF's 32: XLA's forms
-    take those). Fewer channels a program where :data:`BLOCK_N` would leave fewer than
+    take those). A row is split over the fewest programs that each read at most
+    :data:`BYTES_PER_PROGRAM`; fewer channels a program where :data:`BLOCK_N` would leave fewer than
     :data:`MIN_PROGRAMS` programs (SmolLM2's 576 outputs)."""
     out = weight.shape[0]
     columns = int(weight.values.shape[1])
     piece = min(weight.group_size & -weight.group_size, MAX_PIECE)
     if rows > MAX_ROWS or piece < MIN_PIECE or columns % piece:
         return None
-    block_n = min(BLOCK_N[weight.bits], prev_pow2(max(1, out // MIN_PROGRAMS)))
-    while out % block_n:
-        block_n //= 2
     pieces_per_step = PIECES_PER_STEP[weight.bits]
     while (columns // piece) % pieces_per_step:
         pieces_per_step //= 2
-    return Launch(block_n, piece, pieces_per_step)
+    steps = columns // piece // pieces_per_step
+    block_n = BLOCK_N[weight.bits] * 2
+    while True:
+        block_n //= 2
+        if out % block_n:
+            continue
+        splits = next(d for d in range(1, steps + 1) if steps % d == 0 and (block_n * columns // d <= BYTES_PER_PROGRAM[weight.bits] or d == steps))
+        if block_n == 1 or out // block_n * splits >= MIN_PROGRAMS:
+            return Launch(block_n, piece, pieces_per_step, splits)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -221,7 +235,9 @@ def quantized_matmul(x: Float[Array, "*rows inp"], weight: QuantizedWeight, *, i
     xw = arranged_inputs(flat, weight.bits)
     metadata, metadata_dtype = _metadata_leaves(weight)
     sums = [word_sums(flat, weight.bits)] if weight.offsets is not None else []
-    y = pl.pallas_call(
+    block_n, splits = setting.block_n, setting.splits
+    width = words.shape[1] // splits
+    partial = pl.pallas_call(
         functools.partial(
             _kernel,
             bits=weight.bits,
@@ -229,20 +245,23 @@ def quantized_matmul(x: Float[Array, "*rows inp"], weight: QuantizedWeight, *, i
             piece=setting.piece // 4,
             pieces_per_group=weight.group_size // setting.piece,
             pieces_per_step=setting.pieces_per_step,
+            splits=splits,
             metadata_dtype=metadata_dtype,
             asymmetric=weight.offsets is not None,
         ),
-        grid=(out // setting.block_n,),
+        grid=(out // block_n, splits),
         in_specs=[
-            pl.BlockSpec((1, 16 // weight.bits), lambda i: (0, 0)),
-            pl.BlockSpec(xw.shape, lambda i: (0, 0)),
-            *(pl.BlockSpec((setting.block_n, leaf.shape[1]), lambda i: (i, 0)) for leaf in (words, *metadata)),
-            *(pl.BlockSpec(leaf.shape, lambda i: (0, 0)) for leaf in sums),
+            pl.BlockSpec((1, 16 // weight.bits), lambda i, s: (0, 0)),
+            pl.BlockSpec((xw.shape[0], width), lambda i, s: (0, s)),
+            pl.BlockSpec((block_n, width), lambda i, s: (i, s)),
+            *(pl.BlockSpec((block_n, leaf.shape[1]), lambda i, s: (i, 0)) for leaf in metadata),
+            *(pl.BlockSpec((leaf.shape[0], width), lambda i, s: (0, s)) for leaf in sums),
         ],
-        out_specs=pl.BlockSpec((rows, setting.block_n), lambda i: (0, i)),
-        out_shape=jax.ShapeDtypeStruct((rows, out), flat.dtype),
+        out_specs=pl.BlockSpec((None, rows, block_n), lambda i, s: (s, 0, i)),
+        out_shape=jax.ShapeDtypeStruct((splits, rows, out), flat.dtype if splits == 1 else jnp.float32),
         compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
         interpret=interpret,
         name="zgen_quantized_matmul",
     )(code_masks(weight.bits), xw, words, *metadata, *sums)
+    y = partial[0] if splits == 1 else jnp.sum(partial, axis=0).astype(flat.dtype)
     return y.reshape(*x.shape[:-1], out)
