@@ -130,8 +130,8 @@ class WeightQuantization:
         )
 
 
-# The named formats take zgen's kernel on a GPU (int8 batch-1 decode 1.38x bf16's tokens/s at the
-# Llama-3-8B shape, where "dequantize" is slower than bf16: BENCHMARKS.md) and "dequantize" elsewhere.
+# The named formats take zgen's kernel on a GPU (int8 batch-1 decode 1.50x and int4 1.54x bf16's tokens/s
+# at the Llama-3-8B shape, where "dequantize" is slower than bf16: BENCHMARKS.md) and "dequantize" elsewhere.
 # Both keep an untied LM head in int8 (a decode step reads it whole: 1.05 GB in bf16 at Llama-3-8B's
 # shape, 13 % of int8's bytes), wider than int4's linear weights as GGUF's 4-bit mixes keep theirs.
 WEIGHT_FORMATS: dict[str, WeightQuantization] = {
