@@ -147,11 +147,11 @@ def figures(results: list[GenerationResult]) -> dict[str, float]:
 
 def print_rows(rows: list[dict[str, Any]]) -> None:
     print(f"{'batch':>5} {'prompts':<8} {'speculator':<22} {'tok/s':>9} {'speedup':>8} {'accept':>7} {'acc/pass':>8} {'same':<5} "
-          "fallback loops  compiled in timed runs (s)")
+          "fallback steps  compiled in timed runs (s)")
     for row in rows:
         print(f"{row['batch']:>5} {row.get('prompts', 'mix'):<8} {row['speculator']:<22} {row['tokens_per_s']:>9.1f} "
               f"{row['speedup']:>7.2f}x {row.get('acceptance_rate', 0.0):>7.2f} {row.get('mean_accepted_per_step', 0.0):>8.2f} "
-              f"{row['same']!s:<5} {row.get('fallback_loops', ''):<15} {row.get('compile_s_in_timed_runs', '')}")
+              f"{row['same']!s:<5} {row.get('fallback_steps', ''):<15} {row.get('compile_s_in_timed_runs', '')}")
 
 
 def speculator(spec: str, model: Model, args: argparse.Namespace) -> Speculator:
@@ -228,7 +228,7 @@ def main() -> None:
                 rows.append(dict(
                     batch=batch, prompts=group, speculator=name, tokens_per_s=tokens / seconds, speedup=base_s / seconds,
                     same=[r.token_ids for r in results] == [r.token_ids for r in base], **figures(results),
-                    fallback_loops=generator.engine.stats.fallback_loops, compile_s_in_timed_runs=round(compiling, 2),
+                    fallback_steps=generator.engine.stats.fallback_steps, compile_s_in_timed_runs=round(compiling, 2),
                 ))
     report = dict(device=str(jax.devices()[0]), model=args.model or "random smollm2 shape", dtype=args.dtype,
                   new_tokens=args.new_tokens, kv_cache=args.kv_cache, kv_dtype=args.kv_dtype, rows=rows)

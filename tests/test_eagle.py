@@ -98,7 +98,7 @@ def test_a_head_that_reproduces_the_target_is_always_accepted(tiny: Model) -> No
 def test_trees_with_an_untrained_head_equal_plain_greedy_and_sampled(tiny: Model, layout: str) -> None:
     """EAGLE-2 trees from the head (rows in scratch slots, features of the accepted path after each
     tree pass): greedy and sampled tokens are plain decoding's (a tree is accepted by exact match).
-    The dense run is adaptive: its rows fall back to the plain decode loop and come back."""
+    The dense run is adaptive: its rows fall back to plain decode steps and come back."""
     options = (paged_kv(4),) if layout == "paged" else ()
     sampled = SamplingConfig(temperature=0.8, top_k=8, max_new_tokens=40, ignore_eos=True, seed=5)
     greedy = dataclasses.replace(GREEDY, max_new_tokens=40)
@@ -111,7 +111,7 @@ def test_trees_with_an_untrained_head_equal_plain_greedy_and_sampled(tiny: Model
         assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
         for result in spec:
             assert result.speculative is not None and result.speculative.draft_tokens > 0
-        assert (generator.engine.stats.fallback_loops > 0) == eagle.adaptive
+        assert (generator.engine.stats.fallback_steps > 0) == eagle.adaptive
 
 
 def test_a_head_that_reproduces_the_target_drafts_trees_it_accepts(tiny: Model) -> None:

@@ -62,8 +62,7 @@ from zgen.runtime.runner import runner_for
 from zgen.runtime.sampling import PenaltyState, SamplingConfig, SamplingFlags, SamplingParams, penalty_state, row_key_data
 from zgen.runtime.sequence import Sequence
 from zgen.runtime.speculation import (
-    TIMING_DRAWS, WINDOW, DraftControl, LoopTimes, SpeculativeLoop, SpeculativeStats, Speculator, TreeSpeculator, after_plain_steps,
-    draft_room, fallback_steps,
+    TIMING_DRAWS, WINDOW, DraftControl, LoopTimes, SpeculativeLoop, SpeculativeStats, Speculator, TreeSpeculator, draft_room,
 )
 from zgen.runtime.step import DecodeLoop, MixedBatch, Packing
 from zgen.runtime.stop import StopCondition, TextStream
@@ -133,7 +132,7 @@ class EngineStats:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     preemptions: int = 0  # sequences whose KV was freed for an earlier job (recomputed when they run again)
-    fallback_loops: int = 0  # plain decode loops run for speculative requests whose rows were all in fallback
+    fallback_steps: int = 0  # plain decode steps speculative loops took while all their rows were in fallback
 
 
 @dataclass(frozen=True)
@@ -490,15 +489,11 @@ class Engine:
                 prompts = {id(job) for job in [job for job in candidates if not job.generating][: next_pow2(self.config.refill_rows)]}
                 candidates = [job for job in candidates if job.generating or id(job) in prompts]
         speculator = self._speculator(candidates) if decode else None
-        # Every row in fallback: the plain decode loop, until they probe again (then they speculate).
-        plain_for = 0 if speculator is None else fallback_steps([job.control for job in candidates])
-        speculator = None if plain_for else speculator
-        if speculator is None and not plain_for:
-            self._draft_carry = None  # only a speculative loop or a fallback's plain loop comes between two it serves
+        if speculator is None:
+            self._draft_carry = None  # only a speculative loop (or its timing draws) comes between two it serves
         extra = 0 if speculator is None else draft_room(speculator)  # written past a pass's pending token
         per_step = 1 if speculator is None else speculator.num_tokens + 1  # tokens one pass may keep
         steps = self._loop_steps(candidates, waiting=len(jobs) > len(candidates), per_step=per_step) if decode else 1
-        steps = min(steps, _draw_bucket(plain_for)) if plain_for else steps
         rows: list[_Row] = []
         blocked: list[tuple[Job, PoolExhaustedError]] = []
         preempted: set[int] = set()
@@ -548,8 +543,6 @@ class Engine:
                     if self._times_passes_first(rows, speculator):
                         passes = min(passes, WINDOW)  # return once the passes are timed: the rest weigh their cost
                     self._run_speculative(rows, steps, passes, speculator, exit_on_finish=waiting)
-                elif plain_for:
-                    self._run_fallback(rows, steps, plain_for, exit_on_finish=waiting, finishes=finishes)
                 else:
                     self._run_decode(rows, steps, exit_on_finish=waiting, finishes=finishes)
             else:
@@ -866,20 +859,6 @@ class Engine:
             drawn = _row_draws(out[i, : min(row.count, int(iterations))].tolist(), ids)
             self._take_loop_draws(row, drawn, logprobs[i], grammar_taken=row.job.grammar is not None)
 
-    def _run_fallback(self, rows: list[_Row], steps: int, draws: int, *, exit_on_finish: bool, finishes: int) -> None:
-        """Speculative rows that are all in fallback take up to ``draws`` tokens in the plain decode loop
-        (the same compiled loop, and so the same tokens, as plain decoding; ``draws``: until the last
-        row's wait is over); their draft controls count those draws as plain passes, so the rows probe
-        again together in the next speculative loop."""
-        before = [len(row.job.result.tokens) for row in rows]
-        for row in rows:
-            row.count = min(row.count, draws)
-        self.stats.fallback_loops += 1
-        self._run_decode(rows, steps, exit_on_finish=exit_on_finish, finishes=finishes)
-        for row, taken in zip(rows, before, strict=True):
-            if row.job.control is not None:
-                row.job.control = after_plain_steps(row.job.control, len(row.job.result.tokens) - taken)
-
     def _take_loop_draws(self, row: _Row, drawn: list[int], logprobs: np.ndarray, *, grammar_taken: bool = False) -> None:
         """A loop row's draws: keep their K/V (the input and all but the last draw), roll back the rest.
         ``grammar_taken``: the loop's grammar host work already advanced the job's grammar past them."""
@@ -925,7 +904,7 @@ class Engine:
             keys=keys, out_tokens=np.full((width, steps + k + 1), -1, np.int32),
             out_logprobs=np.zeros((width, steps + k + 1), np.float32), drafted=zeros(), accepted=zeros(), verified=zeros(),
             control=DraftControl(**control), pass_cost=np.float32(self.loop_times.pass_cost(width, speculator)),
-            step=np.int32(0), max_steps=np.int32(passes), exit_on_finish=np.bool_(exit_on_finish),
+            step=np.int32(0), plain_steps=np.int32(0), max_steps=np.int32(passes), exit_on_finish=np.bool_(exit_on_finish),
             done_at_start=np.int32(done.sum()),
         )
         loop = SpeculativeLoop(**host)
@@ -940,14 +919,15 @@ class Engine:
         finally:
             failures = self._draft_grammars.finish()
         self.kv.absorb(state)
-        out, logprobs, emitted, drafted, accepted, verified, iterations, ctl, history, lengths = jax.device_get((
-            loop.out_tokens, loop.out_logprobs, loop.emitted, loop.drafted, loop.accepted, loop.verified, loop.step, loop.control,
-            loop.history, loop.length,
+        out, logprobs, emitted, drafted, accepted, verified, iterations, plain_steps, ctl, history, lengths = jax.device_get((
+            loop.out_tokens, loop.out_logprobs, loop.emitted, loop.drafted, loop.accepted, loop.verified, loop.step, loop.plain_steps,
+            loop.control, loop.history, loop.length,
         ))
         if final is not None:
             self._draft_carry = _DraftCarry(seqs, speculator, final, history, lengths)
         if _timed(rows):
-            self.loop_times.record(("speculative", width, speculator.cache_key()), self.runner.run_seconds(started, compiling), int(iterations))
+            self.loop_times.record_loop(width, speculator, self.runner.run_seconds(started, compiling), int(iterations), int(plain_steps))
+        self.stats.fallback_steps += int(plain_steps)
         self.stats.steps += 1
         self.stats.forward_passes += int(iterations)
         self.stats.rows += len(rows)

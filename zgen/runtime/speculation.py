@@ -72,13 +72,13 @@ passes, to time them); until then it is one target step plus, per drafted token 
 draft's share of the target's weight bytes (:func:`draft_cost`: an early exit after 27 of 30 layers has
 to accept about 90 % of its drafts to pay). A row probes again after ``PROBE_AFTER`` plain steps
 (one pass; if its tokens pay for it, drafting resumes), twice as many after each fall or
-failed probe in a row, up to ``MAX_PROBE_AFTER`` (a probe costs a return to this loop); a full window
-that pays resets the wait. Every pass drafts and verifies, with no conditionals (on a GPU each
-would copy its predicate to the host): a row with nothing drafted (in fallback, or prompt lookup found nothing) gets
-its plain token from the verification pass. When every row left is in fallback the loop returns: the
-engine decodes the batch in the plain decode loop until the rows probe again (:func:`fallback_steps`, :func:`after_plain_steps`), so a batch in fallback costs what plain
-decoding costs, not a verification pass of ``k + 1`` positions and this loop's larger carry. The plain
-loop draws with the same (row key, position) noise, so the tokens are the same either way.
+failed probe in a row, up to ``MAX_PROBE_AFTER``; a full window that pays resets the wait. A row with
+nothing drafted (in fallback, or prompt lookup found nothing) gets its plain token from the
+verification pass. When every row left is in fallback, an iteration is a plain decode step instead
+(one position a row, no draft: a ``lax.cond`` between the two), until a row probes: a batch in
+fallback costs about what plain decoding costs, without leaving the loop (each return to the host
+and new loop cost a GPU more than a decode step of a small model). The plain step draws with the same
+(row key, position) noise as the plain decode loop, so the tokens are the same either way.
 
 Rows under a grammar (:class:`~zgen.runtime.grammar.GrammarDrafts`) draft as if unconstrained; two host
 callbacks per pass keep them exact. After drafting, the first gives each row's token mask at every
@@ -110,7 +110,7 @@ from zgen.runtime.step import ModelSpec, Params, forward, forward_features, read
 from zgen.runtime.tree import ancestors, commit_path, forward_tree, forward_tree_features, tree_attention_mask
 
 __all__ = [
-    "DraftControl", "DraftInput", "LoopTimes", "ResumableSpeculator", "after_plain_steps", "draft_cost", "fallback_steps", "FeatureObserver", "Observer", "Proposal", "SpeculativeLoop", "SpeculativeStats", "Speculator", "speculative_loop",
+    "DraftControl", "DraftInput", "LoopTimes", "ResumableSpeculator", "draft_cost", "FeatureObserver", "Observer", "Proposal", "SpeculativeLoop", "SpeculativeStats", "Speculator", "speculative_loop",
     "target_draws", "verify",
     "TreeSpeculator", "draft_room", "draws_at", "verify_tree",
 ]
@@ -320,33 +320,23 @@ class LoopTimes:
         total, count = self._totals.get(key, (0.0, 0))
         return total / count if count else None
 
+    def record_loop(self, width: int, speculator: Speculator, seconds: float, iterations: int, plain_steps: int) -> None:
+        """A speculative loop of ``iterations`` at ``width`` rows, ``plain_steps`` of them plain decode
+        steps (every row in fallback), each taken at the plain decode loop's time: the rest is its passes'
+        (not recorded while the plain step is not timed)."""
+        if plain_steps:
+            plain = self.per_iteration(("plain", width))
+            if plain is None:
+                return
+            seconds -= plain * plain_steps
+        self.record(("speculative", width, speculator.cache_key()), max(seconds, 0.0), iterations - plain_steps)
+
     def pass_cost(self, width: int, speculator: Speculator) -> float:
         """A pass of ``speculator``'s loop at ``width`` rows in plain decode steps at that width (at
         least 1: a pass does a plain step's work); 0.0 until both have been timed."""
         plain = self.per_iteration(("plain", width))
         spec = self.per_iteration(("speculative", width, speculator.cache_key()))
         return 0.0 if plain is None or spec is None else max(spec / plain, 1.0)
-
-
-def fallback_steps(controls: Sequence[dict[str, np.ndarray] | None]) -> int:
-    """Plain draws a batch of requests (each one's host control, ``None``: none yet) should take in
-    the plain decode loop before speculating again: 0 unless every row is in fallback, else until the
-    last of them probes (the rows then probe together, in one return to the speculative loop)."""
-    if not controls or any(c is None or int(c["length"][0]) != 0 for c in controls):
-        return 0
-    return max(1, max(int(c["wait"][0]) for c in controls if c is not None))
-
-
-def after_plain_steps(control: dict[str, np.ndarray], steps: int) -> dict[str, np.ndarray]:
-    """A row's host control after ``steps`` plain draws in the plain decode loop: what as many plain
-    passes of the speculative loop do to it (the wait runs down; at its end the row probes)."""
-    wait = int(control["wait"][0]) - steps
-    probe = wait <= 0
-    return {
-        **control,
-        "length": np.array([1 if probe else 0], np.int32),
-        "wait": np.array([-1 if probe else wait], np.int32),
-    }
 
 
 def draft_cost(draft_params: Any, params: Params) -> float:
@@ -651,6 +641,7 @@ class SpeculativeLoop:
     control: DraftControl
     pass_cost: Float[Array, ""]  # a pass in plain decode steps, as measured (0: not yet, see LoopTimes)
     step: Int[Array, ""]
+    plain_steps: Int[Array, ""]  # iterations that were plain decode steps (every row in fallback)
     max_steps: Int[Array, ""]
     exit_on_finish: Bool[Array, ""]
     done_at_start: Int[Array, ""]
@@ -680,12 +671,17 @@ def speculative_loop(
     def cond(carry: tuple[SpeculativeLoop, KVState, Any]) -> Array:
         s = carry[0]
         done = jnp.sum(s.done, dtype=jnp.int32)
-        go_on = (s.step < s.max_steps) & (done < s.done.shape[0]) & ~(s.exit_on_finish & (done > s.done_at_start))
-        if speculator.adaptive:  # every row left in fallback: the plain decode loop serves them (engine)
-            go_on &= (s.step == 0) | ~jnp.all(s.done | (s.control.length == 0))
-        return go_on
+        return (s.step < s.max_steps) & (done < s.done.shape[0]) & ~(s.exit_on_finish & (done > s.done_at_start))
 
     def body(carry: tuple[SpeculativeLoop, KVState, Any]) -> tuple[SpeculativeLoop, KVState, Any]:
+        if not speculator.adaptive:
+            return iteration(carry, k)
+        # Every row left in fallback: a plain decode step, one position a row, instead of a pass.
+        resting = jnp.all(carry[0].done | (carry[0].control.length == 0))
+        return jax.lax.cond(resting, lambda c: iteration(c, 0), lambda c: iteration(c, k), carry)
+
+    def iteration(carry: tuple[SpeculativeLoop, KVState, Any], width: int) -> tuple[SpeculativeLoop, KVState, Any]:
+        """A pass verifying ``width`` drafted positions past each row's pending token (0: a plain step)."""
         s, kv, state = carry
         active = ~s.done
         p = s.length - 1
@@ -693,14 +689,17 @@ def speculative_loop(
         room = jnp.minimum(s.limit - 1 - p, s.budget - s.emitted - 1)
         # Free drafts (lookups) take the whole width a pass verifies anyway: only the fallback applies.
         length = s.control.length if cost > 0 else jnp.where(s.control.length > 0, k, 0)
-        want = jnp.where(active, jnp.clip(jnp.minimum(length, room), 0, k), 0)
+        want = jnp.where(active, jnp.clip(jnp.minimum(length, room), 0, width), 0)
 
         draft = DraftInput(s.history, s.length, want, active, s.keys, sampling, flags)
 
-        # Every pass drafts and verifies, without conditionals (on a GPU each one copies its predicate to
-        # the host): a row with nothing drafted gets the plain token from the pass, and when every row
-        # is in fallback the loop returns (see ``cond``).
-        proposal, state = speculator.propose(draft_params, state, draft)
+        # A pass drafts and verifies for every row: a row with nothing drafted (in fallback, or prompt
+        # lookup found nothing) gets the plain token from the pass.
+        if width:
+            proposal, state = speculator.propose(draft_params, state, draft)
+        else:
+            none = jnp.zeros((p.shape[0], 0), jnp.int32)
+            proposal = Proposal(none, jnp.zeros_like(p), None)
         tree = proposal.parents is not None
         assert not (tree and grammar is not None), "the engine runs rows under a grammar without tree drafts"
         valid: Array | None = None
@@ -714,7 +713,7 @@ def speculative_loop(
             count = jnp.minimum(proposal.count, want)
         masks = None
         if grammar is not None:  # the constrained rows' masks along their drafts (host)
-            shape = jax.ShapeDtypeStruct((count.shape[0], k + 1, grammar.words), jnp.int32)
+            shape = jax.ShapeDtypeStruct((count.shape[0], width + 1, grammar.words), jnp.int32)
             masks = io_callback(grammar.draft_masks, shape, proposal.tokens, count, active, ordered=True)
 
         def allowed(vocab: int, reads: int) -> Array | None:
@@ -732,10 +731,10 @@ def speculative_loop(
 
         def check(kv: KVState, state: Any) -> tuple[KVState, Any, Array, Array, Array]:
             tokens = jnp.concatenate([pending[:, None], proposal.tokens], axis=1)
-            offsets = jnp.arange(k + 1)[None, :]
+            offsets = jnp.arange(width + 1)[None, :]
             positions = jnp.where(active[:, None] & (offsets <= count[:, None]), p[:, None] + offsets, -1)
             logits, kv, state = target_forward(kv, state, tokens, positions, jnp.broadcast_to(offsets, tokens.shape))
-            mask = allowed(logits.shape[-1], k + 1)
+            mask = allowed(logits.shape[-1], width + 1)
             produced, logprobs, accepted = verify(logits, proposal, count, p, sampling, s.keys, flags, mask)
             if isinstance(speculator, Observer):  # the draws it sees are the grammar's too
                 seen = logits if mask is None else jnp.where(mask, logits, -jnp.inf)
@@ -773,10 +772,10 @@ def speculative_loop(
 
         kv, state, produced, logprobs, accepted = (check_tree if tree else check)(kv, state)
         # Keep up to the first stop id and within the budget; inactive rows keep nothing.
-        j = jnp.arange(k + 1)[None, :]
+        j = jnp.arange(width + 1)[None, :]
         made = jnp.where(j <= accepted[:, None], 1, 0)
         is_stop = jnp.any(produced[..., None] == s.stop_ids[:, None, :], axis=-1) & (made > 0)
-        first_stop = jnp.min(jnp.where(is_stop, j, k + 1), axis=1)
+        first_stop = jnp.min(jnp.where(is_stop, j, width + 1), axis=1)
         keep = jnp.minimum(jnp.minimum(accepted + 1, first_stop + 1), s.budget - s.emitted)
         keep = jnp.where(active, keep, 0).astype(jnp.int32)
         complete = jnp.zeros_like(active)
@@ -804,6 +803,7 @@ def speculative_loop(
             verified=s.verified + (active & (count > 0)).astype(jnp.int32),
             control=update_control(s.control, count, accepted, active, k, cost, s.pass_cost) if speculator.adaptive else s.control,
             step=s.step + 1,
+            plain_steps=s.plain_steps + int(width == 0),
         )
         return s, kv, state
 
