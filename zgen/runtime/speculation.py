@@ -74,8 +74,8 @@ to accept about 90 % of its drafts to pay). A row probes again after ``PROBE_AFT
 (one pass; if its tokens pay for it, drafting resumes), twice as many after each fall or
 failed probe in a row, up to ``MAX_PROBE_AFTER``; a full window that pays resets the wait. A row with
 nothing drafted (in fallback, or prompt lookup found nothing) gets its plain token from the
-verification pass. When every row left is in fallback, an iteration is a plain decode step instead
-(one position a row, no draft: a ``lax.cond`` between the two), until a row probes: a batch in
+verification pass. When every row left is in fallback, the loop takes plain decode steps instead
+(one position a row, no draft: an inner loop, entered by a ``lax.cond``), until a row probes: a batch in
 fallback costs about what plain decoding costs, without leaving the loop (each return to the host
 and new loop cost a GPU more than a decode step of a small model). The plain step draws with the same
 (row key, position) noise as the plain decode loop, so the tokens are the same either way.
@@ -673,19 +673,24 @@ def speculative_loop(
         done = jnp.sum(s.done, dtype=jnp.int32)
         return (s.step < s.max_steps) & (done < s.done.shape[0]) & ~(s.exit_on_finish & (done > s.done_at_start))
 
+    def resting(s: SpeculativeLoop) -> Array:
+        return jnp.all(s.done | (s.control.length == 0))
+
     def body(carry: tuple[SpeculativeLoop, KVState, Any]) -> tuple[SpeculativeLoop, KVState, Any]:
         if not speculator.adaptive:
             return iteration(carry, k)
-        # Every row left in fallback: a plain decode step, one position a row, instead of a pass.
-        resting = jnp.all(carry[0].done | (carry[0].control.length == 0))
-        return jax.lax.cond(resting, lambda c: iteration(c, 0), lambda c: iteration(c, k), carry)
+        return jax.lax.cond(resting(carry[0]), rest, lambda c: iteration(c, k), carry)
+
+    def rest(carry: tuple[SpeculativeLoop, KVState, Any]) -> tuple[SpeculativeLoop, KVState, Any]:
+        """Every row left in fallback: plain decode steps, one position a row, until a row probes (one
+        branch taken per stretch of them, not per step)."""
+        return jax.lax.while_loop(lambda c: cond(c) & resting(c[0]), lambda c: iteration(c, 0), carry)
 
     def iteration(carry: tuple[SpeculativeLoop, KVState, Any], width: int) -> tuple[SpeculativeLoop, KVState, Any]:
         """A pass verifying ``width`` drafted positions past each row's pending token (0: a plain step)."""
         s, kv, state = carry
         active = ~s.done
         p = s.length - 1
-        pending = jnp.take_along_axis(s.history, p[:, None], axis=1)[:, 0]
         room = jnp.minimum(s.limit - 1 - p, s.budget - s.emitted - 1)
         # Free drafts (lookups) take the whole width a pass verifies anyway: only the fallback applies.
         length = s.control.length if cost > 0 else jnp.where(s.control.length > 0, k, 0)
@@ -694,12 +699,27 @@ def speculative_loop(
         draft = DraftInput(s.history, s.length, want, active, s.keys, sampling, flags)
 
         # A pass drafts and verifies for every row: a row with nothing drafted (in fallback, or prompt
-        # lookup found nothing) gets the plain token from the pass.
-        if width:
-            proposal, state = speculator.propose(draft_params, state, draft)
-        else:
-            none = jnp.zeros((p.shape[0], 0), jnp.int32)
-            proposal = Proposal(none, jnp.zeros_like(p), None)
+        # lookup found nothing) gets the plain token from the pass; when no row drafted anything, the
+        # pass is a plain step (one position a row, not width + 1).
+        plain = Proposal(jnp.zeros((p.shape[0], 0), jnp.int32), jnp.zeros_like(p), None)
+        if not width:
+            return finish(s, kv, state, draft, plain, 0)
+        proposal, state = speculator.propose(draft_params, state, draft)
+        if proposal.parents is not None:
+            return finish(s, kv, state, draft, proposal, width)
+        drafted = jnp.any(jnp.minimum(proposal.count, want) > 0)
+        return jax.lax.cond(
+            drafted, lambda st: finish(s, kv, st, draft, proposal, width), lambda st: finish(s, kv, st, draft, plain, 0), state
+        )
+
+    def finish(
+        s: SpeculativeLoop, kv: KVState, state: Any, draft: DraftInput, proposal: Proposal, width: int
+    ) -> tuple[SpeculativeLoop, KVState, Any]:
+        """Verify ``proposal`` (``width`` positions past each row's pending token; 0: a plain step),
+        accept, and record what each row keeps."""
+        active, want = draft.active, draft.num_tokens
+        p = s.length - 1
+        pending = jnp.take_along_axis(s.history, p[:, None], axis=1)[:, 0]
         tree = proposal.parents is not None
         assert not (tree and grammar is not None), "the engine runs rows under a grammar without tree drafts"
         valid: Array | None = None

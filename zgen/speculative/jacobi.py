@@ -149,8 +149,10 @@ class Jacobi:
         grams = jnp.stack([fed[:, c : c + t] for c in range(self.ngram - 1)] + [draws], axis=-1)  # [B, T, N]
         checked = draft.active[:, None] & (jnp.arange(t)[None, :] <= count[:, None])
         pool, stamp = _insert(state.pool, state.stamp, grams, checked, state.clock)
+        # A plain step (no draft, one draw) leaves the rest of the window without guesses.
+        window = jnp.full_like(state.guesses, -1).at[:, :t].set(jnp.where(checked, draws, -1))
         return JacobiState(
-            guesses=jnp.where(draft.active[:, None], jnp.where(checked, draws, -1), state.guesses),
+            guesses=jnp.where(draft.active[:, None], window, state.guesses),
             guess_from=jnp.where(draft.active, draft.length, state.guess_from),
             pool=pool,
             stamp=stamp,
