@@ -207,6 +207,27 @@ def test_a_batch_in_fallback_takes_plain_steps(tiny_llama: Model) -> None:
             assert WINDOW + 1 <= result.speculative.steps <= WINDOW + 3
 
 
+def test_a_pass_with_nothing_drafted_is_a_plain_step(tiny_llama: Model) -> None:
+    """A lookup that never finds a match: every iteration of the loop is a plain decode step (no
+    verification pass), the tokens are plain decoding's, and no pass is timed."""
+    class Empty(PromptLookup):
+        def propose(self, params: Any, state: Any, draft: DraftInput) -> tuple[Proposal, Any]:
+            proposal, state = super().propose(params, state, draft)
+            return dataclasses.replace(proposal, count=jnp.zeros_like(proposal.count)), state
+
+    requests = [_request(p, dataclasses.replace(GREEDY, max_new_tokens=24)) for p in PROMPTS]
+    plain = Generator(tiny_llama).batch_generate(requests)
+    speculator = Empty(3, 4)
+    generator = Generator(tiny_llama, speculative=speculator)
+    spec = generator.batch_generate(requests)
+    assert _ids(spec) == _ids(plain)
+    stats = generator.engine.stats
+    assert stats.fallback_steps == 24 - 1  # every token after the prefill's first, the rows side by side
+    for result in spec:
+        assert result.speculative is not None and result.speculative.steps == 0 and result.speculative.draft_tokens == 0
+    assert generator.engine.loop_times.per_iteration(("speculative", len(PROMPTS), speculator.cache_key())) is None
+
+
 def test_contexts_take_the_same_speculators(tiny_llama: Model) -> None:
     engine = Engine(tiny_llama, paged_kv(4))
     limit = StopCondition.from_sampling(GREEDY, ())

@@ -132,7 +132,7 @@ class EngineStats:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     preemptions: int = 0  # sequences whose KV was freed for an earlier job (recomputed when they run again)
-    fallback_steps: int = 0  # plain decode steps speculative loops took while all their rows were in fallback
+    fallback_steps: int = 0  # plain decode steps speculative loops took (every row in fallback, or none drafted)
 
 
 @dataclass(frozen=True)
@@ -538,11 +538,11 @@ class Engine:
                     self._run_decode(rows, min(steps, _draw_bucket(TIMING_DRAWS)), exit_on_finish=waiting, finishes=finishes)
                 elif speculator is not None:
                     host = waiting or any(row.job.needs_host() for row in rows)
-                    passes = min(steps, self.config.steps_per_sync) if host else steps
-                    passes = 1 if any(row.job.request.per_token for row in rows) else passes
-                    if self._times_passes_first(rows, speculator):
-                        passes = min(passes, WINDOW)  # return once the passes are timed: the rest weigh their cost
-                    self._run_speculative(rows, steps, passes, speculator, exit_on_finish=waiting)
+                    iterations = min(steps, self.config.steps_per_sync) if host else steps
+                    iterations = 1 if any(row.job.request.per_token for row in rows) else iterations
+                    # Return once a window's passes are timed: the rest weigh their cost.
+                    passes = WINDOW if self._times_passes_first(rows, speculator) else iterations
+                    self._run_speculative(rows, steps, iterations, passes, speculator, exit_on_finish=waiting)
                 else:
                     self._run_decode(rows, steps, exit_on_finish=waiting, finishes=finishes)
             else:
@@ -876,9 +876,12 @@ class Engine:
         else:
             self._after_generation_step(job)
 
-    def _run_speculative(self, rows: list[_Row], steps: int, passes: int, speculator: Speculator, *, exit_on_finish: bool) -> None:
-        """Decode ``rows`` with ``speculator`` in one on-device loop of at most ``passes`` passes, each
-        row up to its reserved draws (at most ``steps``) (:mod:`zgen.runtime.speculation`)."""
+    def _run_speculative(
+        self, rows: list[_Row], steps: int, iterations: int, passes: int, speculator: Speculator, *, exit_on_finish: bool
+    ) -> None:
+        """Decode ``rows`` with ``speculator`` in one on-device loop of at most ``iterations`` (passes or
+        plain steps), ``passes`` of them verifying drafts, each row up to its reserved draws (at most
+        ``steps``) (:mod:`zgen.runtime.speculation`)."""
         k = speculator.num_tokens
         width, index, state = self._step_rows(rows, k + 1)
         length = next_pow2(max(row.start + row.count + k + 2 for row in rows), 16)
@@ -904,7 +907,7 @@ class Engine:
             keys=keys, out_tokens=np.full((width, steps + k + 1), -1, np.int32),
             out_logprobs=np.zeros((width, steps + k + 1), np.float32), drafted=zeros(), accepted=zeros(), verified=zeros(),
             control=DraftControl(**control), pass_cost=np.float32(self.loop_times.pass_cost(width, speculator)),
-            step=np.int32(0), plain_steps=np.int32(0), max_steps=np.int32(passes), exit_on_finish=np.bool_(exit_on_finish),
+            step=np.int32(0), plain_steps=np.int32(0), max_steps=np.int32(iterations), max_passes=np.int32(passes), exit_on_finish=np.bool_(exit_on_finish),
             done_at_start=np.int32(done.sum()),
         )
         loop = SpeculativeLoop(**host)

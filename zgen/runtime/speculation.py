@@ -74,7 +74,8 @@ to accept about 90 % of its drafts to pay). A row probes again after ``PROBE_AFT
 (one pass; if its tokens pay for it, drafting resumes), twice as many after each fall or
 failed probe in a row, up to ``MAX_PROBE_AFTER``; a full window that pays resets the wait. A row with
 nothing drafted (in fallback, or prompt lookup found nothing) gets its plain token from the
-verification pass. When every row left is in fallback, the loop takes plain decode steps instead
+verification pass; a pass in which no row drafted anything is a plain step (one position a row: a
+``lax.cond`` after the draft, for chains). When every row left is in fallback, the loop takes plain decode steps instead
 (one position a row, no draft: an inner loop, entered by a ``lax.cond``), until a row probes: a batch in
 fallback costs about what plain decoding costs, without leaving the loop (each return to the host
 and new loop cost a GPU more than a decode step of a small model). The plain step draws with the same
@@ -643,6 +644,7 @@ class SpeculativeLoop:
     step: Int[Array, ""]
     plain_steps: Int[Array, ""]  # iterations that were plain decode steps (every row in fallback)
     max_steps: Int[Array, ""]
+    max_passes: Int[Array, ""]  # iterations that verify drafts (not plain steps) the loop may take
     exit_on_finish: Bool[Array, ""]
     done_at_start: Int[Array, ""]
 
@@ -671,7 +673,8 @@ def speculative_loop(
     def cond(carry: tuple[SpeculativeLoop, KVState, Any]) -> Array:
         s = carry[0]
         done = jnp.sum(s.done, dtype=jnp.int32)
-        return (s.step < s.max_steps) & (done < s.done.shape[0]) & ~(s.exit_on_finish & (done > s.done_at_start))
+        passes = s.step - s.plain_steps
+        return (s.step < s.max_steps) & (passes < s.max_passes) & (done < s.done.shape[0]) & ~(s.exit_on_finish & (done > s.done_at_start))
 
     def resting(s: SpeculativeLoop) -> Array:
         return jnp.all(s.done | (s.control.length == 0))
