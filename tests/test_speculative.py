@@ -24,7 +24,8 @@ from zgen.model import Model, random_model
 from zgen.runtime.engine import Engine
 from zgen.runtime.sampling import SamplingFlags, SamplingParams, filter_logits
 from zgen.runtime.speculation import (
-    PROBE_AFTER, TIMING_DRAWS, WINDOW, DraftControl, DraftInput, LoopTimes, Proposal, draft_cost, update_control, verify,
+    PROBE_AFTER, TIMING_DRAWS, WINDOW, DraftControl, DraftInput, LoopTimes, Proposal, draft_cost, pass_pays, update_control,
+    verify,
 )
 from zgen.runtime.stop import StopCondition
 from zgen.speculative import DraftModel, PromptLookup
@@ -409,6 +410,22 @@ def test_a_measured_pass_cost_decides_the_fallback() -> None:
     assert int(once.length[0]) == 0 and int(once.wait[0]) == 2 * PROBE_AFTER
     again = update_control(probe, jnp.asarray([4]), jnp.asarray([2]), jnp.asarray([True]), 4, 0.0, 2.5)  # 3 tokens
     assert int(again.length[0]) > 0 and int(again.wait[0]) == 0
+
+
+def test_a_pass_pays_for_the_whole_batch() -> None:
+    """Four rows, a pass at 1.5 plain steps: it pays when the drafting rows are expected to accept more
+    than 2 tokens between them (each row's window mean, at most its draft; no history: its draft)."""
+    control = DraftControl(**DraftControl.initial(4, 4))
+    drafted = jnp.zeros((4, WINDOW), jnp.int32).at[:, :2].set(4)
+    accepted = jnp.zeros((4, WINDOW), jnp.int32).at[0, :2].set(3).at[1, :2].set(1)  # means 3, 1, 0, 0
+    seen = dataclasses.replace(control, drafted=drafted, accepted=accepted)
+    active = jnp.ones(4, bool)
+    count = jnp.array([4, 4, 0, 0], jnp.int32)
+    assert bool(pass_pays(seen, count, active, 1.5))  # 4 + 3 + 1 > 6
+    assert not bool(pass_pays(seen, count.at[0].set(1), active, 1.5))  # 4 + 1 + 1 <= 6: a draft of 1 accepts 1 at most
+    assert not bool(pass_pays(seen, jnp.array([0, 4, 4, 4], jnp.int32), active, 1.5))  # 4 + 1 + 0 + 0
+    assert bool(pass_pays(control, jnp.array([0, 0, 0, 4], jnp.int32), active, 1.5))  # no history: its whole draft
+    assert bool(pass_pays(seen, jnp.zeros(4, jnp.int32), active, 0.0))  # not measured yet
 
 
 def test_loop_times_give_a_pass_in_plain_steps() -> None:

@@ -75,7 +75,9 @@ to accept about 90 % of its drafts to pay). A row probes again after ``PROBE_AFT
 failed probe in a row, up to ``MAX_PROBE_AFTER``; a full window that pays resets the wait. A row with
 nothing drafted (in fallback, or prompt lookup found nothing) gets its plain token from the
 verification pass; a pass in which no row drafted anything is a plain step (one position a row: a
-``lax.cond`` after the draft, for chains). When every row left is in fallback, the loop takes plain decode steps instead
+``lax.cond`` after the draft, for chains), and so, with an adaptive speculator whose drafts cost
+nothing (lookups), is one whose rows' expected acceptances do not pay for the batch's pass
+(:func:`pass_pays`: rows in fallback or without a draft ride every pass). When every row left is in fallback, the loop takes plain decode steps instead
 (one position a row, no draft: an inner loop, entered by a ``lax.cond``), until a row probes: a batch in
 fallback costs about what plain decoding costs, without leaving the loop (each return to the host
 and new loop cost a GPU more than a decode step of a small model). The plain step draws with the same
@@ -111,7 +113,7 @@ from zgen.runtime.step import ModelSpec, Params, forward, forward_features, read
 from zgen.runtime.tree import ancestors, commit_path, forward_tree, forward_tree_features, tree_attention_mask
 
 __all__ = [
-    "DraftControl", "DraftInput", "LoopTimes", "ResumableSpeculator", "draft_cost", "FeatureObserver", "Observer", "Proposal", "SpeculativeLoop", "SpeculativeStats", "Speculator", "speculative_loop",
+    "DraftControl", "DraftInput", "LoopTimes", "ResumableSpeculator", "draft_cost", "pass_pays", "FeatureObserver", "Observer", "Proposal", "SpeculativeLoop", "SpeculativeStats", "Speculator", "speculative_loop",
     "target_draws", "verify",
     "TreeSpeculator", "draft_room", "draws_at", "verify_tree",
 ]
@@ -403,6 +405,20 @@ def update_control(
         wait=jnp.where(probe, -1, wait),
         misses=misses,
     )
+
+
+def pass_pays(control: DraftControl, count: Int[Array, " B"], active: Bool[Array, " B"], pass_cost: Float[Array, ""] | float) -> Bool[Array, ""]:
+    """Whether a pass over the batch yields more tokens than plain steps would in its time: a token a
+    row, plus what each drafting row is expected to accept (its window's mean a pass, at most its
+    draft; a row with fewer than two passes in its window, its whole draft), against ``pass_cost``
+    plain steps of the batch (not measured yet: it pays). Rows in fallback and rows that drafted
+    nothing ride every pass, so a batch can lose where each drafting row alone would pay."""
+    passes = jnp.sum(control.drafted > 0, axis=1)
+    mean = jnp.sum(control.accepted, axis=1) / jnp.maximum(passes, 1)
+    expected = jnp.where(passes >= 2, jnp.minimum(mean, count), count)
+    rows = jnp.sum(active)
+    gain = jnp.sum(jnp.where(active & (count > 0), expected, 0.0))
+    return (pass_cost <= 0) | (rows + gain > pass_cost * rows)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -710,7 +726,10 @@ def speculative_loop(
         proposal, state = speculator.propose(draft_params, state, draft)
         if proposal.parents is not None:
             return finish(s, kv, state, draft, proposal, width)
-        drafted = jnp.any(jnp.minimum(proposal.count, want) > 0)
+        count = jnp.minimum(proposal.count, want)
+        drafted = jnp.any(count > 0)
+        if speculator.adaptive and cost == 0:  # free drafts, dropped where the batch's pass would not pay
+            drafted &= pass_pays(s.control, count, active, s.pass_cost)
         return jax.lax.cond(
             drafted, lambda st: finish(s, kv, st, draft, proposal, width), lambda st: finish(s, kv, st, draft, plain, 0), state
         )
