@@ -3,8 +3,8 @@
 For every batch size, prompt group and speculator: tokens/s of the whole generation (wall time of
 ``batch_generate``, median of ``--runs`` after a warm-up that compiles), the speedup over plain
 decoding of the same requests, the acceptance figures (drafted, accepted, acceptance rate, mean
-accepted per verification pass), how many plain decode loops served the batch while it was in
-fallback (over the warm-up and the timed runs), and a check that the greedy tokens equal plain
+accepted per verification pass), how many plain decode steps the speculative loops took (every row
+in fallback, or nothing drafted; over the warm-up and the timed runs), and a check that the greedy tokens equal plain
 decoding's token for token (``same``: False marks a bug, or a near-tie flipped by bf16 rounding in a
 longer verification pass; run ``--dtype float32`` to tell them apart).
 

@@ -94,7 +94,7 @@ row keeps, and cuts the row at the token that completes its grammar.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, runtime_checkable
 
