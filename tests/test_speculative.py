@@ -429,11 +429,25 @@ def test_a_pass_pays_for_the_whole_batch() -> None:
     seen = dataclasses.replace(control, drafted=drafted, accepted=accepted)
     active = jnp.ones(4, bool)
     count = jnp.array([4, 4, 0, 0], jnp.int32)
-    assert bool(pass_pays(seen, count, active, 1.5))  # 4 + 3 + 1 > 6
-    assert not bool(pass_pays(seen, count.at[0].set(1), active, 1.5))  # 4 + 1 + 1 <= 6: a draft of 1 accepts 1 at most
-    assert not bool(pass_pays(seen, jnp.array([0, 4, 4, 4], jnp.int32), active, 1.5))  # 4 + 1 + 0 + 0
-    assert bool(pass_pays(control, jnp.array([0, 0, 0, 4], jnp.int32), active, 1.5))  # no history: its whole draft
-    assert bool(pass_pays(seen, jnp.zeros(4, jnp.int32), active, 0.0))  # not measured yet
+    pays = lambda *args: bool(pass_pays(*args)[0])  # noqa: E731
+    assert pays(seen, count, active, 1.5)  # 4 + 3 + 1 > 6
+    assert not pays(seen, count.at[0].set(1), active, 1.5)  # 4 + 1 + 1 <= 6: a draft of 1 accepts 1 at most
+    assert not pays(seen, jnp.array([0, 4, 4, 4], jnp.int32), active, 1.5)  # 4 + 1 + 0 + 0
+    assert pays(control, jnp.array([0, 0, 0, 4], jnp.int32), active, 1.5)  # no history: its whole draft
+    assert pays(seen, jnp.zeros(4, jnp.int32), active, 0.0)  # not measured yet
+    # Below its share of the pass's extra cost (0.5 a row): rows 2 and 3 (means 0), not row 1 (mean 1).
+    short = pass_pays(seen, jnp.array([0, 4, 4, 4], jnp.int32), active, 1.5)[1]
+    assert short.tolist() == [False, False, True, True]
+    assert not bool(jnp.any(pass_pays(seen, count, active, 0.0)[1]))  # nothing is short of an unmeasured cost
+
+
+def test_rows_of_a_pass_not_taken_fall_back() -> None:
+    """A pass that does not pay updates no window: the drafting rows short of their share fall back
+    (and probe after the wait) instead of waiting on a window that never changes."""
+    control = DraftControl(**{name: jnp.asarray(value) for name, value in DraftControl.initial(2, 4).items()})
+    nothing = jnp.zeros(2, jnp.int32)
+    after = update_control(control, nothing, nothing, jnp.ones(2, bool), 4, 0.0, 1.5, jnp.array([True, False]))
+    assert after.length.tolist() == [0, 4] and after.wait.tolist() == [PROBE_AFTER, 0] and after.misses.tolist() == [1, 0]
 
 
 def test_loop_times_give_a_pass_in_plain_steps() -> None:

@@ -74,13 +74,14 @@ to accept about 90 % of its drafts to pay). A row probes again after ``PROBE_AFT
 (one pass; if its tokens pay for it, drafting resumes), twice as many after each fall or
 failed probe in a row, up to ``MAX_PROBE_AFTER``; a full window that pays resets the wait. A row with
 nothing drafted (in fallback, or prompt lookup found nothing) gets its plain token from the
-verification pass; a pass in which no row drafted anything is a plain step (one position a row: a
-``lax.cond`` after the draft, for chains), and so, with an adaptive speculator whose drafts cost
-nothing (lookups), is one whose rows' expected acceptances do not pay for the batch's pass
-(:func:`pass_pays`: rows in fallback or without a draft ride every pass). When every row left is in fallback, the loop takes plain decode steps instead
-(one position a row, no draft: an inner loop, entered by a ``lax.cond``), until a row probes: a batch in
-fallback costs about what plain decoding costs, without leaving the loop (each return to the host
-and new loop cost a GPU more than a decode step of a small model). The plain step draws with the same
+verification pass. A pass is a plain step (one position a row, not width + 1) when no row drafted
+anything (a ``lax.cond`` after the draft, for chains) and, with an adaptive speculator, when the rows'
+expected acceptances do not pay for the batch's pass (:func:`pass_pays`; rows in fallback or without a
+draft ride every pass): drafts that cost are then not drafted at all, and the drafting rows that do
+not pay their share of the pass fall back. When every row left is in fallback, the loop takes plain
+decode steps instead (one position a row, no draft: an inner loop, entered by a ``lax.cond``), until a
+row probes: a batch in fallback costs about what plain decoding costs, without leaving the loop (each
+return to the host and new loop cost a GPU more than a decode step of a small model). The plain step draws with the same
 (row key, position) noise as the plain decode loop, so the tokens are the same either way.
 
 Rows under a grammar (:class:`~zgen.runtime.grammar.GrammarDrafts`) draft as if unconstrained; two host
@@ -360,6 +361,7 @@ def update_control(
     max_tokens: int,
     cost: float = 0.0,
     pass_cost: Float[Array, ""] | float = 0.0,
+    falls: Bool[Array, " B"] | None = None,
 ) -> DraftControl:
     """Grow after a fully accepted draft, shrink after a rejection; fall back to plain decoding when a
     full window's passes yielded no more tokens (accepted + one each) than they cost, or (drafts that
@@ -368,7 +370,8 @@ def update_control(
     drafted token. After the wait the row drafts again (a probe, ``wait == -1``): if its tokens pay for
     its pass, drafting resumes on a fresh window, else the row falls back again at once. Each
     fall or failed probe in a row doubles the wait (from :data:`PROBE_AFTER` up to
-    :data:`MAX_PROBE_AFTER`); a full window that pays starts it over."""
+    :data:`MAX_PROBE_AFTER`); a full window that pays starts it over. ``falls``: rows that fall back
+    regardless (drafting rows of a pass not taken, see :func:`pass_pays`)."""
     drafting = active & (drafted > 0)
     probing = drafting & (control.wait < 0)
     measured = pass_cost > 0
@@ -390,6 +393,8 @@ def update_control(
     spent = jnp.where(measured, pass_cost * passes, passes + cost * window_drafted)
     pays = passes + window_accepted > spent
     fall = (judged & (~pays | (rate < (FALLBACK_RATE if cost > 0 else 0.0)))) | missed
+    if falls is not None:
+        fall |= falls
     resume = probing & probe_pays
     plain = active & ~drafting & (control.length == 0)
     misses = jnp.where(fall, control.misses + 1, jnp.where(judged, 0, control.misses))
@@ -407,18 +412,26 @@ def update_control(
     )
 
 
-def pass_pays(control: DraftControl, count: Int[Array, " B"], active: Bool[Array, " B"], pass_cost: Float[Array, ""] | float) -> Bool[Array, ""]:
+def pass_pays(
+    control: DraftControl, count: Int[Array, " B"], active: Bool[Array, " B"], pass_cost: Float[Array, ""] | float
+) -> tuple[Bool[Array, ""], Bool[Array, " B"]]:
     """Whether a pass over the batch yields more tokens than plain steps would in its time: a token a
     row, plus what each drafting row is expected to accept (its window's mean a pass, at most its
     draft; a row with fewer than two passes in its window, its whole draft), against ``pass_cost``
     plain steps of the batch (not measured yet: it pays). Rows in fallback and rows that drafted
-    nothing ride every pass, so a batch can lose where each drafting row alone would pay."""
+    nothing ride every pass, so a batch can lose where each drafting row alone would pay.
+
+    Also returns the drafting rows expected to accept less than their own share of the pass's extra
+    cost (``pass_cost - 1``): where the pass does not pay they fall back, to probe again later on a
+    fresh window, since a pass not taken updates no window (they would be held back for good)."""
     passes = jnp.sum(control.drafted > 0, axis=1)
     mean = jnp.sum(control.accepted, axis=1) / jnp.maximum(passes, 1)
     expected = jnp.where(passes >= 2, jnp.minimum(mean, count), count)
+    drafting = active & (count > 0)
     rows = jnp.sum(active)
-    gain = jnp.sum(jnp.where(active & (count > 0), expected, 0.0))
-    return (pass_cost <= 0) | (rows + gain > pass_cost * rows)
+    gain = jnp.sum(jnp.where(drafting, expected, 0.0))
+    measured = jnp.asarray(pass_cost) > 0
+    return ~measured | (rows + gain > pass_cost * rows), drafting & measured & (expected <= pass_cost - 1)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -723,22 +736,30 @@ def speculative_loop(
         plain = Proposal(jnp.zeros((p.shape[0], 0), jnp.int32), jnp.zeros_like(p), None)
         if not width:
             return finish(s, kv, state, draft, plain, 0)
-        proposal, state = speculator.propose(draft_params, state, draft)
-        if proposal.parents is not None:
-            return finish(s, kv, state, draft, proposal, width)
-        count = jnp.minimum(proposal.count, want)
-        drafted = jnp.any(count > 0)
-        if speculator.adaptive and cost == 0:  # free drafts, dropped where the batch's pass would not pay
-            drafted &= pass_pays(s.control, count, active, s.pass_cost)
-        return jax.lax.cond(
-            drafted, lambda st: finish(s, kv, st, draft, proposal, width), lambda st: finish(s, kv, st, draft, plain, 0), state
-        )
+
+        def drafted_pass(state: Any) -> tuple[SpeculativeLoop, KVState, Any]:
+            proposal, state = speculator.propose(draft_params, state, draft)
+            if proposal.parents is not None:
+                return finish(s, kv, state, draft, proposal, width)
+            count = jnp.minimum(proposal.count, want)
+            drafted, falls = jnp.any(count > 0), None
+            if speculator.adaptive and cost == 0:  # free drafts, dropped where the batch's pass would not pay
+                pays, short = pass_pays(s.control, count, active, s.pass_cost)
+                drafted, falls = drafted & pays, short & ~pays
+            return jax.lax.cond(
+                drafted, lambda st: finish(s, kv, st, draft, proposal, width), lambda st: finish(s, kv, st, draft, plain, 0, falls), state
+            )
+
+        if speculator.adaptive and cost > 0:  # drafts that cost are not drafted where the batch's pass would not pay
+            pays, short = pass_pays(s.control, want, active, s.pass_cost)
+            return jax.lax.cond(pays, drafted_pass, lambda st: finish(s, kv, st, draft, plain, 0, short), state)
+        return drafted_pass(state)
 
     def finish(
-        s: SpeculativeLoop, kv: KVState, state: Any, draft: DraftInput, proposal: Proposal, width: int
+        s: SpeculativeLoop, kv: KVState, state: Any, draft: DraftInput, proposal: Proposal, width: int, falls: Array | None = None
     ) -> tuple[SpeculativeLoop, KVState, Any]:
         """Verify ``proposal`` (``width`` positions past each row's pending token; 0: a plain step),
-        accept, and record what each row keeps."""
+        accept, and record what each row keeps; ``falls``: rows sent to the fallback (see :func:`pass_pays`)."""
         active, want = draft.active, draft.num_tokens
         p = s.length - 1
         pending = jnp.take_along_axis(s.history, p[:, None], axis=1)[:, 0]
@@ -843,7 +864,7 @@ def speculative_loop(
             drafted=s.drafted + jnp.where(active, count, 0),
             accepted=s.accepted + jnp.where(active, jnp.minimum(accepted, keep), 0),
             verified=s.verified + (active & (count > 0)).astype(jnp.int32),
-            control=update_control(s.control, count, accepted, active, k, cost, s.pass_cost) if speculator.adaptive else s.control,
+            control=update_control(s.control, count, accepted, active, k, cost, s.pass_cost, falls) if speculator.adaptive else s.control,
             step=s.step + 1,
             plain_steps=s.plain_steps + int(width == 0),
         )
