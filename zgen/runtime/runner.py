@@ -59,7 +59,6 @@ class Runner:
         self.spec = ModelSpec(model.graph, model.config.sliding_window, lora_graph, model.mesh)
         self._executables: dict[Hashable, Any] = {}
         self.compile_seconds = 0.0  # spent lowering and compiling so far (not part of a call's run time)
-        self._state_shapes: dict[Hashable, Any] = {}
         # Decode loops' output columns never narrow, for every engine of the model (a batch job after a
         # warm-up, several Generators): each width is a compiled loop (seconds for an 8B model), while
         # a loop's draws are bounded by a traced step count.
@@ -150,7 +149,7 @@ class Runner:
         resumable = isinstance(speculator, ResumableSpeculator)
         fresh = carried is None
         if resumable and fresh:  # a state of the loop's shapes for `start` to replace: one executable either way
-            carried = jax.tree_util.tree_map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), self._start_shapes(speculator, loop))
+            carried = self._start_placeholder(speculator, loop)
         key = ("speculate", _shape_key(kv), _shape_key(loop), _shape_key(draft_params), flags, speculator.cache_key(), grammar)
         args = (self.params, kv, loop, sampling, draft_params, carried, np.bool_(fresh))
 
@@ -165,14 +164,15 @@ class Runner:
 
         return self._compiled(key, lambda: jax.jit(run, donate_argnums=(1, 2, 5)).lower(*args))(*args)
 
-    def _start_shapes(self, speculator: Speculator, loop: SpeculativeLoop) -> Any:
-        """The shapes of ``speculator``'s state at the start of a loop like ``loop`` (traced once per shape)."""
-        key = ("start", speculator.cache_key(), loop.history.shape, loop.length.shape)
-        shapes = self._state_shapes.get(key)
-        if shapes is None:
+    def _start_placeholder(self, speculator: Speculator, loop: SpeculativeLoop) -> Any:
+        """Zeros shaped like ``speculator``'s state at the start of a loop like ``loop``, made by one
+        compiled call (made leaf by leaf, a 27-layer draft's K/V took a GPU 43 ms a loop)."""
+
+        def lower() -> Any:
             shapes = jax.eval_shape(speculator.start, speculator.device_params(), loop.history, loop.length)
-            self._state_shapes[key] = shapes
-        return shapes
+            return jax.jit(lambda: jax.tree_util.tree_map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), shapes)).lower()
+
+        return self._compiled(("start", speculator.cache_key(), loop.history.shape, loop.length.shape), lower)()
 
     def embed(
         self, kv: KVState, tokens: Int[Array, "B T"], positions: Int[Array, "B T"], lengths: Int[Array, " B"], *,
