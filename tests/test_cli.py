@@ -57,8 +57,6 @@ def test_generate_json_is_greedy_and_complete() -> None:
     timings = out["timings"]
     assert set(timings) == {"load_s", "compile_s", "first_token_s", "decode_s", "total_s", "decode_tokens_per_s"}
     assert 0 < timings["first_token_s"] <= timings["total_s"]
-    again = json.loads(runner.invoke(app, args).stdout)
-    assert again["token_ids"] == out["token_ids"]
 
 
 @pytest.mark.usefixtures("smollm2_cache")

@@ -134,6 +134,7 @@ def test_a_draft_model_goes_on_from_its_last_loop(tiny_llama: Model, monkeypatch
 
     engine_module = sys.modules[Engine.__module__]
     original = engine_module._carried
+    draft = DraftModel.early_exit(tiny_llama, layers=1, num_tokens=3)  # one draft: both runs share its compiled loops
 
     def run(resume: bool) -> tuple[list[list[Any]], list[bool]]:
         resumed: list[bool] = []
@@ -148,7 +149,7 @@ def test_a_draft_model_goes_on_from_its_last_loop(tiny_llama: Model, monkeypatch
             # Costs never measured: the static rule decides alike in both runs (and every loop returns
             # after a window of passes), so their figures can be compared whatever this machine's timings.
             patch.setattr(LoopTimes, "pass_cost", lambda self, width, speculator: 0.0)
-            generator = Generator(tiny_llama, speculative=DraftModel.early_exit(tiny_llama, layers=1, num_tokens=3))
+            generator = Generator(tiny_llama, speculative=draft)
             return [generator.batch_generate(batch) for batch in requests], resumed
 
     fresh, never = run(resume=False)

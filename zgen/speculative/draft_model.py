@@ -1,14 +1,16 @@
 """A draft model: a smaller model with the target's vocabulary drafts, the target verifies.
 
-The draft keeps its own dense K/V for the rows of a loop (made and prefilled from the rows' tokens
-when the loop starts, inside the same compiled call; kept by the engine for the next loop over the
+The draft keeps its own dense K/V for the rows of a loop (made empty when the loop starts, inside the
+same compiled call, and fed each row's tokens when the row first drafts, so a row that decodes plainly
+from its first pass never costs the draft a prefill; kept by the engine for the next loop over the
 same rows, which goes on from it: :meth:`DraftModel.resume`), and tracks how far each row's K/V is valid:
 after a pass whose drafts were all accepted, the last draft was never fed to the draft model, so the
 next pass feeds it together with the new pending token (the classic off-by-one after acceptance);
 after a rejection the K/V past the kept tokens are stale and overwritten. After a tree pass only the
 pending token's K/V are in place (the nodes sat in scratch slots), so the next pass feeds the accepted
 path with the new pending token. A row that decoded plainly for a while (adaptive fallback) catches up
-in chunks before it drafts again.
+in chunks before it drafts again; a row further behind than a chunk (never fed yet, or back from a
+long fallback) is fed in one pass over the history.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from jaxtyping import Array, Float, Int
 from zgen.cache.tensor import DenseKVState
 from zgen.errors import ConfigError
 from zgen.graph.decoder import build_decoder
-from zgen.model import LoadTimings, Model
+from zgen.model import LoadTimings, Model, attached
 from zgen.runtime.sampling import filter_logits, sample
 from zgen.runtime.speculation import PROBE_AFTER, DraftInput, Proposal
 from zgen.runtime.step import ModelSpec, forward
@@ -82,12 +84,15 @@ class DraftModel:
         total = model.config.num_layers
         if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= total:
             raise ConfigError(f"early_exit layers must be an integer in [1, {total}] (the model's layers), got {layers!r}")
-        config = replace(model.config, num_layers=layers)
-        graph = build_decoder(config)
-        params = {name: model.params[name] for name in graph.param_shapes()}
-        timings = LoadTimings("early-exit", 0.0, 0.0)
-        draft = Model(config, model.tokenizer, graph, params, model.dtype, model.source, timings)
-        return cls(draft, num_tokens, adaptive=adaptive, tree=tree)
+
+        def truncated() -> Model:
+            config = replace(model.config, num_layers=layers)
+            graph = build_decoder(config)
+            params = {name: model.params[name] for name in graph.param_shapes()}
+            return Model(config, model.tokenizer, graph, params, model.dtype, model.source, LoadTimings("early-exit", 0.0, 0.0))
+
+        # One truncated model per target and depth: drafts of it share their compiled loops (keyed by its graph).
+        return cls(attached(model, f"early-exit-{layers}", truncated), num_tokens, adaptive=adaptive, tree=tree)
 
     def __repr__(self) -> str:
         tree = "" if self.tree is None else f", tree={self.tree}"
@@ -124,14 +129,12 @@ class DraftModel:
         return self.model.params
 
     def start(self, params: Any, history: Int[Array, "B L"], length: Int[Array, " B"]) -> DraftState:
+        del params  # nothing is fed until a row drafts
         c = self.model.config
         b, width = history.shape
         scratch = 0 if self.tree is None else self.tree.expansions(self._num_tokens)  # the nodes a tree build feeds
         kv = DenseKVState.zeros(c.num_layers, b, width + scratch, c.num_kv_heads, c.head_dim, self.model.dtype)
-        slots = jnp.arange(width)[None, :]
-        positions = jnp.where(slots < (length - 1)[:, None], slots, -1)  # all but the pending token
-        _, kv = forward(self.spec, params, kv, history, positions, jnp.zeros((b, 1), jnp.int32))
-        return DraftState(kv, length - 1)
+        return DraftState(kv, jnp.zeros_like(length))
 
     def resume(self, state: DraftState, history: Int[Array, "B L"], length: Int[Array, " B"]) -> DraftState:
         del history  # the same tokens as the state's up to the shorter length: what it fed stays valid below it
@@ -157,8 +160,16 @@ class DraftModel:
         # (all drafts accepted); after a tree pass the whole accepted path is (nodes sat in scratch slots).
         tail = 2 if self.tree is None else k + 1
 
+        end = p - tail + 1  # where the last feed begins
+
+        def prefill(kv: DenseKVState, fed: Array) -> tuple[DenseKVState, Array]:
+            slots = jnp.arange(history.shape[1])[None, :]
+            positions = jnp.where(active[:, None] & (slots >= fed[:, None]) & (slots < end[:, None]), slots, -1)
+            _, kv = forward(self.spec, params, kv, history, positions, jnp.zeros((b, 1), jnp.int32))
+            return kv, jnp.where(active, jnp.maximum(fed, end), fed)
+
         def lagging(carry: tuple[DenseKVState, Array]) -> Array:
-            return jnp.any(active & (carry[1] < p - tail + 1))
+            return jnp.any(active & (carry[1] < end))
 
         def catch_up(carry: tuple[DenseKVState, Array]) -> tuple[DenseKVState, Array]:
             kv, fed = carry
@@ -167,8 +178,10 @@ class DraftModel:
             _, kv = feed(kv, jnp.take_along_axis(history, jnp.clip(at, 0, history.shape[1] - 1), axis=1), positions)
             return kv, jnp.where(active, jnp.minimum(fed + CATCH_UP, p), fed)
 
-        kv, fed = jax.lax.while_loop(lagging, catch_up, (state.kv, state.fed))
-        at = p[:, None] - tail + 1 + jnp.arange(tail)[None, :]
+        far = jnp.any(active & (state.fed < end - CATCH_UP))
+        kv, fed = jax.lax.cond(far, prefill, lambda kv, fed: (kv, fed), state.kv, state.fed)
+        kv, fed = jax.lax.while_loop(lagging, catch_up, (kv, fed))
+        at = end[:, None] + jnp.arange(tail)[None, :]
         positions = jnp.where(active[:, None] & (at >= fed[:, None]), at, -1)
         logits, kv = feed(kv, jnp.take_along_axis(history, jnp.maximum(at, 0), axis=1), positions)
         if self.tree is not None:
