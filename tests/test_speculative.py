@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ from zgen.model import Model, random_model
 from zgen.runtime.engine import Engine
 from zgen.runtime.sampling import SamplingFlags, SamplingParams, filter_logits
 from zgen.runtime.speculation import (
-    PROBE_AFTER, TIMING_DRAWS, WINDOW, DraftControl, DraftInput, LoopTimes, Proposal, draft_cost, pass_pays, update_control,
+    PROBE_AFTER, TIMING_DRAWS, WINDOW, DraftControl, DraftInput, LoopTimes, Proposal, draft_cost, loop_key, pass_pays, update_control,
     verify,
 )
 from zgen.runtime.stop import StopCondition
@@ -196,9 +196,6 @@ def test_a_batch_in_fallback_takes_plain_steps(tiny_llama: Model, monkeypatch: p
         def adaptive(self) -> bool:
             return True
 
-        def cache_key(self) -> Hashable:  # its own compiled loop, not PromptLookup(3, 4, adaptive=True)'s
-            return ("wrong", super().cache_key())
-
     sampled = SamplingConfig(temperature=0.9, top_k=20, max_new_tokens=96, ignore_eos=True, seed=3)
     for sampling in (dataclasses.replace(GREEDY, max_new_tokens=96), sampled):
         requests = [_request(p, sampling) for p in PROMPTS]
@@ -222,9 +219,7 @@ def test_a_pass_with_nothing_drafted_is_a_plain_step(tiny_llama: Model) -> None:
             proposal, state = super().propose(params, state, draft)
             return dataclasses.replace(proposal, count=jnp.zeros_like(proposal.count)), state
 
-        def cache_key(self) -> Hashable:  # its own compiled loop, not PromptLookup(3, 4)'s
-            return ("empty", super().cache_key())
-
+    assert loop_key(Empty(3, 4)) != loop_key(PromptLookup(3, 4))  # its own compiled loop: it drafts otherwise
     requests = [_request(p, dataclasses.replace(GREEDY, max_new_tokens=24)) for p in PROMPTS]
     plain = Generator(tiny_llama).batch_generate(requests)
     speculator = Empty(3, 4)
@@ -235,7 +230,7 @@ def test_a_pass_with_nothing_drafted_is_a_plain_step(tiny_llama: Model) -> None:
     assert stats.fallback_steps == 24 - 1  # every token after the prefill's first, the rows side by side
     for result in spec:
         assert result.speculative is not None and result.speculative.steps == 0 and result.speculative.draft_tokens == 0
-    assert generator.engine.loop_times.per_iteration(("speculative", len(PROMPTS), speculator.cache_key())) is None
+    assert generator.engine.loop_times.per_iteration(("speculative", len(PROMPTS), loop_key(speculator))) is None
 
 
 def test_contexts_take_the_same_speculators(tiny_llama: Model) -> None:
@@ -455,15 +450,15 @@ def test_loop_times_give_a_pass_in_plain_steps() -> None:
     times, speculator = LoopTimes(), PromptLookup(3, 4, adaptive=True)
     assert times.pass_cost(2, speculator) == 0.0  # nothing timed yet
     times.record(("plain", 2), 0.4, 40)
-    times.record(("speculative", 2, speculator.cache_key()), 0.6, 20)
+    times.record(("speculative", 2, loop_key(speculator)), 0.6, 20)
     assert times.pass_cost(2, speculator) == pytest.approx(3.0) and times.pass_cost(4, speculator) == 0.0
-    times.record(("speculative", 2, speculator.cache_key()), 0.01, 10)  # faster than a plain step: noise
-    times.record(("speculative", 2, speculator.cache_key()), 0.0, 0)  # a loop that ran no pass: ignored
+    times.record(("speculative", 2, loop_key(speculator)), 0.01, 10)  # faster than a plain step: noise
+    times.record(("speculative", 2, loop_key(speculator)), 0.0, 0)  # a loop that ran no pass: ignored
     assert times.pass_cost(2, speculator) == pytest.approx(0.61 / 30 / 0.01)
     for _ in range(100):  # recent calls weigh most: the plain step, 10 ms at first, now takes 5
         times.record(("plain", 2), 0.05, 10)
     assert times.per_iteration(("plain", 2)) == pytest.approx(0.005, rel=0.05)
-    times.record(("speculative", 2, speculator.cache_key()), 0.0001, 256)
+    times.record(("speculative", 2, loop_key(speculator)), 0.0001, 256)
     assert times.pass_cost(2, speculator) == 1.0  # a pass does a plain step's work at least
 
 

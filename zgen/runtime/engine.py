@@ -62,7 +62,7 @@ from zgen.runtime.runner import runner_for
 from zgen.runtime.sampling import PenaltyState, SamplingConfig, SamplingFlags, SamplingParams, penalty_state, row_key_data
 from zgen.runtime.sequence import Sequence
 from zgen.runtime.speculation import (
-    TIMING_DRAWS, WINDOW, DraftControl, LoopTimes, SpeculativeLoop, SpeculativeStats, Speculator, TreeSpeculator, draft_room,
+    TIMING_DRAWS, WINDOW, DraftControl, LoopTimes, SpeculativeLoop, SpeculativeStats, Speculator, TreeSpeculator, draft_room, loop_key,
 )
 from zgen.runtime.step import DecodeLoop, MixedBatch, Packing
 from zgen.runtime.stop import StopCondition, TextStream
@@ -567,7 +567,7 @@ class Engine:
 
     @staticmethod
     def _speculator(jobs: list[Job]) -> Speculator | None:
-        """The speculator a decode step runs with: the one every job asked for (same cache key), with
+        """The speculator a decode step runs with: the one every job asked for (same loop key), with
         no penalties (they depend on each drawn token) and no LoRA adapters (the speculative loop runs
         the base model); otherwise the step decodes plainly, which gives the same tokens. Grammar rows
         speculate too: the loop checks their drafts against the grammar (see :mod:`zgen.runtime.speculation`),
@@ -575,10 +575,10 @@ class Engine:
         first = jobs[0].request.speculative
         if first is None:
             return None
-        key = first.cache_key()
+        key = loop_key(first)
         for job in jobs:
             spec = job.request.speculative
-            if spec is None or spec.cache_key() != key or job.sampling.uses_penalties or job.adapters:
+            if spec is None or loop_key(spec) != key or job.sampling.uses_penalties or job.adapters:
                 return None
             if job.grammar is not None and isinstance(spec, TreeSpeculator) and spec.tree_size is not None:
                 return None  # grammar masks follow chains of drafts

@@ -27,7 +27,7 @@ from zgen.lora.graph import inject_lora
 from zgen.model import Model, attached
 from zgen.runtime.grammar import GrammarDrafts, GrammarLoop
 from zgen.runtime.sampling import SamplingFlags, SamplingParams
-from zgen.runtime.speculation import ResumableSpeculator, SpeculativeLoop, Speculator, speculative_loop
+from zgen.runtime.speculation import ResumableSpeculator, SpeculativeLoop, Speculator, loop_key, speculative_loop
 from zgen.runtime.step import (
     DecodeLoop, MixedBatch, MixedOutput, ModelSpec, Packing, Pooling, decode_loop, draw_reads, forward, hidden_states, mixed_step,
     pool_hidden,
@@ -150,7 +150,7 @@ class Runner:
         fresh = carried is None
         if resumable and fresh:  # a state of the loop's shapes for `start` to replace: one executable either way
             carried = self._start_placeholder(speculator, loop)
-        key = ("speculate", _shape_key(kv), _shape_key(loop), _shape_key(draft_params), flags, speculator.cache_key(), grammar)
+        key = ("speculate", _shape_key(kv), _shape_key(loop), _shape_key(draft_params), flags, loop_key(speculator), grammar)
         args = (self.params, kv, loop, sampling, draft_params, carried, np.bool_(fresh))
 
         def run(
@@ -172,7 +172,7 @@ class Runner:
             shapes = jax.eval_shape(speculator.start, speculator.device_params(), loop.history, loop.length)
             return jax.jit(lambda: jax.tree_util.tree_map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), shapes)).lower()
 
-        return self._compiled(("start", speculator.cache_key(), loop.history.shape, loop.length.shape), lower)()
+        return self._compiled(("start", loop_key(speculator), loop.history.shape, loop.length.shape), lower)()
 
     def embed(
         self, kv: KVState, tokens: Int[Array, "B T"], positions: Int[Array, "B T"], lengths: Int[Array, " B"], *,

@@ -114,7 +114,7 @@ from zgen.runtime.step import ModelSpec, Params, forward, forward_features, read
 from zgen.runtime.tree import ancestors, commit_path, forward_tree, forward_tree_features, tree_attention_mask
 
 __all__ = [
-    "DraftControl", "DraftInput", "LoopTimes", "ResumableSpeculator", "draft_cost", "pass_pays", "FeatureObserver", "Observer", "Proposal", "SpeculativeLoop", "SpeculativeStats", "Speculator", "speculative_loop",
+    "DraftControl", "DraftInput", "LoopTimes", "loop_key", "ResumableSpeculator", "draft_cost", "pass_pays", "FeatureObserver", "Observer", "Proposal", "SpeculativeLoop", "SpeculativeStats", "Speculator", "speculative_loop",
     "target_draws", "verify",
     "TreeSpeculator", "draft_room", "draws_at", "verify_tree",
 ]
@@ -176,8 +176,9 @@ class Speculator(Protocol):
 
     ``start``, ``propose`` and ``advance`` are traced (pure, fixed shapes); the state they thread is
     any pytree (a draft model's KV cache, say). ``cache_key`` names everything the traced functions
-    depend on besides their arguments' shapes (one compiled loop serves every speculator with the
-    same key); ``device_params`` are their traced arguments (a draft model's weights).
+    depend on besides their arguments' shapes and the speculator's class (one compiled loop serves
+    every speculator of a class with the same key, :func:`loop_key`); ``device_params`` are their
+    traced arguments (a draft model's weights).
     """
 
     @property
@@ -228,6 +229,12 @@ class TreeSpeculator(Speculator, Protocol):
 
     @property
     def tree_size(self) -> int | None: ...
+
+
+def loop_key(speculator: Speculator) -> Hashable:
+    """What the compiled loops and loop timings of ``speculator`` are kept under: its class and its
+    ``cache_key`` (a subclass that drafts otherwise gets loops of its own, whatever its key says)."""
+    return (type(speculator), speculator.cache_key())
 
 
 def draft_room(speculator: Speculator) -> int:
@@ -333,13 +340,13 @@ class LoopTimes:
             if plain is None:
                 return
             seconds -= plain * plain_steps
-        self.record(("speculative", width, speculator.cache_key()), max(seconds, 0.0), iterations - plain_steps)
+        self.record(("speculative", width, loop_key(speculator)), max(seconds, 0.0), iterations - plain_steps)
 
     def pass_cost(self, width: int, speculator: Speculator) -> float:
         """A pass of ``speculator``'s loop at ``width`` rows in plain decode steps at that width (at
         least 1: a pass does a plain step's work); 0.0 until both have been timed."""
         plain = self.per_iteration(("plain", width))
-        spec = self.per_iteration(("speculative", width, speculator.cache_key()))
+        spec = self.per_iteration(("speculative", width, loop_key(speculator)))
         return 0.0 if plain is None or spec is None else max(spec / plain, 1.0)
 
 
