@@ -211,6 +211,19 @@ def test_a_batch_in_fallback_takes_plain_steps(tiny_llama: Model, monkeypatch: p
             assert WINDOW + 1 <= result.speculative.steps <= WINDOW + 3
 
 
+def test_a_draft_that_cannot_pay_is_never_run(tiny_llama: Model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pass measured at 50 plain steps: no row's draft can pay for it, so an adaptive draft model
+    is not run at all (every iteration a plain step, its rows in fallback), and the tokens are plain's."""
+    monkeypatch.setattr(LoopTimes, "pass_cost", lambda self, width, speculator: 50.0)
+    requests = [_request(p) for p in PROMPTS]
+    plain = Generator(tiny_llama).batch_generate(requests)
+    generator = Generator(tiny_llama, speculative=DraftModel.early_exit(tiny_llama, layers=1, num_tokens=3))
+    spec = generator.batch_generate(requests)
+    assert _ids(spec) == _ids(plain)
+    assert generator.engine.stats.fallback_steps > 0
+    assert all(r.speculative is not None and r.speculative.draft_tokens == 0 for r in spec)
+
+
 def test_a_pass_with_nothing_drafted_is_a_plain_step(tiny_llama: Model) -> None:
     """A lookup that never finds a match: every iteration of the loop is a plain decode step (no
     verification pass), the tokens are plain decoding's, and no pass is timed."""
