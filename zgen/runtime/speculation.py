@@ -81,8 +81,9 @@ draft ride every pass): drafts that cost are then not drafted at all, and the dr
 not pay their share of the pass fall back. When every row left is in fallback, the loop takes plain
 decode steps instead (one position a row, no draft: an inner loop, entered by a ``lax.cond``), until a
 row probes: a batch in fallback costs about what plain decoding costs, without leaving the loop (each
-return to the host and new loop cost a GPU more than a decode step of a small model). The plain step draws with the same
-(row key, position) noise as the plain decode loop, so the tokens are the same either way.
+return to the host and new loop cost a GPU more than a decode step of a small model). The plain step
+draws with the same (row key, position) noise as the plain decode loop, so the tokens are the same
+either way.
 
 Rows under a grammar (:class:`~zgen.runtime.grammar.GrammarDrafts`) draft as if unconstrained; two host
 callbacks per pass keep them exact. After drafting, the first gives each row's token mask at every
