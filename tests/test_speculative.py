@@ -498,6 +498,19 @@ def test_adaptive_prompt_lookup_times_plain_steps_first_and_equals_plain(tiny_ll
     assert all(streamed.engine.loop_times.per_iteration(("plain", w)) is None for w in range(1, 257))
 
 
+def test_early_exits_share_a_graph_and_take_the_current_weights(tiny_llama: Model) -> None:
+    """Two early exits of one model and depth share a graph (and so their compiled loops), and each
+    takes the target's weights as they are when it is made (merged adapters included)."""
+    m = tiny_llama
+    target = Model(m.config, m.tokenizer, m.graph, dict(m.params), m.dtype, m.source, m.load_timings)  # weights of its own
+    first = DraftModel.early_exit(target, layers=1)
+    target.params["layers.0.qkv"] = 2 * target.params["layers.0.qkv"]
+    second = DraftModel.early_exit(target, layers=1)
+    assert second.model.graph is first.model.graph and second.cache_key() == first.cache_key()
+    assert second.device_params()["layers.0.qkv"] is target.params["layers.0.qkv"] is not first.device_params()["layers.0.qkv"]
+    assert DraftModel.early_exit(target, layers=2).model.graph is not first.model.graph
+
+
 def test_draft_cost_is_the_share_of_weight_bytes(tiny_llama: Model) -> None:
     exit_early = DraftModel.early_exit(tiny_llama, layers=1)
     cost = draft_cost(exit_early.device_params(), tiny_llama.params)

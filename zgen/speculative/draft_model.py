@@ -84,15 +84,14 @@ class DraftModel:
         total = model.config.num_layers
         if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= total:
             raise ConfigError(f"early_exit layers must be an integer in [1, {total}] (the model's layers), got {layers!r}")
-
-        def truncated() -> Model:
-            config = replace(model.config, num_layers=layers)
-            graph = build_decoder(config)
-            params = {name: model.params[name] for name in graph.param_shapes()}
-            return Model(config, model.tokenizer, graph, params, model.dtype, model.source, LoadTimings("early-exit", 0.0, 0.0))
-
-        # One truncated model per target and depth: drafts of it share their compiled loops (keyed by its graph).
-        return cls(attached(model, f"early-exit-{layers}", truncated), num_tokens, adaptive=adaptive, tree=tree)
+        config = replace(model.config, num_layers=layers)
+        # One graph per target and depth: drafts of it share their compiled loops (keyed by the graph);
+        # the weights are the target's as they are now (an adapter pushed since merged into them).
+        graph = attached(model, f"early-exit-{layers}", lambda: build_decoder(config))
+        params = {name: model.params[name] for name in graph.param_shapes()}
+        timings = LoadTimings("early-exit", 0.0, 0.0)
+        draft = Model(config, model.tokenizer, graph, params, model.dtype, model.source, timings)
+        return cls(draft, num_tokens, adaptive=adaptive, tree=tree)
 
     def __repr__(self) -> str:
         tree = "" if self.tree is None else f", tree={self.tree}"
