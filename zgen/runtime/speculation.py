@@ -111,7 +111,7 @@ from zgen.model import Model
 from zgen.runtime.grammar import GrammarDrafts, allowed_tokens
 from zgen.runtime.results import SpeculativeStats
 from zgen.runtime.sampling import SamplingFlags, SamplingParams, filter_logits, sample
-from zgen.runtime.step import ModelSpec, Params, forward, forward_features, read_features
+from zgen.runtime.step import ModelSpec, Params, draw, forward, forward_features, read_features
 from zgen.runtime.tree import ancestors, commit_path, forward_tree, forward_tree_features, tree_attention_mask
 
 __all__ = [
@@ -707,6 +707,14 @@ def speculative_loop(
     k = speculator.num_tokens
     cost = draft_cost(draft_params, params)
 
+    def target_forward(kv: KVState, state: Any, tokens: Array, positions: Array, reads: Array) -> tuple[Array, KVState, Any]:
+        """The target's logits at ``reads`` (a feature observer also gets the features of every position)."""
+        if not isinstance(speculator, FeatureObserver):
+            logits, kv = forward(model, params, kv, tokens, positions, reads)
+            return logits, kv, state
+        logits, features, kv = forward_features(model, params, kv, tokens, positions, reads, speculator.feature_layers)
+        return logits, kv, speculator.observe_features(state, features, positions)
+
     def cond(carry: tuple[SpeculativeLoop, KVState, Any]) -> Array:
         s = carry[0]
         done = jnp.sum(s.done, dtype=jnp.int32)
@@ -724,7 +732,45 @@ def speculative_loop(
     def rest(carry: tuple[SpeculativeLoop, KVState, Any]) -> tuple[SpeculativeLoop, KVState, Any]:
         """Every row left in fallback: plain decode steps, one position a row, until a row probes (one
         branch taken per stretch of them, not per step)."""
-        return jax.lax.while_loop(lambda c: cond(c) & resting(c[0]), lambda c: iteration(c, 0), carry)
+        step = (lambda c: iteration(c, 0)) if grammar is not None else plain_step
+        return jax.lax.while_loop(lambda c: cond(c) & resting(c[0]), step, carry)
+
+    def plain_step(carry: tuple[SpeculativeLoop, KVState, Any]) -> tuple[SpeculativeLoop, KVState, Any]:
+        """What ``iteration(carry, 0)`` does when every row is in fallback and none is under a grammar,
+        without the machinery of a drafting pass (verification, acceptance windows): on a small model
+        each of its kernels costs about as much as the work, and these steps should cost what the plain
+        decode loop's do."""
+        s, kv, state = carry
+        active = ~s.done
+        p = s.length - 1
+        pending = jnp.take_along_axis(s.history, p[:, None], axis=1)
+        logits, kv, state = target_forward(kv, state, pending, jnp.where(active, p, -1)[:, None], jnp.zeros_like(pending))
+        token, logprob = draw(logits[:, 0], sampling, None, s.keys, p, flags)
+        if isinstance(speculator, Observer):  # it learns from plain draws too (Jacobi's n-gram pool)
+            none = jnp.zeros_like(p)
+            draft = DraftInput(s.history, s.length, none, active, s.keys, sampling, flags)
+            state = speculator.observe(state, draft, Proposal(jnp.zeros((p.shape[0], 0), jnp.int32), none, None), none, token[:, None])
+        keep = jnp.where(active, jnp.minimum(1, s.budget - s.emitted), 0)
+        emitted = s.emitted + keep
+        ends = active & ((jnp.any(token[:, None] == s.stop_ids, axis=1) & (keep > 0)) | (emitted >= s.budget))
+        # Rows in fallback count down to their probe (update_control's work for rows that drafted nothing).
+        wait = jnp.where(active, s.control.wait - 1, s.control.wait)
+        probe = active & (wait <= 0)
+        control = replace(s.control, length=jnp.where(probe, 1, s.control.length), wait=jnp.where(probe, -1, wait))
+        rows = jnp.arange(p.shape[0])
+        s = replace(
+            s,
+            history=s.history.at[rows, jnp.where(keep > 0, s.length, s.history.shape[1])].set(token, mode="drop"),
+            length=s.length + keep,
+            emitted=emitted,
+            done=s.done | ends,
+            out_tokens=s.out_tokens.at[rows, jnp.where(keep > 0, s.emitted, s.out_tokens.shape[1])].set(token, mode="drop"),
+            out_logprobs=s.out_logprobs.at[rows, jnp.where(keep > 0, s.emitted, s.out_tokens.shape[1])].set(logprob, mode="drop"),
+            control=control,
+            step=s.step + 1,
+            plain_steps=s.plain_steps + 1,
+        )
+        return s, kv, speculator.advance(state, s.length - 1)
 
     def iteration(carry: tuple[SpeculativeLoop, KVState, Any], width: int) -> tuple[SpeculativeLoop, KVState, Any]:
         """A pass verifying ``width`` drafted positions past each row's pending token (0: a plain step)."""
@@ -792,13 +838,6 @@ def speculative_loop(
                 return None
             b = masks.shape[0]
             return allowed_tokens(masks[:, :reads].reshape(b * reads, -1), vocab).reshape(b, reads, vocab)
-
-        def target_forward(kv: KVState, state: Any, tokens: Array, positions: Array, reads: Array) -> tuple[Array, KVState, Any]:
-            if not isinstance(speculator, FeatureObserver):
-                logits, kv = forward(model, params, kv, tokens, positions, reads)
-                return logits, kv, state
-            logits, features, kv = forward_features(model, params, kv, tokens, positions, reads, speculator.feature_layers)
-            return logits, kv, speculator.observe_features(state, features, positions)
 
         def check(kv: KVState, state: Any) -> tuple[KVState, Any, Array, Array, Array]:
             tokens = jnp.concatenate([pending[:, None], proposal.tokens], axis=1)
