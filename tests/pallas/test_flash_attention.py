@@ -287,7 +287,7 @@ def append_cases(draw: st.DrawFn) -> tuple[tuple[jax.Array, ...], dict[str, Any]
     positions = draw(st.lists(st.one_of(edge, st.integers(-1, slots - 1)), min_size=batch, max_size=batch))
     options = dict(
         sliding_window=draw(st.sampled_from([None, 5])), soft_cap=draw(st.sampled_from([None, 5.0])),
-        num_splits=draw(st.sampled_from([None, 2])),
+        num_splits=draw(st.sampled_from([None, 1, 2])),
         inv_freq=draw(st.sampled_from([None, 10_000.0 ** (-np.arange(0, head_dim, 2) / head_dim)])),
     )
     rng = np.random.default_rng(draw(st.integers(0, 2**16)))
