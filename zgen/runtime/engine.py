@@ -840,13 +840,16 @@ class Engine:
             exit_on_finish=np.bool_(exit_on_finish), done_at_start=np.int32(done.sum() + finishes - 1),
         )
         loop = DecodeLoop(**host, penalties=penalties, adapter_slots=slots)
+        timed = _timed(rows) and bank is None and penalties is None  # the steps a speculative pass competes with
         try:
+            if timed and self.loop_times.call_seconds(width) is None:
+                state = self._time_call(width, state, loop, params, flags)
             started, compiling = time.perf_counter(), self.runner.compile_seconds
             loop, state = self.runner.decode(state, loop, params, flags=flags, adapters=bank, grammar=grammar)
             self.kv.absorb(state)
             out, logprobs, iterations = jax.device_get((loop.out_tokens, loop.out_logprobs, loop.step))
-            if _timed(rows) and bank is None and penalties is None:  # the steps a speculative pass competes with
-                self.loop_times.record(("plain", width), self.runner.run_seconds(started, compiling), int(iterations))
+            if timed:
+                self.loop_times.record_plain(width, self.runner.run_seconds(started, compiling), int(iterations))
         finally:  # the loop has run (its results are here): the grammars' last turn is all that may be left
             failures = {} if grammar is None else grammar.finish()
         self.stats.steps += 1
@@ -875,6 +878,17 @@ class Engine:
             self._finish(job)  # a single draw, nothing continues
         else:
             self._after_generation_step(job)
+
+    def _time_call(self, width: int, state: KVState, loop: DecodeLoop, params: Any, flags: Any) -> KVState:
+        """Time the fixed cost of a decode loop call at ``width`` rows: the same call with no step to run
+        (the least of three, compiling first if it must); returns the KV state, which it leaves as it was."""
+        idle = replace(loop, max_steps=np.int32(0))
+        for _ in range(3):
+            started, compiling = time.perf_counter(), self.runner.compile_seconds
+            out, state = self.runner.decode(state, idle, params, flags=flags)
+            jax.device_get((out.out_tokens, out.out_logprobs, out.step))
+            self.loop_times.record_call(width, self.runner.run_seconds(started, compiling))
+        return state
 
     def _run_speculative(
         self, rows: list[_Row], steps: int, iterations: int, passes: int, speculator: Speculator, *, exit_on_finish: bool

@@ -313,15 +313,38 @@ class LoopTimes:
     and speculator (compile time taken out; recent calls weigh most): what a pass costs in plain decode
     steps on this device, which no static model gives: a prompt-lookup pass of SmolLM2 (9 positions)
     took 2.5 plain steps on a 2-core CPU (XLA:CPU multiplies 2 to 16 rows at half its one-row rate),
-    and prompt lookup's 1.01x at 0.52 accepted tokens a pass on an H200 puts it near 1.5 there. A short
-    loop's figure includes the call's own overhead (a plain loop timed over 8 draws overstates the step
-    by that overhead's eighth)."""
+    and prompt lookup's 1.01x at 0.52 accepted tokens a pass on an H200 puts it near 1.5 there.
+
+    A loop call also costs a fixed time (dispatch, transfers, the host's wait), which a plain loop
+    timed over 8 draws would count as an eighth of each step: the engine times a call that runs no
+    iteration at each width (:meth:`record_call`), and :meth:`record_plain` and :meth:`record_loop`
+    take it out. The first loop of each kind is not recorded either: it runs cold code (kernels loaded,
+    CPU primitives built on first use; the first 8 plain draws of a tiny model on a CPU took ten times
+    their later steps). With both left in, a model whose step is short next to a call had its plain
+    step overstated several times over and every pass look as cheap as a step."""
 
     def __init__(self) -> None:
         self._totals: dict[Hashable, tuple[float, int]] = {}
+        self._calls: dict[int, float] = {}
+        self._cold: set[Hashable] = set()  # kinds whose first loop has run
+
+    def record_call(self, width: int, seconds: float) -> None:
+        """A loop call at ``width`` rows that ran no iteration took ``seconds`` (the least seen is kept)."""
+        self._calls[width] = min(seconds, self._calls.get(width, seconds))
+
+    def call_seconds(self, width: int) -> float | None:
+        """The fixed time of a loop call at ``width`` rows (``None``: not timed yet)."""
+        return self._calls.get(width)
+
+    def record_plain(self, width: int, seconds: float, iterations: int) -> None:
+        """A plain decode loop of ``iterations`` steps at ``width`` rows took ``seconds``."""
+        self.record(("plain", width), max(seconds - self._calls.get(width, 0.0), 0.0), iterations)
 
     def record(self, key: Hashable, seconds: float, iterations: int) -> None:
         if iterations <= 0:
+            return
+        if key not in self._cold:  # the first loop of a kind: cold, not recorded
+            self._cold.add(key)
             return
         total, count = self._totals.get(key, (0.0, 0))
         if count >= RECENT_ITERATIONS:
@@ -336,6 +359,7 @@ class LoopTimes:
         """A speculative loop of ``iterations`` at ``width`` rows, ``plain_steps`` of them plain decode
         steps (every row in fallback), each taken at the plain decode loop's time: the rest is its passes'
         (not recorded while the plain step is not timed)."""
+        seconds -= self._calls.get(width, 0.0)
         if plain_steps:
             plain = self.per_iteration(("plain", width))
             if plain is None:
