@@ -462,9 +462,6 @@ def test_rows_of_a_pass_not_taken_fall_back() -> None:
 def test_loop_times_give_a_pass_in_plain_steps() -> None:
     times, speculator = LoopTimes(), PromptLookup(3, 4, adaptive=True)
     assert times.pass_cost(2, speculator) == 0.0  # nothing timed yet
-    times.record(("plain", 2), 9.0, 40)  # the first loop of each kind runs cold: not recorded
-    times.record(("speculative", 2, loop_key(speculator)), 9.0, 20)
-    assert times.pass_cost(2, speculator) == 0.0
     times.record(("plain", 2), 0.4, 40)
     times.record(("speculative", 2, loop_key(speculator)), 0.6, 20)
     assert times.pass_cost(2, speculator) == pytest.approx(3.0) and times.pass_cost(4, speculator) == 0.0
@@ -485,19 +482,16 @@ def test_loop_times_take_out_the_fixed_cost_of_a_call() -> None:
     for seconds in (0.012, 0.010, 0.011):  # calls that ran no iteration: the least is kept
         times.record_call(4, seconds)
     assert times.call_seconds(4) == pytest.approx(0.010) and times.call_seconds(2) is None
-    for _ in range(2):  # the first loop of each kind is cold
-        times.record_plain(4, 0.018, 8)
-    for _ in range(2):
-        times.record_loop(4, speculator, 0.028, 10, 6)
+    times.record_plain(4, 0.018, 8)
+    times.record_loop(4, speculator, 0.028, 10, 6)
     assert times.per_iteration(("plain", 4)) == pytest.approx(0.001)
     assert times.pass_cost(4, speculator) == pytest.approx(3.0)
 
 
 def test_adaptive_prompt_lookup_times_plain_steps_first_and_equals_plain(tiny_llama: Model) -> None:
     """An adaptive speculator's first draws at a batch width are plain (they time the plain step), its
-    first loops return after a window of passes (they time the pass; the first of each kind runs cold
-    and is not counted); tokens are plain decoding's."""
-    sampling = dataclasses.replace(GREEDY, max_new_tokens=64)
+    first loop returns after a window of passes (they time the pass); tokens are plain decoding's."""
+    sampling = dataclasses.replace(GREEDY, max_new_tokens=40)
     requests = [_request(p, sampling) for p in PROMPTS]
     plain = Generator(tiny_llama).batch_generate(requests)
     speculator = PromptLookup(3, 4, adaptive=True)

@@ -318,15 +318,14 @@ class LoopTimes:
     A loop call also costs a fixed time (dispatch, transfers, the host's wait), which a plain loop
     timed over 8 draws would count as an eighth of each step: the engine times a call that runs no
     iteration at each width (:meth:`record_call`), and :meth:`record_plain` and :meth:`record_loop`
-    take it out. The first loop of each kind is not recorded either: it runs cold code (kernels loaded,
-    CPU primitives built on first use; the first 8 plain draws of a tiny model on a CPU took ten times
-    their later steps). With both left in, a model whose step is short next to a call had its plain
-    step overstated several times over and every pass look as cheap as a step."""
+    take it out. What it does not take out: the first loop at a width runs cold code (kernels loaded,
+    CPU primitives built on first use), and it is the only plain loop timed; the first 8 plain draws of
+    a tiny model on a CPU took ten times its later steps, which made every pass look as cheap as a
+    step there."""
 
     def __init__(self) -> None:
         self._totals: dict[Hashable, tuple[float, int]] = {}
         self._calls: dict[int, float] = {}
-        self._cold: set[Hashable] = set()  # kinds whose first loop has run
 
     def record_call(self, width: int, seconds: float) -> None:
         """A loop call at ``width`` rows that ran no iteration took ``seconds`` (the least seen is kept)."""
@@ -342,9 +341,6 @@ class LoopTimes:
 
     def record(self, key: Hashable, seconds: float, iterations: int) -> None:
         if iterations <= 0:
-            return
-        if key not in self._cold:  # the first loop of a kind: cold, not recorded
-            self._cold.add(key)
             return
         total, count = self._totals.get(key, (0.0, 0))
         if count >= RECENT_ITERATIONS:
