@@ -879,7 +879,7 @@ class Engine:
         else:
             self._after_generation_step(job)
 
-    def _time_call(self, width: int, state: KVState, loop: DecodeLoop, params: Any, flags: Any) -> KVState:
+    def _time_call(self, width: int, state: KVState, loop: DecodeLoop, params: SamplingParams, flags: SamplingFlags) -> KVState:
         """Time the fixed cost of a decode loop call at ``width`` rows: the same call with no step to run
         (the least of three, compiling first if it must); returns the KV state, which it leaves as it was."""
         idle = replace(loop, max_steps=np.int32(0))

@@ -778,14 +778,15 @@ def speculative_loop(
         probe = active & (wait <= 0)
         control = replace(s.control, length=jnp.where(probe, 1, s.control.length), wait=jnp.where(probe, -1, wait))
         rows = jnp.arange(p.shape[0])
+        slot = jnp.where(keep > 0, s.emitted, s.out_tokens.shape[1])  # past the end: dropped
         s = replace(
             s,
             history=s.history.at[rows, jnp.where(keep > 0, s.length, s.history.shape[1])].set(token, mode="drop"),
             length=s.length + keep,
             emitted=emitted,
             done=s.done | ends,
-            out_tokens=s.out_tokens.at[rows, jnp.where(keep > 0, s.emitted, s.out_tokens.shape[1])].set(token, mode="drop"),
-            out_logprobs=s.out_logprobs.at[rows, jnp.where(keep > 0, s.emitted, s.out_tokens.shape[1])].set(logprob, mode="drop"),
+            out_tokens=s.out_tokens.at[rows, slot].set(token, mode="drop"),
+            out_logprobs=s.out_logprobs.at[rows, slot].set(logprob, mode="drop"),
             control=control,
             step=s.step + 1,
             plain_steps=s.plain_steps + 1,
