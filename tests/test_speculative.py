@@ -493,7 +493,8 @@ def test_adaptive_prompt_lookup_times_plain_steps_first_and_equals_plain(tiny_ll
     first loop returns after a window of passes (they time the pass); tokens are plain decoding's."""
     sampling = dataclasses.replace(GREEDY, max_new_tokens=40)
     requests = [_request(p, sampling) for p in PROMPTS]
-    plain = Generator(tiny_llama).batch_generate(requests)
+    plain_generator = Generator(tiny_llama)
+    plain = plain_generator.batch_generate(requests)
     speculator = PromptLookup(3, 4, adaptive=True)
     generator = Generator(tiny_llama, speculative=speculator)
     spec = generator.batch_generate(requests)
@@ -501,6 +502,8 @@ def test_adaptive_prompt_lookup_times_plain_steps_first_and_equals_plain(tiny_ll
     times = generator.engine.loop_times
     width = next(w for w in range(1, 257) if times.per_iteration(("plain", w)) is not None)
     assert times.pass_cost(width, speculator) >= 1.0
+    # The call's fixed cost is timed where a speculator's plain step is, not by engines that never speculate.
+    assert times.call_seconds(width) is not None and plain_generator.engine.loop_times.call_seconds(width) is None
     for result in spec:
         assert result.speculative is not None and result.speculative.steps <= len(result.token_ids) - TIMING_DRAWS
     with pytest.raises(ConfigError, match="adaptive"):

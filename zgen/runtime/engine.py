@@ -535,7 +535,7 @@ class Engine:
                 if speculator is not None and self._times_plain_first(rows, speculator):
                     for row in rows:  # a few plain draws time the plain step (the rows' drafting is untouched)
                         row.count = min(row.count, TIMING_DRAWS)
-                    self._run_decode(rows, min(steps, _draw_bucket(TIMING_DRAWS)), exit_on_finish=waiting, finishes=finishes)
+                    self._run_decode(rows, min(steps, _draw_bucket(TIMING_DRAWS)), exit_on_finish=waiting, finishes=finishes, timing=True)
                 elif speculator is not None:
                     host = waiting or any(row.job.needs_host() for row in rows)
                     iterations = min(steps, self.config.steps_per_sync) if host else steps
@@ -814,7 +814,9 @@ class Engine:
         row = raw.astype(np.float64)
         return int(token), float(row[int(token)] - np.logaddexp.reduce(row))
 
-    def _run_decode(self, rows: list[_Row], steps: int, *, exit_on_finish: bool, finishes: int = 1) -> None:
+    def _run_decode(self, rows: list[_Row], steps: int, *, exit_on_finish: bool, finishes: int = 1, timing: bool = False) -> None:
+        """A plain decode loop over ``rows``; ``timing``: it times the plain step for an adaptive speculator
+        (and, the first time at this width, a loop call's fixed cost)."""
         width, index, state = self._step_rows(rows, 1)
         token = np.zeros(width, np.int32)
         position = np.full(width, -1, np.int32)
@@ -842,7 +844,7 @@ class Engine:
         loop = DecodeLoop(**host, penalties=penalties, adapter_slots=slots)
         timed = _timed(rows) and bank is None and penalties is None  # the steps a speculative pass competes with
         try:
-            if timed and self.loop_times.call_seconds(width) is None:
+            if timing and timed and self.loop_times.call_seconds(width) is None:
                 state = self._time_call(width, state, loop, params, flags)
             started, compiling = time.perf_counter(), self.runner.compile_seconds
             loop, state = self.runner.decode(state, loop, params, flags=flags, adapters=bank, grammar=grammar)
