@@ -488,9 +488,26 @@ def test_loop_times_take_out_the_fixed_cost_of_a_call() -> None:
     assert times.pass_cost(4, speculator) == pytest.approx(3.0)
 
 
+def test_a_cold_loop_is_timed_only_until_a_warm_one_is() -> None:
+    """A loop whose call compiled ran cold: a plain one's time stands until a warm plain loop replaces
+    it, a speculative one's is not taken (it held every row in fallback on a GPU)."""
+    times, speculator = LoopTimes(), PromptLookup(3, 4, adaptive=True)
+    times.record_plain(2, 0.08, 8, warm=False)
+    assert times.per_iteration(("plain", 2)) == pytest.approx(0.01) and not times.warm(("plain", 2))
+    times.record_loop(2, speculator, 1.0, 8, 0, warm=False)
+    assert times.pass_cost(2, speculator) == 0.0  # not measured: passes run, and are timed next call
+    times.record_loop(2, speculator, 0.04, 8, 0)
+    assert times.pass_cost(2, speculator) == 1.0  # 5 ms a pass against the cold 10 ms step: the floor
+    times.record_plain(2, 0.008, 8)
+    times.record_plain(2, 0.5, 8, warm=False)  # a cold loop after a warm one: ignored
+    assert times.warm(("plain", 2)) and times.per_iteration(("plain", 2)) == pytest.approx(0.001)
+    assert times.pass_cost(2, speculator) == pytest.approx(5.0)
+
+
 def test_adaptive_prompt_lookup_times_plain_steps_first_and_equals_plain(tiny_llama: Model) -> None:
     """An adaptive speculator's first draws at a batch width are plain (they time the plain step), its
-    first loop returns after a window of passes (they time the pass); tokens are plain decoding's."""
+    first loops return after a window of passes (they time the pass, once a loop runs warm: compiled
+    before its call); tokens are plain decoding's."""
     sampling = dataclasses.replace(GREEDY, max_new_tokens=40)
     requests = [_request(p, sampling) for p in PROMPTS]
     plain_generator = Generator(tiny_llama)
@@ -499,9 +516,10 @@ def test_adaptive_prompt_lookup_times_plain_steps_first_and_equals_plain(tiny_ll
     generator = Generator(tiny_llama, speculative=speculator)
     spec = generator.batch_generate(requests)
     assert _ids(spec) == _ids(plain)
+    assert _ids(generator.batch_generate(requests)) == _ids(plain)  # its loops compiled: they run warm
     times = generator.engine.loop_times
     width = next(w for w in range(1, 257) if times.per_iteration(("plain", w)) is not None)
-    assert times.pass_cost(width, speculator) >= 1.0
+    assert times.pass_cost(width, speculator) >= 1.0 and times.warm(("plain", width))
     # The call's fixed cost is timed where a speculator's plain step is, not by engines that never speculate.
     assert times.call_seconds(width) is not None and plain_generator.engine.loop_times.call_seconds(width) is None
     for result in spec:

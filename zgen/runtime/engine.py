@@ -670,10 +670,15 @@ class Engine:
     def _times_plain_first(self, rows: list[_Row], speculator: Speculator) -> bool:
         """Whether a decode step of ``rows`` with an adaptive ``speculator`` runs plainly first, to time
         the plain step at this width: the fallback weighs a pass's measured cost against it (rows under
-        a grammar or taken a token at a time are not timed: their host work would count as the step's)."""
+        a grammar or taken a token at a time are not timed: their host work would count as the step's).
+        A plain step timed cold is timed again once a pass is (speculation starts in between)."""
         if not speculator.adaptive or not _timed(rows):
             return False
-        return self.loop_times.per_iteration(("plain", self._width([row.job for row in rows])[0])) is None
+        width = self._width([row.job for row in rows])[0]
+        plain = ("plain", width)
+        if self.loop_times.per_iteration(plain) is None:
+            return True
+        return not self.loop_times.warm(plain) and self.loop_times.pass_cost(width, speculator) > 0
 
     def _times_passes_first(self, rows: list[_Row], speculator: Speculator) -> bool:
         """Whether the plain step at this width is timed and ``speculator``'s pass not yet."""
@@ -851,7 +856,8 @@ class Engine:
             self.kv.absorb(state)
             out, logprobs, iterations = jax.device_get((loop.out_tokens, loop.out_logprobs, loop.step))
             if timed:
-                self.loop_times.record_plain(width, self.runner.run_seconds(started, compiling), int(iterations))
+                warm = self.runner.compile_seconds == compiling
+                self.loop_times.record_plain(width, self.runner.run_seconds(started, compiling), int(iterations), warm=warm)
         finally:  # the loop has run (its results are here): the grammars' last turn is all that may be left
             failures = {} if grammar is None else grammar.finish()
         self.stats.steps += 1
@@ -945,7 +951,9 @@ class Engine:
         if final is not None:
             self._draft_carry = _DraftCarry(seqs, speculator, final, history, lengths)
         if _timed(rows):
-            self.loop_times.record_loop(width, speculator, self.runner.run_seconds(started, compiling), int(iterations), int(plain_steps))
+            warm = self.runner.compile_seconds == compiling
+            seconds = self.runner.run_seconds(started, compiling)
+            self.loop_times.record_loop(width, speculator, seconds, int(iterations), int(plain_steps), warm=warm)
         self.stats.fallback_steps += int(plain_steps)
         self.stats.steps += 1
         self.stats.forward_passes += int(iterations)

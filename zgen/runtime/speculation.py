@@ -111,7 +111,7 @@ from zgen.model import Model
 from zgen.runtime.grammar import GrammarDrafts, allowed_tokens
 from zgen.runtime.results import SpeculativeStats
 from zgen.runtime.sampling import SamplingFlags, SamplingParams, filter_logits, sample
-from zgen.runtime.step import ModelSpec, Params, draw, forward, forward_features, read_features
+from zgen.runtime.step import DecodeLoop, ModelSpec, Params, decode_loop, draw, forward, forward_features, read_features
 from zgen.runtime.tree import ancestors, commit_path, forward_tree, forward_tree_features, tree_attention_mask
 
 __all__ = [
@@ -318,14 +318,15 @@ class LoopTimes:
     A loop call also costs a fixed time (dispatch, transfers, the host's wait), which a plain loop
     timed over 8 draws would count as an eighth of each step: the engine times a call that runs no
     iteration at each width (:meth:`record_call`), and :meth:`record_plain` and :meth:`record_loop`
-    take it out. What it does not take out: the first loop at a width runs cold code (kernels loaded,
-    CPU primitives built on first use), and it is the only plain loop timed; the first 8 plain draws of
-    a tiny model on a CPU took ten times its later steps, which made every pass look as cheap as a
-    step there."""
+    take it out. A call that compiled its loop ran it cold (kernels loaded, library plans made on first
+    use): on an H200 the first passes of SmolLM2's prompt lookup took 16 ms each against 0.66 ms for a
+    plain step, which held every row in fallback for good. So a cold speculative loop is not recorded,
+    and a cold plain loop only until a warm one replaces it (:meth:`warm`)."""
 
     def __init__(self) -> None:
         self._totals: dict[Hashable, tuple[float, int]] = {}
         self._calls: dict[int, float] = {}
+        self._cold: set[Hashable] = set()  # keys whose only record is a cold loop's
 
     def record_call(self, width: int, seconds: float) -> None:
         """A loop call at ``width`` rows that ran no iteration took ``seconds`` (the least seen is kept)."""
@@ -335,9 +336,22 @@ class LoopTimes:
         """The fixed time of a loop call at ``width`` rows (``None``: not timed yet)."""
         return self._calls.get(width)
 
-    def record_plain(self, width: int, seconds: float, iterations: int) -> None:
-        """A plain decode loop of ``iterations`` steps at ``width`` rows took ``seconds``."""
-        self.record(("plain", width), max(seconds - self._calls.get(width, 0.0), 0.0), iterations)
+    def record_plain(self, width: int, seconds: float, iterations: int, *, warm: bool = True) -> None:
+        """A plain decode loop of ``iterations`` steps at ``width`` rows took ``seconds`` (``warm``: its
+        call compiled nothing; a cold loop's time stands only until a warm one's replaces it)."""
+        key = ("plain", width)
+        if iterations <= 0 or (not warm and key in self._totals):
+            return
+        if key in self._cold:
+            del self._totals[key]
+            self._cold.discard(key)
+        if not warm:
+            self._cold.add(key)
+        self.record(key, max(seconds - self._calls.get(width, 0.0), 0.0), iterations)
+
+    def warm(self, key: Hashable) -> bool:
+        """Whether ``key``'s time comes from loops that ran warm."""
+        return key in self._totals and key not in self._cold
 
     def record(self, key: Hashable, seconds: float, iterations: int) -> None:
         if iterations <= 0:
@@ -351,10 +365,14 @@ class LoopTimes:
         total, count = self._totals.get(key, (0.0, 0))
         return total / count if count else None
 
-    def record_loop(self, width: int, speculator: Speculator, seconds: float, iterations: int, plain_steps: int) -> None:
+    def record_loop(
+        self, width: int, speculator: Speculator, seconds: float, iterations: int, plain_steps: int, *, warm: bool = True
+    ) -> None:
         """A speculative loop of ``iterations`` at ``width`` rows, ``plain_steps`` of them plain decode
         steps (every row in fallback), each taken at the plain decode loop's time: the rest is its passes'
-        (not recorded while the plain step is not timed)."""
+        (not recorded while the plain step is not timed, nor from a cold loop: not ``warm``)."""
+        if not warm:
+            return
         seconds -= self._calls.get(width, 0.0)
         if plain_steps:
             plain = self.per_iteration(("plain", width))
@@ -751,9 +769,58 @@ def speculative_loop(
 
     def rest(carry: tuple[SpeculativeLoop, KVState, Any]) -> tuple[SpeculativeLoop, KVState, Any]:
         """Every row left in fallback: plain decode steps, one position a row, until a row probes (one
-        branch taken per stretch of them, not per step)."""
+        branch taken per stretch of them, not per step). Speculators that see each step (observers)
+        and grammar rows take them one at a time; the others' stretch is the plain decode loop."""
+        if grammar is None and not isinstance(speculator, (Observer, FeatureObserver)):
+            return plain_stretch(carry)
         step = (lambda c: iteration(c, 0)) if grammar is not None else plain_step
         return jax.lax.while_loop(lambda c: cond(c) & resting(c[0]), step, carry)
+
+    def plain_stretch(carry: tuple[SpeculativeLoop, KVState, Any]) -> tuple[SpeculativeLoop, KVState, Any]:
+        """The fallback stretch as :func:`~zgen.runtime.step.decode_loop` runs it, up to the first row's
+        probe: the same draws as :func:`plain_step`'s (same keys and positions), with the loop's
+        bookkeeping (history, outputs, countdowns) done once for the stretch instead of every step. On
+        an H200 the steps of the per-step form cost 7-10% more than the plain loop's (SmolLM2, batch
+        1 and 8): each of its scatters and countdowns is a launch as long as its work."""
+        s, kv, state = carry
+        active = ~s.done
+        p = s.length - 1
+        rows = jnp.arange(p.shape[0])
+        cap = s.out_tokens.shape[1]
+        stretch = jnp.min(jnp.where(active, s.control.wait, cap))
+        stretch = jnp.clip(jnp.minimum(stretch, s.max_steps - s.step), 1, cap)
+        plain = DecodeLoop(
+            token=s.history[rows, p], position=jnp.where(active, p, -1), done=s.done,
+            last_step=s.budget - s.emitted - 1, stop_ids=s.stop_ids, keys=s.keys, penalties=None,
+            out_tokens=jnp.full_like(s.out_tokens, -1), out_logprobs=jnp.zeros_like(s.out_logprobs),
+            step=jnp.zeros((), jnp.int32), max_steps=stretch, exit_on_finish=s.exit_on_finish, done_at_start=s.done_at_start,
+        )
+        plain, kv = decode_loop(model, params, kv, plain, sampling, flags=flags)
+        drawn = jnp.sum(plain.out_tokens >= 0, axis=1)  # each active row's draws, a prefix of its columns
+        columns = jnp.arange(cap)[None, :]
+        taken = columns < drawn[:, None]
+
+        def placed(buffer: Array, start: Array, values: Array) -> Array:
+            """``buffer`` with each row's draws written from column ``start`` on (the rest dropped)."""
+            at = jnp.where(taken, start[:, None] + columns, buffer.shape[1])
+            return buffer.at[rows[:, None], at].set(values, mode="drop")
+
+        wait = jnp.where(active, s.control.wait - plain.step, s.control.wait)
+        probe = active & ~plain.done & (wait <= 0)
+        control = replace(s.control, length=jnp.where(probe, 1, s.control.length), wait=jnp.where(probe, -1, wait))
+        s = replace(
+            s,
+            history=placed(s.history, s.length, plain.out_tokens),
+            length=s.length + drawn,
+            emitted=s.emitted + drawn,
+            done=plain.done,
+            out_tokens=placed(s.out_tokens, s.emitted, plain.out_tokens),
+            out_logprobs=placed(s.out_logprobs, s.emitted, plain.out_logprobs),
+            control=control,
+            step=s.step + plain.step,
+            plain_steps=s.plain_steps + plain.step,
+        )
+        return s, kv, speculator.advance(state, s.length - 1)
 
     def plain_step(carry: tuple[SpeculativeLoop, KVState, Any]) -> tuple[SpeculativeLoop, KVState, Any]:
         """What ``iteration(carry, 0)`` does when every row is in fallback and none is under a grammar,
