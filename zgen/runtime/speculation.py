@@ -779,9 +779,9 @@ def speculative_loop(
     def plain_stretch(carry: tuple[SpeculativeLoop, KVState, Any]) -> tuple[SpeculativeLoop, KVState, Any]:
         """The fallback stretch as :func:`~zgen.runtime.step.decode_loop` runs it, up to the first row's
         probe: the same draws as :func:`plain_step`'s (same keys and positions), with the loop's
-        bookkeeping (history, outputs, countdowns) done once for the stretch instead of every step. On
-        an H200 the steps of the per-step form cost 7-10% more than the plain loop's (SmolLM2, batch
-        1 and 8): each of its scatters and countdowns is a launch as long as its work."""
+        bookkeeping (history, outputs, countdowns) done once for the stretch instead of every step:
+        its steps are the plain loop's (on an H200, SmolLM2 in fallback, what is left of the loss
+        against plain decoding is per loop call, see BENCHMARKS.md)."""
         s, kv, state = carry
         active = ~s.done
         p = s.length - 1
