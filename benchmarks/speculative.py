@@ -4,7 +4,8 @@ For every batch size, prompt group and speculator: tokens/s of the whole generat
 ``batch_generate``, median of ``--runs`` after a warm-up that compiles), the speedup over plain
 decoding of the same requests, the acceptance figures (drafted, accepted, acceptance rate, mean
 accepted per verification pass), how many plain decode steps the speculative loops took (every row
-in fallback, or nothing drafted; over the warm-up and the timed runs), and a check that the greedy tokens equal plain
+in fallback, or nothing drafted; over the warm-up and the timed runs), what the engine measured a
+plain decode step to take and a pass to cost in plain steps at the batch's width, and a check that the greedy tokens equal plain
 decoding's token for token (``same``: False marks a bug, or a near-tie flipped by bf16 rounding in a
 longer verification pass; run ``--dtype float32`` to tell them apart).
 
@@ -141,17 +142,17 @@ def figures(results: list[GenerationResult]) -> dict[str, float]:
     drafted, accepted, passes = (sum(getattr(s, f) for s in stats) for f in ("draft_tokens", "accepted_tokens", "steps"))
     return dict(
         draft_tokens=drafted, accepted_tokens=accepted, acceptance_rate=accepted / drafted if drafted else 0.0,
-        mean_accepted_per_step=accepted / passes if passes else 0.0,
+        mean_accepted_per_step=accepted / passes if passes else 0.0, passes=passes,
     )
 
 
 def print_rows(rows: list[dict[str, Any]]) -> None:
     print(f"{'batch':>5} {'prompts':<8} {'speculator':<22} {'tok/s':>9} {'speedup':>8} {'accept':>7} {'acc/pass':>8} {'same':<5} "
-          "fallback steps  compiled in timed runs (s)")
+          "fallback steps  pass (steps)  compiled in timed runs (s)")
     for row in rows:
         print(f"{row['batch']:>5} {row.get('prompts', 'mix'):<8} {row['speculator']:<22} {row['tokens_per_s']:>9.1f} "
               f"{row['speedup']:>7.2f}x {row.get('acceptance_rate', 0.0):>7.2f} {row.get('mean_accepted_per_step', 0.0):>8.2f} "
-              f"{row['same']!s:<5} {row.get('fallback_steps', ''):<15} {row.get('compile_s_in_timed_runs', '')}")
+              f"{row['same']!s:<5} {row.get('fallback_steps', ''):<15} {row.get('pass_steps', ''):<13} {row.get('compile_s_in_timed_runs', '')}")
 
 
 def speculator(spec: str, model: Model, args: argparse.Namespace) -> Speculator:
@@ -229,6 +230,8 @@ def main() -> None:
                     batch=batch, prompts=group, speculator=name, tokens_per_s=tokens / seconds, speedup=base_s / seconds,
                     same=[r.token_ids for r in results] == [r.token_ids for r in base], **figures(results),
                     fallback_steps=generator.engine.stats.fallback_steps, compile_s_in_timed_runs=round(compiling, 2),
+                    pass_steps=round(generator.engine.loop_times.pass_cost(batch, spec), 2),
+                    plain_step_ms=round((generator.engine.loop_times.per_iteration(("plain", batch)) or 0.0) * 1e3, 3),
                 ))
     report = dict(device=str(jax.devices()[0]), model=args.model or "random smollm2 shape", dtype=args.dtype,
                   new_tokens=args.new_tokens, kv_cache=args.kv_cache, kv_dtype=args.kv_dtype, rows=rows)

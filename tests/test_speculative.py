@@ -24,7 +24,7 @@ from zgen.model import Model, random_model
 from zgen.runtime.engine import Engine
 from zgen.runtime.sampling import SamplingFlags, SamplingParams, filter_logits
 from zgen.runtime.speculation import (
-    PROBE_AFTER, TIMING_DRAWS, WINDOW, DraftControl, DraftInput, LoopTimes, Proposal, draft_cost, loop_key, pass_pays, update_control,
+    PROBE_AFTER, TIMING_DRAWS, WINDOW, DraftControl, DraftInput, LoopTimes, Proposal, draft_cost, loop_key, pass_pays, probes, update_control,
     verify,
 )
 from zgen.runtime.stop import StopCondition
@@ -450,6 +450,23 @@ def test_a_pass_pays_for_the_whole_batch() -> None:
     assert not bool(jnp.any(pass_pays(seen, count, active, 0.0)[1]))  # nothing is short of an unmeasured cost
 
 
+def test_a_pass_pays_for_the_last_rows_where_none_is_replaced() -> None:
+    """Where the loop lasts as long as its last row, a pass must pay for the rows with the most tokens
+    left (the least of their expectations against ``pass_cost - 1``); where it does not, every
+    drafting row falls back."""
+    control = DraftControl(**DraftControl.initial(4, 4))
+    drafted = jnp.zeros((4, WINDOW), jnp.int32).at[:, :2].set(4)
+    accepted = jnp.zeros((4, WINDOW), jnp.int32).at[0, :2].set(3).at[1, :2].set(1)  # means 3, 1, 0, 0
+    seen = dataclasses.replace(control, drafted=drafted, accepted=accepted)
+    active, count = jnp.ones(4, bool), jnp.array([4, 4, 0, 0], jnp.int32)
+    assert bool(pass_pays(seen, count, active, 1.5)[0])  # by the sum: 4 + 3 + 1 > 6
+    assert bool(pass_pays(seen, count, active, 1.5, jnp.array([True, False, False, False]))[0])  # 1 + 3 > 1.5
+    pays, falls = pass_pays(seen, count, active, 1.5, jnp.array([True, True, False, False]))  # 1 + 1 > 1.5
+    assert bool(pays) and falls.tolist() == [True, True, False, False]
+    pays, falls = pass_pays(seen, count, active, 1.5, jnp.array([True, False, True, False]))  # row 2 drafts nothing
+    assert not bool(pays) and falls.tolist() == [True, True, False, False]
+
+
 def test_rows_of_a_pass_not_taken_fall_back() -> None:
     """A pass that does not pay updates no window: the drafting rows short of their share fall back
     (and probe after the wait) instead of waiting on a window that never changes."""
@@ -457,6 +474,19 @@ def test_rows_of_a_pass_not_taken_fall_back() -> None:
     nothing = jnp.zeros(2, jnp.int32)
     after = update_control(control, nothing, nothing, jnp.ones(2, bool), 4, 0.0, 1.5, jnp.array([True, False]))
     assert after.length.tolist() == [0, 4] and after.wait.tolist() == [PROBE_AFTER, 0] and after.misses.tolist() == [1, 0]
+
+
+def test_rows_in_fallback_probe_together() -> None:
+    """A row whose wait is over brings every row in fallback into its probe (one pass for all of
+    them); rows still drafting, done or not in fallback are left alone."""
+    resting = jnp.array([True, True, True, False])
+    assert probes(resting, jnp.array([0, 5, 200, 0])).tolist() == [True, True, True, False]
+    assert not bool(jnp.any(probes(resting, jnp.array([1, 5, 200, 0]))))
+    control = DraftControl(**{name: jnp.asarray(value) for name, value in DraftControl.initial(3, 4).items()})
+    control = dataclasses.replace(control, length=jnp.array([0, 0, 4]), wait=jnp.array([1, 9, 0]))
+    nothing = jnp.zeros(3, jnp.int32)
+    after = update_control(control, nothing, nothing, jnp.ones(3, bool), 4, 0.0, 1.5)  # row 0's wait ends
+    assert after.wait.tolist() == [-1, -1, 0] and after.length.tolist() == [1, 1, 4]
 
 
 def test_loop_times_give_a_pass_in_plain_steps() -> None:
