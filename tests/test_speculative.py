@@ -224,6 +224,29 @@ def test_a_draft_that_cannot_pay_is_never_run(tiny_llama: Model, monkeypatch: py
     assert all(r.speculative is not None and r.speculative.draft_tokens == 0 for r in spec)
 
 
+def test_a_batch_that_ends_with_its_last_row_drafts_only_where_that_row_pays(tiny_llama: Model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two requests and no third waiting: the loop lasts as long as its last row, so a pass (measured
+    at 1.5 plain steps) must pay for the rows with the most tokens left. One row drafts, the other never
+    does: no pass is ever taken (summed over rows, the drafting row's whole draft would have paid),
+    and the tokens are plain's. With a third request waiting, finished rows are replaced and the sum
+    decides: the drafting row's passes are taken."""
+    monkeypatch.setattr(LoopTimes, "pass_cost", lambda self, width, speculator: 1.5)
+
+    class FirstRowOnly(PromptLookup):
+        def propose(self, params: Any, state: Any, draft: DraftInput) -> tuple[Proposal, Any]:
+            proposal, state = super().propose(params, state, draft)
+            first = jnp.arange(proposal.count.shape[0]) == 0
+            return Proposal(proposal.tokens, jnp.where(first, proposal.count, 0), None), state
+
+    requests = [_request(PROMPTS[0]), _request(PROMPTS[0])]
+    generator = Generator(tiny_llama, max_batch_size=2, speculative=FirstRowOnly(3, 4, adaptive=True))
+    spec = generator.batch_generate(requests)
+    assert _ids(spec) == _ids(Generator(tiny_llama).batch_generate(requests))
+    assert all(r.speculative is not None and r.speculative.draft_tokens == 0 for r in spec)
+    spec = generator.batch_generate([*requests, _request(PROMPTS[0])])  # one waits: rows are replaced
+    assert sum(r.speculative.draft_tokens for r in spec if r.speculative is not None) > 0
+
+
 def test_a_pass_with_nothing_drafted_is_a_plain_step(tiny_llama: Model) -> None:
     """A lookup that never finds a match: every iteration of the loop is a plain decode step (no
     verification pass), the tokens are plain decoding's, and no pass is timed."""
