@@ -148,11 +148,11 @@ def figures(results: list[GenerationResult]) -> dict[str, float]:
 
 def print_rows(rows: list[dict[str, Any]]) -> None:
     print(f"{'batch':>5} {'prompts':<8} {'speculator':<22} {'tok/s':>9} {'speedup':>8} {'accept':>7} {'acc/pass':>8} {'same':<5} "
-          "fallback steps  pass (steps)  compiled in timed runs (s)")
+          "fallback steps  plain step (ms)  pass (steps)  compiled in timed runs (s)")
     for row in rows:
         print(f"{row['batch']:>5} {row.get('prompts', 'mix'):<8} {row['speculator']:<22} {row['tokens_per_s']:>9.1f} "
               f"{row['speedup']:>7.2f}x {row.get('acceptance_rate', 0.0):>7.2f} {row.get('mean_accepted_per_step', 0.0):>8.2f} "
-              f"{row['same']!s:<5} {row.get('fallback_steps', ''):<15} {row.get('pass_steps', ''):<13} {row.get('compile_s_in_timed_runs', '')}")
+              f"{row['same']!s:<5} {row.get('fallback_steps', ''):<15} {row.get('plain_step_ms', ''):<16} {row.get('pass_steps', ''):<13} {row.get('compile_s_in_timed_runs', '')}")
 
 
 def speculator(spec: str, model: Model, args: argparse.Namespace) -> Speculator:
