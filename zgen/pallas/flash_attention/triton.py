@@ -54,6 +54,12 @@ MIN_BLOCKS_PER_SPLIT = 4
 # H200 (SmolLM2 shape, batch 1) this took a decode step from 0.71 to 0.53 ms at 450 tokens of context
 # and from 0.94 to 0.53 ms at 900, against blocks of 64 in one split up to 16 blocks.
 APPEND_BLOCK_K = 128
+# ... and aims at fewer programs than the three-launch path: every split reads its whole range of the
+# buffer's blocks (the live length is known on the device only) and the merge reads every split's
+# partials. On an H200 (2,048 slots, 450 and 1,000 tokens of context, bf16) 256 programs against 1,024:
+# Llama-3-8B heads (32/8 of 128) at batch 8 24.6 -> 16.6 and 30.4 -> 20.5 us, at batch 64 57.7 -> 49.8
+# and 88.4 -> 79.8; SmolLM2 (9/3 of 64) at batch 64 19.9 -> 16.8 and 31.9 -> 23.9; batch 1 unchanged.
+APPEND_TARGET_PROGRAMS = 256
 # Bytes of one stage's K and V blocks at most (two stages stay under a Hopper SM's 227 KB of shared memory).
 APPEND_BLOCK_BYTES = 64 * 1024
 
@@ -249,9 +255,11 @@ def prefill_attention(
     return out[:, :t]
 
 
-def _decode_splits(batch: int, kv_heads: int, num_k_blocks: int, min_blocks: int = MIN_BLOCKS_PER_SPLIT) -> int:
-    """Key splits of a decode kernel: enough programs to fill the GPU, each at least ``min_blocks`` key blocks."""
-    return max(1, min(cdiv(TARGET_PROGRAMS, batch * kv_heads), cdiv(num_k_blocks, min_blocks)))
+def _decode_splits(
+    batch: int, kv_heads: int, num_k_blocks: int, min_blocks: int = MIN_BLOCKS_PER_SPLIT, target: int = TARGET_PROGRAMS
+) -> int:
+    """Key splits of a decode kernel: about ``target`` programs, each at least ``min_blocks`` key blocks."""
+    return max(1, min(cdiv(target, batch * kv_heads), cdiv(num_k_blocks, min_blocks)))
 
 
 def _split_specs(rows: int, d: int) -> list[pl.BlockSpec]:
@@ -448,7 +456,7 @@ def append_decode_attention(
     if bk < MIN_DOT:
         raise ValueError(f"a cache of {s} slots is not a whole number of {MIN_DOT}-slot key blocks")
     num_k_blocks = s // bk
-    splits = num_splits or _decode_splits(b, kvh, num_k_blocks, min_blocks=1)
+    splits = num_splits or _decode_splits(b, kvh, num_k_blocks, min_blocks=1, target=APPEND_TARGET_PROGRAMS)
     kernel = functools.partial(
         _append_decode_kernel, kv_heads=kvh, group=g, rows=rows, capacity=s, block_k=bk, num_k_blocks=num_k_blocks,
         num_splits=splits, window=sliding_window, scale=scale, soft_cap=soft_cap,
