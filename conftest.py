@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 # Tests compile hundreds of small executables and run each a few times: XLA:CPU's backend at
 # optimization level 0 compiles them in about half the time, and the suite spends most of its time
@@ -34,6 +35,21 @@ def _free_compiled_code() -> Iterator[None]:
     (``vm.max_map_count``, 65530) and aborted inside the compiler."""
     yield
     jax.clear_caches()
+
+
+@pytest.fixture
+def host_devices_env() -> Callable[[int], dict[str, str]]:
+    """The environment of a subprocess that sees ``n`` host devices: this run's XLA flags (the
+    optimization level above) plus the device count, and this checkout's zgen importable."""
+
+    def env(n: int) -> dict[str, str]:
+        return {
+            **os.environ,
+            "XLA_FLAGS": f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count={n}",
+            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
+        }
+
+    return env
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

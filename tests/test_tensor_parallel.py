@@ -5,14 +5,13 @@ each; heads that N does not divide are refused."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-import zgen
 from hf_reference import save_random_checkpoint, small_configs
 from zgen import load_model
 from zgen.errors import ConfigError
@@ -67,14 +66,9 @@ print(json.dumps(out))
 """
 
 
-def test_two_way_tensor_parallel_matches_one_device(tmp_path: Path) -> None:
+def test_two_way_tensor_parallel_matches_one_device(tmp_path: Path, host_devices_env: Callable[[int], dict[str, str]]) -> None:
     save_random_checkpoint(small_configs()["llama"], tmp_path)
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-        "PYTHONPATH": os.pathsep.join([str(Path(zgen.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
-    }
-    done = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path), str(tmp_path / "in.jsonl")], env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path), str(tmp_path / "in.jsonl")], env=host_devices_env(4), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout.splitlines()[-1])
     assert out["two-tensor"] == out["one-tensor"] == out["two-paged"] == out["one-paged"]

@@ -7,15 +7,13 @@ the KV buffers are built split by KV heads."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
+from collections.abc import Callable
 
 import jax.numpy as jnp
 import pytest
 
-import zgen
 from zgen.cache.factory import paged_kv, resolve
 from zgen.cache.sharded import write_and_attend_per_shard
 from zgen.cache.tensor import DenseKVState
@@ -25,6 +23,7 @@ from zgen.sharding import tensor_parallel_mesh
 
 LAYER_SCRIPT = r"""
 import json
+from collections.abc import Callable
 from dataclasses import replace
 import jax, jax.numpy as jnp, numpy as np
 from zgen.cache.compressed import CompressedKVState
@@ -147,19 +146,14 @@ print(json.dumps(out))
 """
 
 
-def _run_on_four_devices(script: str) -> dict[str, dict[str, object]]:
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-        "PYTHONPATH": os.pathsep.join([str(Path(zgen.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
-    }
+def _run_on_four_devices(script: str, env: dict[str, str]) -> dict[str, dict[str, object]]:
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.splitlines()[-1])
 
 
-def test_one_layer_per_shard_equals_one_device_for_every_state_and_format() -> None:
-    out = _run_on_four_devices(LAYER_SCRIPT)
+def test_one_layer_per_shard_equals_one_device_for_every_state_and_format(host_devices_env: Callable[[int], dict[str, str]]) -> None:
+    out = _run_on_four_devices(LAYER_SCRIPT, host_devices_env(4))
     assert set(out) == {"dense", "compressed", "paged-bf16", "paged-fp8", "paged-q4", "paged-q3", "masked-paged-bf16"}
     for name, result in out.items():
         assert result["cache"] == 0.0 and result["keys_split"], (name, result)  # every device stored its own heads, exactly
@@ -170,8 +164,8 @@ def test_one_layer_per_shard_equals_one_device_for_every_state_and_format() -> N
         assert result["attention"] == 0.0 if exact else result["attention"] < 2e-5, (name, result)
 
 
-def test_generation_through_the_kernels_on_four_devices_equals_one_device() -> None:
-    out = _run_on_four_devices(GENERATION_SCRIPT)
+def test_generation_through_the_kernels_on_four_devices_equals_one_device(host_devices_env: Callable[[int], dict[str, str]]) -> None:
+    out = _run_on_four_devices(GENERATION_SCRIPT, host_devices_env(4))
     assert set(out) == {"dense", "paged-bf16", "paged-q4"}
     for name, result in out.items():
         assert result["same_tokens"], (name, result)

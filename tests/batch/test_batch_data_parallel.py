@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-import zgen
 from batch_helpers import by_id, completion_line, read_records, save_tiny_chat_model, words
 
 SCRIPT = """
@@ -27,7 +26,7 @@ print(json.dumps([one.to_json(), two.to_json()]))
 
 
 @pytest.mark.slow
-def test_two_replicas_on_two_host_devices_match_one(tmp_path: Path) -> None:
+def test_two_replicas_on_two_host_devices_match_one(tmp_path: Path, host_devices_env: Callable[[int], dict[str, str]]) -> None:
     model_dir = save_tiny_chat_model(tmp_path / "model")
     lines = [
         completion_line(f"r{i}", words(*[(5 + 3 * i + j) % 90 + 5 for j in range(5 + i % 4)]), max_tokens=12, temperature=0.8 * (i % 2), seed=i)
@@ -35,13 +34,8 @@ def test_two_replicas_on_two_host_devices_match_one(tmp_path: Path) -> None:
     ]
     source = tmp_path / "in.jsonl"
     source.write_text("\n".join(lines) + "\n")
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-        "PYTHONPATH": os.pathsep.join([str(Path(zgen.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
-    }
     outputs = [tmp_path / "one.jsonl", tmp_path / "two.jsonl"]
-    done = subprocess.run([sys.executable, "-c", SCRIPT, str(model_dir), str(source), *map(str, outputs)], env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-c", SCRIPT, str(model_dir), str(source), *map(str, outputs)], env=host_devices_env(2), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     one, two = json.loads(done.stdout.splitlines()[-1])
     assert one["replica_requests"] == [16] and sum(two["replica_requests"]) == 16 and min(two["replica_requests"]) > 0
