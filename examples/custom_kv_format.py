@@ -17,7 +17,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, UInt8
 
-from zgen.cache.formats import FORMATS, KVFormat, register_format
+import zgen
+from zgen.cache.factory import kv_dtype
+from zgen.cache.formats import FORMATS, KVFormat, bytes_per_token_per_layer, register_format
 
 Q2_GROUP = 32  # dims per (scale, min) pair
 
@@ -69,15 +71,16 @@ if "q2" not in FORMATS:  # importing this module twice registers it once
     register_format(Q2)
 
 
-if __name__ == "__main__":
-    import zgen
-    from zgen.cache.factory import kv_dtype
-    from zgen.cache.formats import bytes_per_token_per_layer
-
-    model = zgen.load_model("smollm2")
+def main(model: zgen.Model | None = None) -> None:
+    """Generate with the q2 format (default model: SmolLM2, whose 64-dim heads hold two groups)."""
+    model = model or zgen.load_model("smollm2")
     c = model.config
     for name in ("bf16", "q4", "q2"):
         print(f"{name}: {bytes_per_token_per_layer(name, c.num_kv_heads, c.head_dim)} bytes per token per layer")
     generator = zgen.Generator(model, kv_dtype("q2"))
     reply = generator.chat([{"role": "user", "content": "Name three colours."}], zgen.SamplingConfig(temperature=0.0, max_new_tokens=16))
     print("q2 reply:", reply.text)
+
+
+if __name__ == "__main__":
+    main()

