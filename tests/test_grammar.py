@@ -210,13 +210,15 @@ def test_smollm2_answers_in_json_through_generator_and_context(smollm2: Model) -
     assert ctx.generate(config) == result.text
 
 
-def test_cli_generates_within_a_regex_and_a_schema_file(tmp_path: Path) -> None:
-    result = runner.invoke(app, ["generate", "-p", "The year the war ended:", "--temperature", "0", "-n", "8", "--regex", r" ?[12][0-9]{3}"])
+def test_cli_generates_within_a_regex_and_a_schema_file(tmp_path: Path, small_chat_checkpoint: tuple[Path, Any]) -> None:
+    """On the two-layer chat model (the grammar decides what may follow, whatever the weights)."""
+    model = ["--model", str(small_chat_checkpoint[0])]
+    result = runner.invoke(app, ["generate", *model, "-p", "The year the war ended:", "--temperature", "0", "-n", "8", "--regex", r" ?[12][0-9]{3}"])
     assert result.exit_code == 0, result.output
     assert re.fullmatch(r" ?[12][0-9]{3}\n", result.stdout)
     schema = tmp_path / "schema.json"
     schema.write_text(json.dumps(SCHEMAS["enum"]))
-    result = runner.invoke(app, ["generate", "--chat", "-p", "Pick a colour.", "--temperature", "0", "-n", "8", "--json-schema", str(schema), "--json"])
+    result = runner.invoke(app, ["generate", *model, "--chat", "-p", "Pick a colour.", "--temperature", "0", "-n", "8", "--json-schema", str(schema), "--json"])
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)
     assert out["finish_reason"] == "stop" and json.loads(out["text"]) in SCHEMAS["enum"]["enum"]
