@@ -1,5 +1,7 @@
-"""Generator behaviour on the real SmolLM2 that contexts have no twin of: streams, sessions, threads.
-(What both front ends share is checked through both in tests/test_scenarios.py.)"""
+"""Generator behaviour that contexts have no twin of: streams and sessions on the real SmolLM2; rows
+freed by abandoned streams and threads sharing a generator on the two-layer chat model (the engine's
+bookkeeping, not the text). (What both front ends share is checked through both in
+tests/test_scenarios.py.)"""
 
 from __future__ import annotations
 
@@ -63,16 +65,16 @@ def test_session_keeps_its_kv_between_turns(smollm2: Model) -> None:
     session.reset()
 
 
-def test_an_abandoned_stream_frees_its_row(smollm2: Model) -> None:
-    gen = Generator(smollm2, max_batch_size=1)
+def test_an_abandoned_stream_frees_its_row(small_chat: Model) -> None:
+    gen = Generator(small_chat, max_batch_size=1)
     stream = gen.generate_stream("Once upon a time", SamplingConfig(temperature=0.0, max_new_tokens=64, ignore_eos=True))
     assert next(stream)
     stream.close()  # the one row goes back at once, not at garbage collection
     assert len(gen.generate("Hi", SamplingConfig(temperature=0.0, max_new_tokens=3, ignore_eos=True)).token_ids) == 3
 
 
-def test_threads_share_one_generator(smollm2: Model) -> None:
-    gen = Generator(smollm2, paged_kv(64), max_batch_size=4)
+def test_threads_share_one_generator(small_chat: Model) -> None:
+    gen = Generator(small_chat, paged_kv(64), max_batch_size=4)
     prompts = ["Red", "Green", "Blue", "Yellow"]
     sampling = SamplingConfig(temperature=0.0, max_new_tokens=6, ignore_eos=True)
     alone = [gen.generate(p, sampling).token_ids for p in prompts]
