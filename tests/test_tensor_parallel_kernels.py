@@ -23,7 +23,6 @@ from zgen.sharding import tensor_parallel_mesh
 
 LAYER_SCRIPT = r"""
 import json
-from collections.abc import Callable
 from dataclasses import replace
 import jax, jax.numpy as jnp, numpy as np
 from zgen.cache.compressed import CompressedKVState

@@ -55,10 +55,11 @@ MIN_BLOCKS_PER_SPLIT = 4
 # and from 0.94 to 0.53 ms at 900, against blocks of 64 in one split up to 16 blocks.
 APPEND_BLOCK_K = 128
 # It aims at fewer programs than the decode kernel's TARGET_PROGRAMS: every split reads its whole
-# range of the buffer's blocks (the live length is known on the device only) and the merge reads every
-# split's partials. On an H200 (2,048 slots, 450 and 1,000 tokens of context, bf16) 256 programs against 1,024:
-# Llama-3-8B heads (32/8 of 128) at batch 8 24.6 -> 16.6 and 30.4 -> 20.5 us, at batch 64 57.7 -> 49.8
-# and 88.4 -> 79.8; SmolLM2 (9/3 of 64) at batch 64 19.9 -> 16.8 and 31.9 -> 23.9; batch 1 unchanged.
+# range of the buffer's blocks (the live length is known on the device only) and the merge reads
+# every split's partials. On an H200 (2,048 slots, 450 and 1,000 tokens of context, bf16), 256
+# programs against 1,024: Llama-3-8B heads (32/8 of 128) at batch 8 24.6 -> 16.6 and 30.4 -> 20.5 us,
+# at batch 64 57.7 -> 49.8 and 88.4 -> 79.8; SmolLM2 (9/3 of 64) at batch 64 19.9 -> 16.8 and
+# 31.9 -> 23.9; batch 1 unchanged.
 APPEND_TARGET_PROGRAMS = 256
 # Bytes of one stage's K and V blocks at most (two stages stay under a Hopper SM's 227 KB of shared memory).
 APPEND_BLOCK_BYTES = 64 * 1024
