@@ -924,10 +924,13 @@ class Engine:
                 control[name][i] = value[0]
         params, flags, keys, _ = self._sampling(rows, index, width)
         zeros = lambda: np.zeros(width, np.int32)  # noqa: E731
+        # Room for the most draws any loop of the model had, plus what the last pass may keep past them:
+        # loops of fewer draws (the first after a timing, or near a budget's end) share one executable.
+        columns = self.runner.loop_columns(steps) + k + 1
         host: dict[str, Any] = dict(  # numpy, sent by the compiled call
             history=history, length=lengths, limit=limit, budget=budget, emitted=zeros(), done=done, stop_ids=stop_ids,
-            keys=keys, out_tokens=np.full((width, steps + k + 1), -1, np.int32),
-            out_logprobs=np.zeros((width, steps + k + 1), np.float32), drafted=zeros(), accepted=zeros(), verified=zeros(),
+            keys=keys, out_tokens=np.full((width, columns), -1, np.int32),
+            out_logprobs=np.zeros((width, columns), np.float32), drafted=zeros(), accepted=zeros(), verified=zeros(),
             control=DraftControl(**control), pass_cost=np.float32(self.loop_times.pass_cost(width, speculator)),
             step=np.int32(0), plain_steps=np.int32(0), max_steps=np.int32(iterations), max_passes=np.int32(passes), exit_on_finish=np.bool_(exit_on_finish),
             done_at_start=np.int32(done.sum()),

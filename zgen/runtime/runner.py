@@ -59,15 +59,17 @@ class Runner:
         self.spec = ModelSpec(model.graph, model.config.sliding_window, lora_graph, model.mesh)
         self._executables: dict[Hashable, Any] = {}
         self.compile_seconds = 0.0  # spent lowering and compiling so far (not part of a call's run time)
-        # Decode loops' output columns never narrow, for every engine of the model (a batch job after a
-        # warm-up, several Generators): each width is a compiled loop (seconds for an 8B model), while
-        # a loop's draws are bounded by a traced step count.
-        self._loop_columns = 0
+        # Loops' output columns never narrow, for every engine of the model (a batch job after a warm-up,
+        # several Generators), and start wide enough for 64 draws (a speculative pass's timing draws,
+        # a sync interval's steps and short answers share one loop): each width is a compiled loop
+        # (seconds for an 8B model), while a loop's draws are bounded by a traced step count.
+        self._loop_columns = 64
         self._hidden_graph = hidden_state_graph(model.graph)
         self._hidden_lora_graph = hidden_state_graph(lora_graph)
 
     def loop_columns(self, steps: int) -> int:
-        """The output columns of a decode loop of ``steps`` draws: the most any loop of the model had."""
+        """The draws a loop of ``steps`` draws makes room for: the most any loop of the model had (a decode
+        loop's output columns; a speculative loop's, less what its last pass may keep past them)."""
         self._loop_columns = max(self._loop_columns, steps)
         return self._loop_columns
 
