@@ -22,6 +22,7 @@ from zgen.contexts import Context, NgramDrafter
 from zgen.errors import ConfigError
 from zgen.model import Model, random_model
 from zgen.runtime.engine import Engine
+from zgen.runtime.runner import runner_for
 from zgen.runtime.sampling import SamplingFlags, SamplingParams, filter_logits
 from zgen.runtime.speculation import (
     PROBE_AFTER, TIMING_DRAWS, WINDOW, DraftControl, DraftInput, LoopTimes, Proposal, draft_cost, loop_key, pass_pays, probes, update_control,
@@ -159,6 +160,19 @@ def test_a_draft_model_goes_on_from_its_last_loop(tiny_llama: Model, monkeypatch
     assert _ids(kept[1]) == _ids(fresh[1])  # sampled: a draft unlike the target draws other (equally distributed) tokens
     for spec, again in zip(kept, fresh, strict=True):
         assert [r.speculative for r in spec] == [r.speculative for r in again]
+
+
+def test_short_and_long_answers_share_one_compiled_loop(tiny_llama: Model) -> None:
+    """Loops of up to 64 draws (a short answer, a sync interval's steps, what is left after timing
+    draws) are one executable, plain and speculative alike. Answers of 8 and 20 tokens after a
+    25-token prompt: loops of 16 and 64 steps whose rows' histories fit the same width."""
+    model = dataclasses.replace(tiny_llama, attachments={})  # its own runner: nothing compiled yet
+    for speculative in (None, PromptLookup(3, 4)):
+        generator = Generator(model, speculative=speculative)
+        for n in (8, 20):
+            generator.generate(" ".join(PROMPTS), dataclasses.replace(GREEDY, max_new_tokens=n))
+    loops = [key[0] for key in runner_for(model)._executables if key[0] in ("decode", "speculate")]  # pyright: ignore[reportPrivateUsage]
+    assert sorted(loops) == ["decode", "speculate"]
 
 
 def test_a_carried_draft_state_needs_the_same_rows_and_tokens() -> None:
