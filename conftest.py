@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,9 +25,6 @@ _LEGACY_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
 
 
 def _xla_accepts(flag: str) -> bool:
-    import subprocess
-    import sys
-
     probe = [sys.executable, "-c", "import jax; jax.devices('cpu')"]
     env = {**os.environ, "XLA_FLAGS": f"{os.environ['XLA_FLAGS']} {flag}", "JAX_PLATFORMS": "cpu"}
     return subprocess.run(probe, env=env, capture_output=True, check=False).returncode == 0
