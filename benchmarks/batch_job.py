@@ -37,6 +37,7 @@ row's prompt and the tokens before it) over ``--bandwidth-gbs``, against its mea
     python benchmarks/batch_job.py --shape llama3-8b --dtype bfloat16 --bandwidth-gbs 4800     # H200
     python benchmarks/batch_job.py --shape smollm2 --scale 0.03 --dtype float32 --max-batch-size 8  # CPU
     python benchmarks/batch_job.py --shape llama3-8b --dtype bfloat16 --lora-adapters 4            # with LoRA
+    python benchmarks/batch_job.py --shape tiny --dtype float32 --trace-steps --variants padded:64 packed:16  # schedules' counts, CPU
 """
 
 from __future__ import annotations
@@ -55,6 +56,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from gpu_decode import SHAPES  # noqa: E402  (benchmarks/ is on sys.path when this script runs)
 
 SYSTEM_TOKENS = 200
+# A two-layer model for the job's scheduling on a CPU: with --trace-steps, its step, slot and pass
+# counts are the large shapes' (the pool holds the same tokens), at a fraction of the time.
+JOB_SHAPES = {**SHAPES, "tiny": dict(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, head_dim=16, rope_theta=10000.0, max_position_embeddings=2048, tie_word_embeddings=True)}
 
 
 class StepTrace:
@@ -66,7 +71,13 @@ class StepTrace:
 
         self.compile_s, self.compiles = 0.0, 0
         self.steps: dict[str, list[float]] = {}
+        self.slots = 0  # token slots of the mixed steps' matmuls: rows x chunk padded, or the packed stream
         compiled, methods = Runner._compiled, {name: getattr(Engine, name) for name in ("_run_mixed", "_run_decode")}
+        mixed = Runner.mixed
+
+        def counted_mixed(runner: Any, kv: Any, batch: Any, **kwargs: Any) -> Any:
+            self.slots += batch.tokens.size
+            return mixed(runner, kv, batch, **kwargs)
 
         def timed_compile(runner: Any, key: Any, lower: Any) -> Any:
             if key in runner._executables:
@@ -92,6 +103,7 @@ class StepTrace:
             return run
 
         Runner._compiled = timed_compile  # type: ignore[method-assign]
+        Runner.mixed = counted_mixed  # type: ignore[method-assign]
         for name in methods:
             setattr(Engine, name, timed_step(name))
 
@@ -101,8 +113,10 @@ class StepTrace:
             kind: {"calls": c, "forward_passes": p, "fed_tokens": f, "decode_tokens": d, "seconds": t, "ms_per_pass": t / max(p, 1) * 1e3}
             for kind, (c, p, f, d, t) in self.steps.items()
         }
+        if "mixed" in steps:
+            steps["mixed"]["slots"] = self.slots
         out = {"compiles": self.compiles, "compile_s": self.compile_s, "steps": steps}
-        self.compile_s, self.compiles, self.steps = 0.0, 0, {}
+        self.compile_s, self.compiles, self.steps, self.slots = 0.0, 0, {}, 0
         return out
 
 
@@ -134,10 +148,26 @@ def write_jsonl(requests: list[dict[str, Any]], path: Path, adapters: int = 0) -
     return path
 
 
+def parse_variant(text: str) -> dict[str, Any]:
+    """A job schedule, ``KIND:R`` or ``KIND:R:N``: refill groups of R rows, prefill steps ``padded``
+    (``[rows, chunk]``), ``packed`` (one stream, a power of two wide or N tokens) with the decoding
+    rows sitting them out, or ``mixed`` (packed, the decoding rows riding along)."""
+    kind, _, rest = text.partition(":")
+    refill, _, budget = rest.partition(":")
+    if kind not in ("padded", "packed", "mixed") or not refill.isdigit() or (budget and (kind == "padded" or not budget.isdigit())):
+        raise argparse.ArgumentTypeError(f"a variant is padded:R, packed:R[:N] or mixed:R[:N] (R refill rows, N step tokens), got {text!r}")
+    return {
+        "refill_rows": int(refill), "step_tokens": int(budget) if budget else None,
+        "packed_steps": kind != "padded", "prefill_apart": kind != "mixed",
+    }
+
+
 def batch_job(
-    model: Any, requests: list[dict[str, Any]], directory: Path, name: str, args: argparse.Namespace, adapters: int = 0
+    model: Any, requests: list[dict[str, Any]], directory: Path, name: str, args: argparse.Namespace, adapters: int = 0,
+    variant: dict[str, Any] | None = None,
 ) -> tuple[float, Any]:
-    """Seconds and the summary of the job (with ``adapters`` random LoRA modules registered)."""
+    """Seconds and the summary of the job (with ``adapters`` random LoRA modules registered; ``variant``
+    a schedule of ``--variants``, else the flags' one)."""
     from zgen.batch import run
     from zgen.cache.factory import paged_kv, prefix_cache
     from zgen.lora import random_adapter
@@ -148,7 +178,8 @@ def batch_job(
     start = time.perf_counter()
     summary = run(
         model, write_jsonl(requests, directory / f"{name}.jsonl", adapters), directory / f"{name}.out.jsonl", *options,
-        max_batch_size=args.job_batch_size, prefill_chunk=args.prefill_chunk, refill_rows=args.refill_rows, step_tokens=args.step_tokens,
+        max_batch_size=args.job_batch_size, prefill_chunk=args.prefill_chunk,
+        **(variant or {"refill_rows": args.refill_rows, "step_tokens": args.step_tokens}),
         progress=False,
         model_name="random", lora_modules=modules,
     )
@@ -207,7 +238,7 @@ def fixed_chunks(model: Any, requests: list[dict[str, Any]], args: argparse.Name
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", choices=list(SHAPES), default="llama3-8b")
+    parser.add_argument("--shape", choices=list(JOB_SHAPES), default="llama3-8b")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--scale", type=float, default=1.0, help="Shrinks the request count and every length (CPU runs).")
@@ -217,6 +248,7 @@ def main() -> None:
     parser.add_argument("--prefix-blocks", type=int, default=4096)
     parser.add_argument("--refill-rows", type=int, default=None, help="The batch job's refill group (default: half the batch).")
     parser.add_argument("--step-tokens", type=int, default=None, help="The batch job's prefill steps packed into streams of this many tokens (default: padded steps).")
+    parser.add_argument("--variants", nargs="*", default=[], help="Run the job once per schedule, in this order (the first is the report's batch_job): padded:R, packed:R[:N] or mixed:R[:N] (see parse_variant).")
     parser.add_argument("--no-prefix-cache", action="store_true")
     parser.add_argument("--kv-memory-mb", type=float, default=None, help="The batch job's page pool (default: the fixed chunks' dense cache).")
     parser.add_argument("--bandwidth-gbs", type=float, default=0.0, help="Memory bandwidth for the weights-only roofline (H200 ~4800, H100 ~3350).")
@@ -233,7 +265,7 @@ def main() -> None:
     from zgen.model import random_model
     from zgen.shapes import next_pow2
 
-    config = ModelConfig.from_hf({**SHAPES[args.shape], "model_type": "llama", "rms_norm_eps": 1e-5})
+    config = ModelConfig.from_hf({**JOB_SHAPES[args.shape], "model_type": "llama", "rms_norm_eps": 1e-5})
     model = random_model(config, dtype=args.dtype)
     args.job_batch_size = args.job_batch_size or 2 * args.max_batch_size
     n = max(2, round(args.requests * args.scale))
@@ -245,26 +277,33 @@ def main() -> None:
         capacity = min(config.max_position_embeddings, next_pow2(longest, min_capacity))
         args.kv_memory_mb = args.max_batch_size * capacity * kv_bytes_per_token / 2**20
     warmup = make_requests(2 * max(args.job_batch_size, args.max_batch_size), args.scale, config.vocab_size, args.seed + 1)
+    variants = {text: parse_variant(text) for text in args.variants} or {"flags": None}
     trace = StepTrace() if args.trace_steps else None
     traced: dict[str, Any] = {}
+    jobs: dict[str, tuple[float, Any, dict[str, int]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
-        batch_job(model, warmup, directory, "warmup", args)
+        for k, variant in enumerate(variants.values()):
+            batch_job(model, warmup, directory, f"warmup-{k}", args, variant=variant)
         fixed_chunks(model, warmup[: 2 * args.max_batch_size], args)
         if args.lora_adapters:
             batch_job(model, warmup, directory, "warmup-lora", args, args.lora_adapters)
         if trace is not None:
             traced["warmups"] = trace.take()
-        job_s, job = batch_job(model, requests, directory, "job", args)
-        if trace is not None:
-            traced["batch_job"] = trace.take()
-        job_made = completions(directory / "job.out.jsonl")
         chunk_s, chunk_made = fixed_chunks(model, requests, args)
         if trace is not None:
             traced["fixed_chunks"] = trace.take()
+        chunk_tokens = sum(chunk_made.values())
+        print(json.dumps({"fixed_chunks_s": chunk_s, "output_tokens_per_s": chunk_tokens / chunk_s}), flush=True)  # partial results survive a time limit
+        for k, (name, variant) in enumerate(variants.items()):
+            job_s, job = batch_job(model, requests, directory, f"job-{k}", args, variant=variant)
+            jobs[name] = (job_s, job, completions(directory / f"job-{k}.out.jsonl"))
+            if trace is not None:
+                traced[f"batch_job {name}"] = trace.take()
+            print(json.dumps({"variant": name, **job_report(job_s, job), "speedup": job.completion_tokens / job_s / (chunk_tokens / chunk_s)}), flush=True)
         lora = batch_job(model, requests, directory, "job-lora", args, args.lora_adapters) if args.lora_adapters else None
-    job_tokens, chunk_tokens = job.completion_tokens, sum(chunk_made.values())
     weight_bytes = sum(p.size * p.dtype.itemsize for p in model.params.values())
+    first_s, first, job_made = next(iter(jobs.values()))
     report: dict[str, Any] = {
         "device": str(jax.devices()[0].device_kind),
         "shape": args.shape,
@@ -277,10 +316,15 @@ def main() -> None:
         "kv_memory_mb": args.kv_memory_mb,
         "refill_rows": args.refill_rows or max(1, args.job_batch_size // 2),
         "step_tokens": args.step_tokens,
-        "batch_job": job_report(job_s, job),
+        "batch_job": job_report(first_s, first),
         "fixed_chunks": {"seconds": chunk_s, "output_tokens": chunk_tokens, "output_tokens_per_s": chunk_tokens / chunk_s},
-        "speedup": (job_tokens / job_s) / (chunk_tokens / chunk_s),
+        "speedup": (first.completion_tokens / first_s) / (chunk_tokens / chunk_s),
     }
+    if args.variants:
+        report["variants"] = {
+            name: {**job_report(job_s, job), "speedup": (job.completion_tokens / job_s) / (chunk_tokens / chunk_s)}
+            for name, (job_s, job, _) in jobs.items()
+        }
     if traced:
         report["trace"] = traced
     if lora is not None:
@@ -293,9 +337,10 @@ def main() -> None:
         if traced:  # decode against the bytes it had to read, at the batch sizes each side reached
             embed = model.params["embed"]
             read_a_pass = weight_bytes - (0 if config.tie_word_embeddings else embed.size * embed.dtype.itemsize)
+            sides = [(f"batch_job {name}", made) for name, (_, _, made) in jobs.items()] + [("fixed_chunks", chunk_made)]
             report["decode_roofline"] = {
                 side: decode_roofline(traced[side], decode_kv_reads(requests, made), read_a_pass, kv_bytes_per_token, args.bandwidth_gbs)
-                for side, made in (("batch_job", job_made), ("fixed_chunks", chunk_made))
+                for side, made in sides
             }
     print(json.dumps(report, indent=2))
 

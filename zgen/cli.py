@@ -819,6 +819,7 @@ def batch_job(
     prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", min=1, help="Prompt tokens one request feeds per step.")] = 512,
     refill_rows: Annotated[int | None, typer.Option("--refill-rows", min=1, help="Queued requests take freed rows this many at a time, prefilling together. Default: half of --max-batch-size.")] = None,
     step_tokens: Annotated[int | None, typer.Option("--step-tokens", min=1, help="Prefill steps pack their rows' tokens into one stream of this many tokens (at least --max-batch-size) instead of padding each row to the chunk. Default: padded steps.")] = None,
+    packed_steps: Annotated[bool, typer.Option("--packed-steps", help="Prefill steps pack their rows' tokens into one stream, a power of two wide (with --step-tokens: that many tokens), instead of padding each row to the chunk.")] = False,
     data_parallel: Annotated[int, typer.Option("--data-parallel", min=1, help="Model replicas sharing the job, one per local device (or per group of --tensor-parallel devices).")] = 1,
     tensor_parallel: Annotated[int, typer.Option("--tensor-parallel", min=1, help="Split the model's heads and MLP columns over this many local devices.")] = 1,
     dtype: DtypeOption = "float32",
@@ -874,8 +875,10 @@ def batch_job(
         if kv_cache is not None and kv_cache not in PAGED_KINDS:
             raise typer.BadParameter(f"the {kv_cache} cache has no page pool; use --kv-cache paged or tiered", param_hint="'--kv-memory-mb'")
         options.append(paged_kv(max_memory_mb=kv_memory_mb))
-    if on_ray and step_tokens is not None:
-        raise typer.BadParameter("Ray actors run padded prefill steps; leave out --step-tokens with --ray", param_hint="'--step-tokens'")
+    if on_ray and (step_tokens is not None or packed_steps):
+        raise typer.BadParameter(
+            "Ray actors run padded prefill steps; leave out --step-tokens and --packed-steps with --ray", param_hint="'--step-tokens' / '--packed-steps'"
+        )
     if on_ray and (data_parallel > 1 or tensor_parallel > 1):
         raise typer.BadParameter("Ray places one model per actor; use --ray-actors instead", param_hint="'--data-parallel' / '--tensor-parallel'")
     if lora_modules and (on_ray or tensor_parallel > 1):
@@ -902,7 +905,7 @@ def batch_job(
                 raise typer.BadParameter(str(err), param_hint="'--lora-modules'") from None
             result = run_batch(
                 loaded, input, output, *options, max_batch_size=max_batch_size, prefill_chunk=prefill_chunk, refill_rows=refill_rows,
-                step_tokens=step_tokens,
+                step_tokens=step_tokens, packed_steps=packed_steps,
                 data_parallel=data_parallel, tensor_parallel=1 if split_here else tensor_parallel, model_name=base_name,
                 progress=not quiet, summary=summary, lora_modules=adapters, speculative=speculator,
             )

@@ -385,6 +385,8 @@ def run(
     prefill_chunk: int = 512,
     refill_rows: int | None = None,
     step_tokens: int | None = None,
+    packed_steps: bool = False,
+    prefill_apart: bool = True,
     data_parallel: int = 1,
     tensor_parallel: int = 1,
     dtype: str = "float32",
@@ -402,8 +404,10 @@ def run(
     ``summary`` also writes the summary as JSON to that file. ``data_parallel`` replicas of the model
     each run on one local device, or with ``tensor_parallel=T`` on a group of T devices.
     ``refill_rows`` (default: half of ``max_batch_size``): queued requests take freed rows that many at
-    a time, prefilling together. ``step_tokens``: prefill steps pack their rows' tokens into one stream
-    of that many tokens (chunks cut to fill it) instead of padding each row to the chunk's width.
+    a time, prefilling together. ``packed_steps``: prefill steps pack their rows' tokens into one
+    stream (a power of two wide, or with ``step_tokens`` exactly that many tokens, chunks cut to fill
+    it) instead of padding each row to the chunk's width. ``prefill_apart=False``: the decoding rows
+    ride along in prefill steps, one token each, instead of sitting them out.
 
     ``lora_modules`` registers LoRA adapters by name (name -> PEFT directory or loaded adapter,
     optionally ``(it, scale)``): a request runs with one when its body's ``model`` or ``lora`` names it
@@ -443,7 +447,11 @@ def run(
                 replica_model = split_model(loaded, tensor_parallel, group)
             else:
                 replica_model = loaded if device is None else replica(loaded, device)
-            generators.append(job_generator(replica_model, options, max_batch_size, prefill_chunk, refill_rows, speculative, step_tokens))
+            generators.append(
+                job_generator(
+                    replica_model, options, max_batch_size, prefill_chunk, refill_rows, speculative, step_tokens, packed_steps, prefill_apart
+                )
+            )
     try:
         with JobOutput(output, progress=progress, generated_tokens=lambda: sum(g.metrics().generated_tokens for g in generators)) as out:
             out.check_modules(modules)
@@ -466,15 +474,16 @@ def count_requests(lines: Sequence[str]) -> int:
 
 def job_generator(
     model: Model, options: Sequence[CacheOption], max_batch_size: int, prefill_chunk: int, refill_rows: int | None = None,
-    speculative: Speculator | None = None, step_tokens: int | None = None,
+    speculative: Speculator | None = None, step_tokens: int | None = None, packed_steps: bool = False, prefill_apart: bool = True,
 ) -> Generator:
     """The Generator a batch job runs on: freed rows refilled ``refill_rows`` at a time (default half
-    the batch), decoding rows sitting out the prefill steps of a paged cache; with ``step_tokens``,
-    prefill steps packed into streams of that many tokens."""
+    the batch), decoding rows sitting out the prefill steps of a paged cache (unless not
+    ``prefill_apart``); with ``packed_steps`` (implied by ``step_tokens``), prefill steps packed into one
+    stream."""
     refill = max(1, max_batch_size // 2) if refill_rows is None else refill_rows
     return Generator(
-        model, *options, max_batch_size=max_batch_size, prefill_chunk=prefill_chunk, refill_rows=refill, prefill_apart=True,
-        speculative=speculative, packed_steps=step_tokens is not None, step_tokens=step_tokens,
+        model, *options, max_batch_size=max_batch_size, prefill_chunk=prefill_chunk, refill_rows=refill, prefill_apart=prefill_apart,
+        speculative=speculative, packed_steps=packed_steps or step_tokens is not None, step_tokens=step_tokens,
     )
 
 
