@@ -9,10 +9,13 @@ from __future__ import annotations
 import copy
 import glob
 import hashlib
+import json
+import mmap
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
+from importlib.metadata import version as package_version
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -20,16 +23,18 @@ import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
+import tokenizers
 from jax.sharding import Mesh, NamedSharding
-from safetensors.numpy import load_file, save_file
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
-from zgen.config import ModelConfig
+from zgen.config import Llama3RopeScaling, ModelConfig
 from zgen.errors import AdapterError, CheckpointError, ConfigError, ModelNotFoundError
 from zgen.graph.core import Graph
 from zgen.graph.decoder import build_decoder
 from zgen.graph.quantize import quantize_linear_weights
 from zgen.loading.builtin import BUILTIN_MODELS, builtin_model_path
-from zgen.loading.gguf_file import config_from_gguf, open_gguf, params_from_gguf
+from zgen.loading.gguf_file import config_from_gguf, header_extent, open_gguf, params_from_gguf
 from zgen.loading.params import HostParams, check_values
 from zgen.loading.safetensors_dir import config_from_dir, params_from_dir
 from zgen.lora.adapter import LoraAdapter, check_adapter
@@ -51,6 +56,9 @@ WEIGHTS_CHOICES = (*WEIGHT_FORMATS, GGUF_WEIGHTS)
 _CONVERSION_VERSION = 1
 # Converted-weight cache keys hash this many evenly spaced blocks of a GGUF's tensor data.
 _SAMPLED_BLOCKS, _SAMPLED_BLOCK_BYTES = 64, 1 << 16
+# The code (under zgen/) that turns a GGUF's metadata into a config and a tokenizer: converted entries
+# carry both, and are described again when this code changes.
+_DESCRIPTION_SOURCES = ("config.py", "tokenizer.py", "loading/gguf_file.py")
 
 
 @dataclass
@@ -216,16 +224,15 @@ def load_model(
         host = params_from_dir(path, config)
         source = "safetensors"
     else:
-        reader = open_gguf(path)
-        config = config_from_gguf(reader, path)
-        tokenizer = Tokenizer.from_gguf(reader)
         cache = cache_dir or default_cache_dir()
         if scheme == GGUF_WEIGHTS:
             # Repacking blocks is cheap and reads no floats: nothing to cache.
+            reader = open_gguf(path)
+            config, tokenizer = config_from_gguf(reader, path), Tokenizer.from_gguf(reader)
             reading = reader if progress is None else _reporting_reader(reader, progress)
             host, source = params_from_gguf(reading, config, path, keep_quantized=True), "gguf"
         else:
-            host, source = _gguf_params_cached(reader, config, path, cache, progress)
+            config, tokenizer, host, source = _gguf_cached(path, cache, progress)
         if source == "converted-cache":
             described = f"{path} (read from its converted copy under {cache / 'converted'}; delete that to convert again)"
     _check_special_ids(config, tokenizer, described)
@@ -348,45 +355,100 @@ def _check_special_ids(config: ModelConfig, tokenizer: Tokenizer, source: str) -
             )
 
 
-def _gguf_params_cached(
-    reader: gguf.GGUFReader,
-    config: ModelConfig,
-    path: Path,
-    cache_dir: Path,
-    progress: Callable[[int, int], None] | None,
-) -> tuple[HostParams, str]:
-    """The GGUF's parameters from the converted-weight cache, or dequantized and cached there.
+def _gguf_cached(
+    path: Path, cache_dir: Path, progress: Callable[[int, int], None] | None
+) -> tuple[ModelConfig, Tokenizer, HostParams, str]:
+    """A GGUF's config, tokenizer and parameters from the converted-weight cache, or read from the
+    file (its parameters dequantized) and cached there.
 
     Entries are keyed by content (:func:`_content_key`), so a reinstalled or copied file finds its
-    entry. A new entry replaces the entries of other files of the same name (an updated download), so
+    entry, and carry the config and tokenizer in their metadata (:func:`_description`): a hit never
+    parses the GGUF's metadata (its 49k-token vocabulary and merges took 2.5-5 s of every SmolLM2
+    load). A new entry replaces the entries of other files of the same name (an updated download), so
     the cache keeps one conversion per model file name.
     """
+    data_offset = header_extent(path)  # refuses a header that runs past the end of the file
     directory = cache_dir / "converted"
-    cached = directory / f"{path.stem}-{_content_key(reader)[:16]}.safetensors"
-    if cached.exists():
-        try:
-            return load_file(cached), "converted-cache"
-        except Exception:  # a damaged cache entry is rebuilt, never trusted
-            cached.unlink(missing_ok=True)
+    cached = None if data_offset is None else directory / f"{path.stem}-{_content_key(path, data_offset)[:16]}.safetensors"
+    entry = None if cached is None else _read_entry(cached)
+    described = None if entry is None else _described(entry[1])
+    if entry is not None and described is not None:
+        return *described, entry[0], "converted-cache"
+    reader = open_gguf(path)
+    config, tokenizer = config_from_gguf(reader, path), Tokenizer.from_gguf(reader)
+    if entry is not None and cached is not None:  # weights of this file, described by other code: describe them again
+        _write_atomically(cached, entry[0], _description(config, tokenizer))
+        return config, tokenizer, entry[0], "converted-cache"
     params = params_from_gguf(reader if progress is None else _reporting_reader(reader, progress), config, path)
-    if _write_atomically(cached, params):
-        for entry in directory.glob(f"{glob.escape(path.stem)}-{'[0-9a-f]' * 16}.safetensors"):
-            if entry != cached:
-                entry.unlink(missing_ok=True)
-    return params, "gguf"
+    if cached is not None and _write_atomically(cached, params, _description(config, tokenizer)):
+        for other in directory.glob(f"{glob.escape(path.stem)}-{'[0-9a-f]' * 16}.safetensors"):
+            if other != cached:
+                other.unlink(missing_ok=True)
+    return config, tokenizer, params, "gguf"
 
 
-def _content_key(reader: gguf.GGUFReader) -> str:
+def _read_entry(cached: Path) -> tuple[HostParams, dict[str, str]] | None:
+    """A converted entry's parameters and metadata; None when absent. A damaged entry is removed (it is
+    rebuilt, never trusted)."""
+    if not cached.exists():
+        return None
+    try:
+        with safe_open(str(cached), framework="np") as handle:
+            return {name: handle.get_tensor(name) for name in handle.keys()}, dict(handle.metadata() or {})
+    except Exception:
+        cached.unlink(missing_ok=True)
+        return None
+
+
+def _description_version() -> str:
+    """A digest of the code that builds a GGUF's config and tokenizer (zgen's, and the versions of the
+    packages it calls): entries described by other code are described again."""
+    root = Path(__file__).parent
+    digest = hashlib.sha256(f"gguf {package_version('gguf')} tokenizers {package_version('tokenizers')}".encode())
+    for source in _DESCRIPTION_SOURCES:
+        digest.update((root / source).read_bytes())
+    return digest.hexdigest()
+
+
+def _description(config: ModelConfig, tokenizer: Tokenizer) -> dict[str, str]:
+    """The metadata a converted entry carries: the model's config and tokenizer."""
+    settings = {"bos_id": tokenizer.bos_id, "eos_ids": list(tokenizer.eos_ids), "chat_template": tokenizer.chat_template, "add_bos": tokenizer.add_bos}
+    return {
+        "zgen.description": _description_version(),
+        "zgen.config": json.dumps(asdict(config)),
+        "zgen.tokenizer": tokenizer.backend.to_str(),
+        "zgen.tokenizer_settings": json.dumps(settings),
+    }
+
+
+def _described(metadata: Mapping[str, str]) -> tuple[ModelConfig, Tokenizer] | None:
+    """The config and tokenizer of an entry's metadata; None for entries described by other code (or
+    by none)."""
+    if metadata.get("zgen.description") != _description_version():
+        return None
+    try:
+        fields = json.loads(metadata["zgen.config"])
+        scaling = fields["rope_scaling"]
+        fields.update(rope_scaling=None if scaling is None else Llama3RopeScaling(**scaling), eos_token_ids=tuple(fields["eos_token_ids"]))
+        settings = json.loads(metadata["zgen.tokenizer_settings"])
+        backend = tokenizers.Tokenizer.from_str(metadata["zgen.tokenizer"])
+        tokenizer = Tokenizer(backend, settings["bos_id"], tuple(settings["eos_ids"]), settings["chat_template"], settings["add_bos"])
+        return ModelConfig(**fields), tokenizer
+    except Exception:  # a damaged description is built again from the file, never trusted
+        return None
+
+
+def _content_key(path: Path, data_offset: int) -> str:
     """A digest of the file's size, its header (metadata and the tensor index: every tensor's name,
-    type, shape and offset) and evenly spaced blocks of its tensor data. Cheap on files of many GB;
-    a re-quantized or re-exported file changes it. (An edit that keeps every type and shape and
-    misses every sampled block would not: ``zgen cache clear --weights`` then.)"""
-    data = reader.data  # the whole file, memory-mapped
-    size, start = len(data), reader.data_offset
-    digest = hashlib.sha256(f"{_CONVERSION_VERSION}|{size}".encode())
-    digest.update(data[:start].tobytes())
-    for offset in range(start, size, max((size - start) // _SAMPLED_BLOCKS, 1)):
-        digest.update(data[offset : offset + _SAMPLED_BLOCK_BYTES].tobytes())
+    type, shape and offset; ``data_offset`` bytes) and evenly spaced blocks of its tensor data. Cheap
+    on files of many GB; a re-quantized or re-exported file changes it. (An edit that keeps every type
+    and shape and misses every sampled block would not: ``zgen cache clear --weights`` then.)"""
+    with path.open("rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        size = len(data)
+        digest = hashlib.sha256(f"{_CONVERSION_VERSION}|{size}".encode())
+        digest.update(data[:data_offset])
+        for offset in range(data_offset, size, max((size - data_offset) // _SAMPLED_BLOCKS, 1)):
+            digest.update(data[offset : offset + _SAMPLED_BLOCK_BYTES])
     return digest.hexdigest()
 
 
@@ -410,12 +472,13 @@ def _reporting_reader(reader: gguf.GGUFReader, progress: Callable[[int, int], No
     return reporting
 
 
-def _write_atomically(target: Path, params: HostParams) -> bool:
-    """Write ``params`` to ``target`` through a temporary file; False when the directory refused."""
+def _write_atomically(target: Path, params: HostParams, metadata: dict[str, str]) -> bool:
+    """Write ``params`` (and ``metadata``) to ``target`` through a temporary file; False when the
+    directory refused."""
     partial = target.with_suffix(f".partial-{os.getpid()}")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        save_file({k: np.ascontiguousarray(v) for k, v in params.items()}, partial)
+        save_file({k: np.ascontiguousarray(v) for k, v in params.items()}, partial, metadata=metadata)
         os.replace(partial, target)
     except OSError:
         # A read-only or full cache directory only costs speed on the next load.

@@ -50,33 +50,34 @@ _SCALAR_BYTES = {
 _LENGTH_BYTES = 8  # a string's length, an array's count: the least any string or array element takes
 
 
-def check_metadata_extent(path: Path) -> None:
-    """Walk the lengths and counts of a GGUF file's metadata (not its values) and refuse, as a
-    ``CheckpointError``, any that run past the end of the file.
+def header_extent(path: Path) -> int | None:
+    """Walk the lengths and counts of a GGUF file's header -- its metadata and its tensor index, not
+    their values -- refusing, as a ``CheckpointError``, any that run past the end of the file, and
+    return where the tensor data starts (the offset gguf's reader computes); None for files gguf
+    refuses by their header (magic, version), which are left to it.
 
     gguf's reader trusts an array's count: with a corrupt one (found by
     ``property_tests/test_input_fuzz.py``) it loops over up to 2**64 elements, reading nothing past
-    the end of the file, and never returns. Files gguf refuses by their header (magic, version) are
-    left to it.
+    the end of the file, and never returns.
     """
     if path.stat().st_size < 24:
-        return
+        return None
     with path.open("rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
         if data[:4] != b"GGUF":
-            return
+            return None
         order = "<" if int.from_bytes(data[4:8], "little") & 0xFFFF else ">"  # gguf's own byte-order test
         if struct.unpack_from(order + "I", data, 4)[0] not in (2, 3):
-            return
-        _walk_metadata(path, data, order)
+            return None
+        return _walk_header(path, data, order)
 
 
-def _walk_metadata(path: Path, data: mmap.mmap, order: str) -> None:
+def _walk_header(path: Path, data: mmap.mmap, order: str) -> int:
     position = 8  # after the magic and the version
 
     def fits(count: int, size: int, what: str) -> None:
         if count * size > len(data) - position:
             raise CheckpointError(
-                f"{path}: GGUF metadata {what} claims {count} x {size} bytes at byte {position}, past the end of the "
+                f"{path}: GGUF header {what} claims {count} x {size} bytes at byte {position}, past the end of the "
                 f"file ({len(data)} bytes); the file is corrupt or truncated: download or copy it again"
             )
 
@@ -105,17 +106,28 @@ def _walk_metadata(path: Path, data: mmap.mmap, order: str) -> None:
         else:
             raise CheckpointError(f"{path}: GGUF metadata {what} has unknown value type {kind}; the file is corrupt")
 
-    _tensors, fields = number("Q", "tensor count"), number("Q", "field count")
+    tensors, fields = number("Q", "tensor count"), number("Q", "field count")
     fits(fields, _LENGTH_BYTES + 4, "field count")  # a key's length and a value type, at least
+    alignment = gguf.GGUF_DEFAULT_ALIGNMENT
     for index in range(fields):
         length = number("Q", f"field {index}")
         start = take(length, 1, f"field {index}")
         key = data[start : start + length].decode("utf-8", "replace")
-        value(number("I", f"field {index} ({key})"), f"field {index} ({key})")
+        kind = number("I", f"field {index} ({key})")
+        if key == gguf.Keys.General.ALIGNMENT and kind == gguf.GGUFValueType.UINT32:
+            alignment = number("I", f"field {index} ({key})")
+        else:
+            value(kind, f"field {index} ({key})")
+    fits(tensors, _LENGTH_BYTES + 4 + 4 + 8, "tensor count")  # a name's length, dims, type, offset at least
+    for index in range(tensors):
+        take(number("Q", f"tensor {index}"), 1, f"tensor {index} name")
+        take(number("I", f"tensor {index}"), 8, f"tensor {index} shape")
+        take(1, 4 + 8, f"tensor {index} type and offset")
+    return position + (-position % alignment if alignment > 0 else 0)
 
 
 def open_gguf(path: Path) -> gguf.GGUFReader:
-    check_metadata_extent(path)
+    header_extent(path)
     try:
         return gguf.GGUFReader(path)
     except Exception as err:  # the reader raises bare ValueError/IndexError on truncated files
