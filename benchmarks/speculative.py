@@ -2,7 +2,9 @@
 
 For every batch size, prompt group and speculator: tokens/s of the whole generation (wall time of
 ``batch_generate``, median of ``--runs`` after a warm-up that compiles), the speedup over plain
-decoding of the same requests, the acceptance figures (drafted, accepted, acceptance rate, mean
+decoding of the same requests (the median of ``--runs`` rounds, each timing plain decoding and every
+speculator once, in an order rotated every round, with the rounds' least and largest speedup beside
+it: a speedup whose range straddles 1.0 is not told apart from plain), the acceptance figures (drafted, accepted, acceptance rate, mean
 accepted per verification pass), how many plain decode steps the speculative loops took (every row
 in fallback, or nothing drafted; over the warm-up and the timed runs), what the engine measured a
 plain decode step to take and a pass to cost in plain steps at the batch's width, and a check that the greedy tokens equal plain
@@ -147,11 +149,11 @@ def figures(results: list[GenerationResult]) -> dict[str, float]:
 
 
 def print_rows(rows: list[dict[str, Any]]) -> None:
-    print(f"{'batch':>5} {'prompts':<8} {'speculator':<22} {'tok/s':>9} {'speedup':>8} {'accept':>7} {'acc/pass':>8} {'same':<5} "
+    print(f"{'batch':>5} {'prompts':<8} {'speculator':<22} {'tok/s':>9} {'speedup':>8} {'rounds':>11} {'accept':>7} {'acc/pass':>8} {'same':<5} "
           "fallback steps  plain step (ms)  pass (steps)  compiled in timed runs (s)")
     for row in rows:
         print(f"{row['batch']:>5} {row.get('prompts', 'mix'):<8} {row['speculator']:<22} {row['tokens_per_s']:>9.1f} "
-              f"{row['speedup']:>7.2f}x {row.get('acceptance_rate', 0.0):>7.2f} {row.get('mean_accepted_per_step', 0.0):>8.2f} "
+              f"{row['speedup']:>7.2f}x {'-'.join(f'{x:.2f}' for x in row.get('speedup_range', [])):>11} {row.get('acceptance_rate', 0.0):>7.2f} {row.get('mean_accepted_per_step', 0.0):>8.2f} "
               f"{row['same']!s:<5} {row.get('fallback_steps', ''):<15} {row.get('plain_step_ms', ''):<16} {row.get('pass_steps', ''):<13} {row.get('compile_s_in_timed_runs', '')}")
 
 
@@ -180,22 +182,43 @@ def speculator(spec: str, model: Model, args: argparse.Namespace) -> Speculator:
     )
 
 
-def timed(generator: Generator, requests: list[Any], runs: int) -> tuple[float, list[GenerationResult], float]:
-    """Median wall time of ``runs`` generations after warm-ups until one compiles nothing (an adaptive
-    speculator's loops change shape as it learns what a pass costs; ``runs == 0``: the first warm-up's
-    results, time NaN: acceptance figures only); also the seconds the timed runs still spent compiling."""
+def warm_up(generator: Generator, requests: list[Any], timing: bool) -> list[GenerationResult]:
+    """Generations until one compiles nothing (an adaptive speculator's loops change shape as it learns
+    what a pass costs); without ``timing``, one: its results give the acceptance figures."""
     runner = generator.engine.runner
-    for _ in range(4 if runs else 1):
+    for _ in range(4 if timing else 1):
         compiled = runner.compile_seconds
         results = generator.batch_generate(requests)
         if runner.compile_seconds == compiled:
             break
-    times, compiled = [], runner.compile_seconds
-    for _ in range(runs):
-        start = time.perf_counter()
-        results = generator.batch_generate(requests)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) if times else float("nan"), results, runner.compile_seconds - compiled
+    return results
+
+
+def interleaved(generators: dict[str, Generator], requests: list[Any], runs: int) -> dict[str, dict[str, Any]]:
+    """Each generator warmed up, then ``runs`` rounds that time one generation of each, in an order
+    rotated every round (load from elsewhere and the device's clocks then spread over every side):
+    per side the rounds' seconds, its last results and the seconds it still spent compiling."""
+    out: dict[str, dict[str, Any]] = {name: {"results": warm_up(g, requests, runs > 0), "seconds": [], "compiled": 0.0} for name, g in generators.items()}
+    names = list(generators)
+    for r in range(runs):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            runner = generators[name].engine.runner  # the model's, shared by the sides: count its compiles around this call
+            compiled, start = runner.compile_seconds, time.perf_counter()
+            out[name]["results"] = generators[name].batch_generate(requests)
+            out[name]["seconds"].append(time.perf_counter() - start)
+            out[name]["compiled"] += runner.compile_seconds - compiled
+    return out
+
+
+def median(seconds: list[float]) -> float:
+    return statistics.median(seconds) if seconds else float("nan")
+
+
+def speedup(plain: list[float], side: list[float]) -> tuple[float, float, float]:
+    """The median, least and largest of the rounds' speedups (plain seconds over the side's, round by
+    round): NaN without timed rounds."""
+    ratios = sorted(p / s for p, s in zip(plain, side, strict=True))
+    return (statistics.median(ratios), ratios[0], ratios[-1]) if ratios else (float("nan"),) * 3
 
 
 def main() -> None:
@@ -220,16 +243,20 @@ def main() -> None:
     for batch in args.batch:
         for group in args.prompts:
             requests = [Request(p, sampling) for p in prompts(model, batch, real=args.model is not None, group=group)]
-            base_s, base, _ = timed(Generator(model, *options, max_batch_size=max(batch, 1)), requests, args.runs)
+            plain = Generator(model, *options, max_batch_size=max(batch, 1))
+            drafting = {name: Generator(model, *options, max_batch_size=max(batch, 1), speculative=spec) for name, spec in speculators.items()}
+            timed = interleaved({"plain": plain, **drafting}, requests, args.runs)
+            base, base_s = timed["plain"]["results"], timed["plain"]["seconds"]
             tokens = sum(len(r.token_ids) for r in base)
-            rows.append(dict(batch=batch, prompts=group, speculator="plain", tokens_per_s=tokens / base_s, speedup=1.0, same=True))
+            rows.append(dict(batch=batch, prompts=group, speculator="plain", tokens_per_s=tokens / median(base_s), speedup=1.0, same=True))
             for name, spec in speculators.items():
-                generator = Generator(model, *options, max_batch_size=max(batch, 1), speculative=spec)
-                seconds, results, compiling = timed(generator, requests, args.runs)
+                side, generator = timed[name], drafting[name]
+                ratio, least, most = speedup(base_s, side["seconds"])
                 rows.append(dict(
-                    batch=batch, prompts=group, speculator=name, tokens_per_s=tokens / seconds, speedup=base_s / seconds,
-                    same=[r.token_ids for r in results] == [r.token_ids for r in base], **figures(results),
-                    fallback_steps=generator.engine.stats.fallback_steps, compile_s_in_timed_runs=round(compiling, 2),
+                    batch=batch, prompts=group, speculator=name, tokens_per_s=tokens / median(side["seconds"]), speedup=ratio,
+                    speedup_range=[round(least, 3), round(most, 3)],
+                    same=[r.token_ids for r in side["results"]] == [r.token_ids for r in base], **figures(side["results"]),
+                    fallback_steps=generator.engine.stats.fallback_steps, compile_s_in_timed_runs=round(side["compiled"], 2),
                     pass_steps=round(generator.engine.loop_times.pass_cost(batch, spec), 2),
                     plain_step_ms=round((generator.engine.loop_times.per_iteration(("plain", batch)) or 0.0) * 1e3, 3),
                 ))
