@@ -77,6 +77,39 @@ def test_packed_steps_give_the_same_tokens_and_logprobs(tmp_path: Path, cache: s
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
 
 
+def test_decoding_rows_beside_long_chunks_attend_in_pieces_with_the_same_tokens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a paged cache a packed step where decoding rows ride along beside long prompt chunks lays
+    attention out in pieces (each reading its row's pages), not rows padded to the longest chunk; the
+    tokens and log-probs are the padded steps'."""
+    import zgen.runtime.engine as engine_module
+    from zgen.runtime.step import Packing
+
+    save_random_checkpoint(small_configs()["llama"], tmp_path)
+    model = load_model(tmp_path, dtype="float32")
+    requests = [
+        Request(list(range(3 + i, 3 + i + 3 + 9 * i)), SamplingConfig(temperature=0.0, max_new_tokens=5 + i % 4, ignore_eos=True))
+        for i in range(10)
+    ]
+    requests.append(Request(list(range(40, 90)), SamplingConfig(temperature=0.9, seed=3, max_new_tokens=6, ignore_eos=True)))
+    padded = Generator(model, paged_kv(max_memory_mb=4), max_batch_size=8, prefill_chunk=32).batch_generate(requests)
+    monkeypatch.setattr(engine_module, "PACKED_PIECE", 4)
+    layouts: list[tuple[int, ...]] = []
+    packed_of = Packing.of
+
+    def recorded(*args: object, **kwargs: object) -> tuple:  # type: ignore[type-arg]
+        out = packed_of(*args, **kwargs)  # type: ignore[arg-type]
+        layouts.append(tuple(out[3].rows.shape) if out[3].owners is not None else ())
+        return out
+
+    monkeypatch.setattr(Packing, "of", staticmethod(recorded))
+    generator = Generator(model, paged_kv(max_memory_mb=4), max_batch_size=8, prefill_chunk=32, packed_steps=True)
+    pieces = generator.batch_generate(requests)
+    assert any(shape and shape[1] == 4 for shape in layouts), layouts  # some steps attended in pieces of 4
+    assert [r.token_ids for r in pieces] == [r.token_ids for r in padded]
+    for a, b in zip(padded, pieces, strict=True):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
 def test_a_token_budget_fills_packed_steps_and_gives_the_same_tokens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With ``step_tokens`` every packed prefill step is one stream of exactly that width, rows' chunks
     are cut to fill it (a cut row goes on in the next step), and the tokens are the padded steps'."""

@@ -49,6 +49,7 @@ from zgen.cache.base import KVManager, KVState, StepRow
 from zgen.cache.factory import CacheOption, make_kv, resolve
 from zgen.cache.formats import kv_dtype_of, kv_format
 from zgen.cache.paged_manager import PagedKVManager
+from zgen.cache.paged_state import PagedKVState
 from zgen.errors import AdapterError, CacheError, ConfigError, InputError, PoolExhaustedError, PromptTooLongError, TokenIdError, ZgenError
 from zgen.lora.adapter import LoraAdapter, check_adapter
 from zgen.model import Model
@@ -66,7 +67,7 @@ from zgen.runtime.speculation import (
 )
 from zgen.runtime.step import DecodeLoop, MixedBatch, Packing
 from zgen.runtime.stop import StopCondition, TextStream
-from zgen.shapes import next_pow2
+from zgen.shapes import cdiv, next_pow2
 
 GREEDY = SamplingConfig(temperature=0.0)
 #: Most grammar-constrained rows a decode loop takes (a host worker advances them beside each forward
@@ -74,6 +75,10 @@ GREEDY = SamplingConfig(temperature=0.0)
 #: NVIDIA H200 (SmolLM2 shape, JSON schema, ``benchmarks/grammar.py``) 32 constrained rows take
 #: 0.98-1.01 ms/token in the loop (unconstrained: 0.93-0.94); larger batches are not measured.
 GRAMMAR_LOOP_ROWS = 32
+#: Tokens of a piece of a packed step's attention layout on a paged cache (:class:`~zgen.runtime.step.Packing`):
+#: where decoding rows ride along beside long prompt chunks, each row is laid out in pieces of at most
+#: this many tokens instead of padded to the longest chunk (used when that at least halves the layout).
+PACKED_PIECE = 32
 
 
 @dataclass(frozen=True)
@@ -757,7 +762,9 @@ class Engine:
             counts = [0] * width
             for row, i in zip(rows, index, strict=True):
                 counts[i] = row.count
-            tokens, positions, read_rows, packing = Packing.of(tokens, positions, read_rows, counts, self.config.step_tokens)
+            pieces = next_pow2(sum(cdiv(count, PACKED_PIECE) for count in counts)) * PACKED_PIECE
+            piece = PACKED_PIECE if isinstance(state, PagedKVState) and width * t > 2 * pieces else None
+            tokens, positions, read_rows, packing = Packing.of(tokens, positions, read_rows, counts, self.config.step_tokens, piece)
         host: dict[str, Any] = dict(tokens=tokens, positions=positions, read_rows=read_rows, draw_index=draw_index, keys=keys)
         batch = MixedBatch(**host, sampling=params, penalties=penalties, adapter_slots=slots, packing=packing)  # numpy: sent by the compiled call
         constrained = [(row.job.grammar, i) for row, i in zip(rows, index, strict=True) if row.job.grammar is not None and row.reads]

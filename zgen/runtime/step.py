@@ -31,6 +31,7 @@ from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int, UInt32
 
 from zgen.cache.base import KVState, WriteAndAttendKVState
+from zgen.cache.paged_state import PagedKVState
 from zgen.cache.sharded import attend_per_shard, write_and_attend_per_shard
 from zgen.graph.core import ForwardContext, Graph
 from zgen.graph.decoder import LOGIT_ROWS, POSITIONS, TOKENS, feature_graph
@@ -120,45 +121,62 @@ class _CacheContext(KernelContext, Generic[S]):
 class Packing:
     """A step whose rows' tokens are packed into one stream ``[1, N]`` (no padding between rows): the
     matmuls run over the rows' real tokens only, and attention, which is per row, sees them laid out
-    again as ``[B, T]``. ``rows[b, t]``: the stream index of row ``b``'s ``t``-th token (-1: none);
-    ``order[n]``: the ``b * T + t`` place of stream token ``n`` (padding at the stream's end: any place)."""
+    again as ``[L, W]``: the step's rows (``owners`` None), or, on a paged cache, pieces of at most
+    ``W`` tokens of them, piece ``l`` belonging to row ``owners[l]`` and reading that row's pages, so one
+    decoding token beside 512-token prompt chunks takes a short piece, not a row padded to 512
+    (every piece's K/V is written before any piece attends). ``rows[l, w]``: the stream index of the
+    layout's slot (-1: none); ``order[n]``: the ``l * W + w`` place of stream token ``n`` (padding at
+    the stream's end: any place)."""
 
-    rows: Int[Array, "B T"]
+    rows: Int[Array, "L W"]
     order: Int[Array, " N"]
+    owners: Int[Array, " L"] | None = None
 
     @staticmethod
     def of(
-        tokens: np.ndarray, positions: np.ndarray, read_rows: np.ndarray, counts: Sequence[int], width: int | None = None
+        tokens: np.ndarray, positions: np.ndarray, read_rows: np.ndarray, counts: Sequence[int], width: int | None = None,
+        piece: int | None = None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, Packing]:
         """A padded step (``tokens``/``positions`` ``[B, T]``, row ``b`` holding ``counts[b]`` tokens,
         ``read_rows`` indices into T) packed on the host: the stream's tokens, positions and read
         indices, and the packing. The stream is ``width`` tokens long, or padded to a power of two (a
-        compiled shape)."""
+        compiled shape); with ``piece``, attention's layout is pieces of that many tokens (their count
+        padded to a power of two)."""
         b, t = tokens.shape
         n = next_pow2(sum(counts), 16) if width is None else width
         assert sum(counts) <= n, (sum(counts), n)
         stream_tokens, stream_positions = np.zeros((1, n), np.int32), np.full((1, n), -1, np.int32)
-        rows, order = np.full((b, t), -1, np.int32), np.zeros(n, np.int32)
         read_rows, start = read_rows.copy(), 0
+        w = t if piece is None else min(piece, t)
+        pieces = [(i, k) for i, count in enumerate(counts) for k in range(0, count, w)] if piece is not None else [(i, 0) for i in range(b)]
+        layout = len(pieces) if piece is None else next_pow2(max(len(pieces), 1))
+        rows, order, owners = np.full((layout, w), -1, np.int32), np.zeros(n, np.int32), np.zeros(layout, np.int32)
+        starts = []
         for i, count in enumerate(counts):
             stream_tokens[0, start : start + count] = tokens[i, :count]
             stream_positions[0, start : start + count] = positions[i, :count]
-            rows[i, :count] = np.arange(start, start + count)
-            order[start : start + count] = i * t + np.arange(count)
             read_rows[i] += start
+            starts.append(start)
             start += count
-        return stream_tokens, stream_positions, read_rows, Packing(cast(Array, rows), cast(Array, order))  # numpy: sent by the compiled call
+        for l, (i, k) in enumerate(pieces):
+            size = max(min(w, counts[i] - k), 0)
+            rows[l, :size] = np.arange(starts[i] + k, starts[i] + k + size)
+            order[starts[i] + k : starts[i] + k + size] = l * w + np.arange(size)
+            owners[l] = i
+        packing = Packing(cast(Array, rows), cast(Array, order), None if piece is None else cast(Array, owners))
+        return stream_tokens, stream_positions, read_rows, packing  # numpy: sent by the compiled call
 
-    def unpack(self, x: Float[Array, "1 N ..."]) -> Float[Array, "B T ..."]:
+    def unpack(self, x: Float[Array, "1 N ..."]) -> Float[Array, "L W ..."]:
         return x[0][jnp.maximum(self.rows, 0)]
 
-    def pack(self, x: Float[Array, "B T ..."]) -> Float[Array, "1 N ..."]:
+    def pack(self, x: Float[Array, "L W ..."]) -> Float[Array, "1 N ..."]:
         return x.reshape(-1, *x.shape[2:])[self.order][None]
 
 
 class _PackedContext(KernelContext):
-    """Attention of a packed step (:class:`Packing`): each layer's q/k/v go back to their rows for the
-    cache's write and attention, and the output back into the stream."""
+    """Attention of a packed step (:class:`Packing`): each layer's q/k/v go back to their rows (or
+    pieces: each reads its row's pages) for the cache's write and attention, and the output back into
+    the stream."""
 
     def __init__(self, inner: _CacheContext[Any], packing: Packing) -> None:
         self.inner = inner
@@ -176,7 +194,13 @@ class _PackedContext(KernelContext):
     ) -> Float[Array, "1 N H D"]:
         p = self.packing
         rows = jnp.where(p.rows >= 0, p.unpack(positions), -1)
+        state = self.inner.state
+        if p.owners is not None:
+            assert isinstance(state, PagedKVState), "a packing in pieces needs a paged cache"
+            self.inner.state = replace(state, block_tables=state.block_tables[p.owners])
         out = self.inner.write_and_attend(layer, p.unpack(q), p.unpack(k), p.unpack(v), rows, inv_freq)
+        if p.owners is not None:
+            self.inner.state = replace(self.inner.state, block_tables=state.block_tables)
         return p.pack(out)
 
 
