@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from hf_reference import save_random_checkpoint, small_configs
-from zgen import Generator, Request, SamplingConfig, load_model
+from zgen import GenerationResult, Generator, Request, SamplingConfig, load_model
 from zgen.cache.factory import paged_kv
 from zgen.errors import ConfigError
 from zgen.runtime.engine import EngineConfig
@@ -30,6 +30,22 @@ def record_steps(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, int]]:
 
     monkeypatch.setattr(Engine, "_step_rows", recorded)
     return steps
+
+
+def prompts_of_many_lengths(count: int, growth: int, sampled: int) -> list[Request]:
+    """``count`` greedy requests whose prompts grow by ``growth`` tokens each, and one sampled request
+    with a prompt of ``sampled`` tokens."""
+    requests = [
+        Request(list(range(3 + i, 6 + i + growth * i)), SamplingConfig(temperature=0.0, max_new_tokens=4 + i % 3, ignore_eos=True))
+        for i in range(count)
+    ]
+    return requests + [Request(list(range(40, 40 + sampled)), SamplingConfig(temperature=0.9, seed=3, max_new_tokens=6, ignore_eos=True))]
+
+
+def assert_same_results(expected: list[GenerationResult], got: list[GenerationResult]) -> None:
+    assert [r.token_ids for r in got] == [r.token_ids for r in expected]
+    for a, b in zip(expected, got, strict=True):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
 
 
 def test_grouped_refills_give_the_same_tokens_in_fewer_steps(tmp_path: Path) -> None:
@@ -61,20 +77,13 @@ def test_packed_steps_give_the_same_tokens_and_logprobs(tmp_path: Path, cache: s
     # Prompts of many lengths (chunks of 8 tokens: several steps each), admitted one at a time while
     # others decode, so packed steps mix prefill chunks of every size with decoding rows' single tokens;
     # one request samples.
-    requests = [
-        Request(list(range(3 + i, 3 + i + 2 + 5 * i)), SamplingConfig(temperature=0.0, max_new_tokens=4 + i % 3, ignore_eos=True))
-        for i in range(7)
-    ]
-    requests.append(Request(list(range(40, 61)), SamplingConfig(temperature=0.9, seed=3, max_new_tokens=6, ignore_eos=True)))
+    requests = prompts_of_many_lengths(7, growth=5, sampled=21)
     options = [paged_kv(max_memory_mb=4)] if cache == "paged" else []
     results = []
     for packed in (False, True):
         generator = Generator(model, *options, max_batch_size=4, prefill_chunk=8, sync_interval=2, packed_steps=packed)
         results.append(generator.batch_generate(requests))
-    padded, packed_results = results
-    assert [r.token_ids for r in packed_results] == [r.token_ids for r in padded]
-    for a, b in zip(padded, packed_results, strict=True):
-        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+    assert_same_results(*results)
 
 
 def test_decoding_rows_beside_long_chunks_attend_in_pieces_with_the_same_tokens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -86,11 +95,7 @@ def test_decoding_rows_beside_long_chunks_attend_in_pieces_with_the_same_tokens(
 
     save_random_checkpoint(small_configs()["llama"], tmp_path)
     model = load_model(tmp_path, dtype="float32")
-    requests = [
-        Request(list(range(3 + i, 3 + i + 3 + 9 * i)), SamplingConfig(temperature=0.0, max_new_tokens=5 + i % 4, ignore_eos=True))
-        for i in range(10)
-    ]
-    requests.append(Request(list(range(40, 90)), SamplingConfig(temperature=0.9, seed=3, max_new_tokens=6, ignore_eos=True)))
+    requests = prompts_of_many_lengths(10, growth=9, sampled=50)
     padded = Generator(model, paged_kv(max_memory_mb=4), max_batch_size=8, prefill_chunk=32).batch_generate(requests)
     monkeypatch.setattr(engine_module, "PACKED_PIECE", 4)
     layouts: list[tuple[int, ...]] = []
@@ -105,9 +110,7 @@ def test_decoding_rows_beside_long_chunks_attend_in_pieces_with_the_same_tokens(
     generator = Generator(model, paged_kv(max_memory_mb=4), max_batch_size=8, prefill_chunk=32, packed_steps=True)
     pieces = generator.batch_generate(requests)
     assert any(shape and shape[1] == 4 for shape in layouts), layouts  # some steps attended in pieces of 4
-    assert [r.token_ids for r in pieces] == [r.token_ids for r in padded]
-    for a, b in zip(padded, pieces, strict=True):
-        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+    assert_same_results(padded, pieces)
 
 
 def test_a_token_budget_fills_packed_steps_and_gives_the_same_tokens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
