@@ -67,7 +67,7 @@ from zgen.runtime.speculation import (
 )
 from zgen.runtime.step import DecodeLoop, MixedBatch, Packing
 from zgen.runtime.stop import StopCondition, TextStream
-from zgen.shapes import cdiv, next_pow2
+from zgen.shapes import next_pow2
 
 GREEDY = SamplingConfig(temperature=0.0)
 #: Most grammar-constrained rows a decode loop takes (a host worker advances them beside each forward
@@ -762,8 +762,7 @@ class Engine:
             counts = [0] * width
             for row, i in zip(rows, index, strict=True):
                 counts[i] = row.count
-            pieces = next_pow2(sum(cdiv(count, PACKED_PIECE) for count in counts)) * PACKED_PIECE
-            piece = PACKED_PIECE if isinstance(state, PagedKVState) and width * t > 2 * pieces else None
+            piece = PACKED_PIECE if isinstance(state, PagedKVState) else None  # pieces read their rows' pages
             tokens, positions, read_rows, packing = Packing.of(tokens, positions, read_rows, counts, self.config.step_tokens, piece)
         host: dict[str, Any] = dict(tokens=tokens, positions=positions, read_rows=read_rows, draw_index=draw_index, keys=keys)
         batch = MixedBatch(**host, sampling=params, penalties=penalties, adapter_slots=slots, packing=packing)  # numpy: sent by the compiled call

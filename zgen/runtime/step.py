@@ -140,31 +140,31 @@ class Packing:
         """A padded step (``tokens``/``positions`` ``[B, T]``, row ``b`` holding ``counts[b]`` tokens,
         ``read_rows`` indices into T) packed on the host: the stream's tokens, positions and read
         indices, and the packing. The stream is ``width`` tokens long, or padded to a power of two (a
-        compiled shape); with ``piece``, attention's layout is pieces of that many tokens (their count
-        padded to a power of two)."""
+        compiled shape). With ``piece``, attention's layout is pieces of at most that many tokens (their
+        count padded to a power of two) where that at least halves the rows' padded layout."""
         b, t = tokens.shape
         n = next_pow2(sum(counts), 16) if width is None else width
         assert sum(counts) <= n, (sum(counts), n)
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int)
         stream_tokens, stream_positions = np.zeros((1, n), np.int32), np.full((1, n), -1, np.int32)
-        read_rows, start = read_rows.copy(), 0
-        w = t if piece is None else min(piece, t)
-        pieces = [(i, k) for i, count in enumerate(counts) for k in range(0, count, w)] if piece is not None else [(i, 0) for i in range(b)]
-        layout = len(pieces) if piece is None else next_pow2(max(len(pieces), 1))
-        rows, order, owners = np.full((layout, w), -1, np.int32), np.zeros(n, np.int32), np.zeros(layout, np.int32)
-        starts = []
         for i, count in enumerate(counts):
-            stream_tokens[0, start : start + count] = tokens[i, :count]
-            stream_positions[0, start : start + count] = positions[i, :count]
-            read_rows[i] += start
-            starts.append(start)
-            start += count
+            stream_tokens[0, starts[i] : starts[i] + count] = tokens[i, :count]
+            stream_positions[0, starts[i] : starts[i] + count] = positions[i, :count]
+        read_rows = read_rows + starts[:, None]
+        w = t if piece is None else min(piece, t)
+        pieces = [(i, k) for i, count in enumerate(counts) for k in range(0, count, w)]
+        split = piece is not None and b * t > 2 * next_pow2(len(pieces)) * w
+        if not split:
+            w, pieces = t, [(i, 0) for i in range(b)]  # one row of the layout a row of the step
+        layout = next_pow2(len(pieces)) if split else b
+        rows, order, owners = np.full((layout, w), -1, np.int32), np.zeros(n, np.int32), np.zeros(layout, np.int32)
         for l, (i, k) in enumerate(pieces):
-            size = max(min(w, counts[i] - k), 0)
+            size = min(w, counts[i] - k)
             rows[l, :size] = np.arange(starts[i] + k, starts[i] + k + size)
             order[starts[i] + k : starts[i] + k + size] = l * w + np.arange(size)
             owners[l] = i
-        packing = Packing(cast(Array, rows), cast(Array, order), None if piece is None else cast(Array, owners))
-        return stream_tokens, stream_positions, read_rows, packing  # numpy: sent by the compiled call
+        packing = Packing(cast(Array, rows), cast(Array, order), cast(Array, owners) if split else None)
+        return stream_tokens, stream_positions, read_rows.astype(np.int32), packing  # numpy: sent by the compiled call
 
     def unpack(self, x: Float[Array, "1 N ..."]) -> Float[Array, "L W ..."]:
         return x[0][jnp.maximum(self.rows, 0)]
