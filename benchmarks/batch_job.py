@@ -69,7 +69,7 @@ class StepTrace:
         from zgen.runtime.engine import Engine
         from zgen.runtime.runner import Runner
 
-        self.compile_s, self.compiles = 0.0, 0
+        self.compile_s, self.compiles, self.compiled = 0.0, 0, []
         self.steps: dict[str, list[float]] = {}
         self.slots = 0  # token slots of the mixed steps' matmuls: rows x chunk padded, or the packed stream
         compiled, methods = Runner._compiled, {name: getattr(Engine, name) for name in ("_run_mixed", "_run_decode")}
@@ -86,6 +86,7 @@ class StepTrace:
             out = compiled(runner, key, lower)
             self.compile_s += time.perf_counter() - start
             self.compiles += 1
+            self.compiled.append(describe_compile(key))
             return out
 
         def timed_step(name: str) -> Any:
@@ -115,9 +116,26 @@ class StepTrace:
         }
         if "mixed" in steps:
             steps["mixed"]["slots"] = self.slots
-        out = {"compiles": self.compiles, "compile_s": self.compile_s, "steps": steps}
-        self.compile_s, self.compiles, self.steps, self.slots = 0.0, 0, {}, 0
+        out = {"compiles": self.compiles, "compile_s": self.compile_s, "compiled": self.compiled, "steps": steps}
+        self.compile_s, self.compiles, self.compiled, self.steps, self.slots = 0.0, 0, [], {}, 0
         return out
+
+
+DESCRIBED = (".tokens", ".read_rows", ".packing.rows", ".packing.owners", ".token", ".out_tokens")  # what tells compiles apart
+
+
+def describe_compile(key: Any) -> str:
+    """A compile's kind and the shapes it was fed, the cache's left out (one cache per job):
+    ``mixed .tokens=[1, 4096] .read_rows=[16, 1] .packing.rows=[16, 256]``."""
+    import jax
+
+    if key[0] not in ("mixed", "decode"):
+        return str(key[0])
+    treedef, leaves = key[2]
+    paths = jax.tree_util.tree_flatten_with_path(jax.tree_util.tree_unflatten(treedef, range(treedef.num_leaves)))[0]
+    named = {jax.tree_util.keystr(path): list(shape) for (path, _), (shape, _) in zip(paths, leaves, strict=True)}
+    shapes = (f"{name}={shape}" for name, shape in named.items() if name in DESCRIBED)
+    return " ".join([key[0], *shapes])
 
 
 def make_requests(n: int, scale: float, vocab: int, seed: int) -> list[dict[str, Any]]:

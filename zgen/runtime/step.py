@@ -140,10 +140,12 @@ class Packing:
         """A padded step (``tokens``/``positions`` ``[B, T]``, row ``b`` holding ``counts[b]`` tokens,
         ``read_rows`` indices into T) packed on the host: the stream's tokens, positions and read
         indices, and the packing. The stream is ``width`` tokens long, or padded to a power of two (a
-        compiled shape). With ``piece``, attention's layout is pieces of at most that many tokens (their
-        count padded to a power of two) where that at least halves the rows' padded layout."""
+        compiled shape) no shorter than an eighth of the padded step. With ``piece``, attention's layout
+        is pieces of at most that many tokens where that at least halves the rows' padded layout."""
         b, t = tokens.shape
-        n = next_pow2(sum(counts), 16) if width is None else width
+        # At least an eighth of the padded layout: the short streams of a job's last admissions would
+        # each be a compiled shape of their own, saving little.
+        n = max(next_pow2(sum(counts), 16), next_pow2(b * t // 8, 16)) if width is None else width
         assert sum(counts) <= n, (sum(counts), n)
         starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int)
         stream_tokens, stream_positions = np.zeros((1, n), np.int32), np.full((1, n), -1, np.int32)
@@ -153,10 +155,12 @@ class Packing:
         read_rows = read_rows + starts[:, None]
         w = t if piece is None else min(piece, t)
         pieces = [(i, k) for i, count in enumerate(counts) for k in range(0, count, w)]
-        split = piece is not None and b * t > 2 * next_pow2(len(pieces)) * w
+        # Room for the most pieces a stream this long can hold (each row ends in at most one short
+        # piece): the layout, and so the compiled shape, follows from the step's shape alone.
+        layout = next_pow2(n // w + b)
+        split = piece is not None and b * t >= 2 * layout * w
         if not split:
-            w, pieces = t, [(i, 0) for i in range(b)]  # one row of the layout a row of the step
-        layout = next_pow2(len(pieces)) if split else b
+            w, pieces, layout = t, [(i, 0) for i in range(b)], b  # one row of the layout a row of the step
         rows, order, owners = np.full((layout, w), -1, np.int32), np.zeros(n, np.int32), np.zeros(layout, np.int32)
         for l, (i, k) in enumerate(pieces):
             size = min(w, counts[i] - k)
