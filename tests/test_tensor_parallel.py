@@ -51,7 +51,10 @@ for name, model in (("one", one), ("two", two)):  # contexts, on the model's own
 from zgen.batch import run  # two replicas, each split over two devices
 lines = [json.dumps({"custom_id": f"r{i}", "url": "/v1/completions", "body": {"prompt": f"w{5 + i} w{9 + i}", "max_tokens": 6, "temperature": 0}}) for i in range(6)]
 open(sys.argv[2], "w").write("\n".join(lines) + "\n")
-summaries = [run(one, sys.argv[2], f"{sys.argv[2]}.{dp}x{tp}", data_parallel=dp, tensor_parallel=tp, max_batch_size=2, progress=False) for dp, tp in ((1, 1), (2, 2))]
+summaries = [  # packed prefill steps (the job's default) on a paged cache
+    run(one, sys.argv[2], f"{sys.argv[2]}.{dp}x{tp}", paged_kv(max_memory_mb=8), data_parallel=dp, tensor_parallel=tp, max_batch_size=2, progress=False)
+    for dp, tp in ((1, 1), (2, 2))
+]
 out["replicas"] = [list(s.replica_requests) for s in summaries]
 texts = [{r["custom_id"]: r["response"]["body"]["choices"][0]["text"] for r in map(json.loads, open(f"{sys.argv[2]}.{dp}x{tp}"))} for dp, tp in ((1, 1), (2, 2))]
 out["batch_same"] = texts[0] == texts[1] and len(texts[0]) == 6

@@ -817,9 +817,9 @@ def batch_job(
     model: ModelOption = DEFAULT_MODEL,
     max_batch_size: Annotated[int, typer.Option("--max-batch-size", min=1, help="Rows decoding together (more requests queue and take rows as others finish).")] = 64,
     prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", min=1, help="Prompt tokens one request feeds per step.")] = 512,
-    refill_rows: Annotated[int | None, typer.Option("--refill-rows", min=1, help="Queued requests take freed rows this many at a time, prefilling together. Default: half of --max-batch-size.")] = None,
+    refill_rows: Annotated[int | None, typer.Option("--refill-rows", min=1, help="Queued requests take freed rows this many at a time, prefilling together. Default: an eighth of --max-batch-size (half with --padded-steps).")] = None,
     step_tokens: Annotated[int | None, typer.Option("--step-tokens", min=1, help="Prefill steps pack their rows' tokens into one stream of this many tokens (at least --max-batch-size) instead of padding each row to the chunk. Default: padded steps.")] = None,
-    packed_steps: Annotated[bool, typer.Option("--packed-steps", help="Prefill steps pack their rows' tokens into one stream, a power of two wide (with --step-tokens: that many tokens), instead of padding each row to the chunk.")] = False,
+    packed_steps: Annotated[bool, typer.Option("--packed-steps/--padded-steps", help="Prefill steps pack their rows' tokens into one stream, a power of two wide (with --step-tokens: that many tokens), or pad each row to the chunk.")] = True,
     data_parallel: Annotated[int, typer.Option("--data-parallel", min=1, help="Model replicas sharing the job, one per local device (or per group of --tensor-parallel devices).")] = 1,
     tensor_parallel: Annotated[int, typer.Option("--tensor-parallel", min=1, help="Split the model's heads and MLP columns over this many local devices.")] = 1,
     dtype: DtypeOption = "float32",
@@ -875,9 +875,10 @@ def batch_job(
         if kv_cache is not None and kv_cache not in PAGED_KINDS:
             raise typer.BadParameter(f"the {kv_cache} cache has no page pool; use --kv-cache paged or tiered", param_hint="'--kv-memory-mb'")
         options.append(paged_kv(max_memory_mb=kv_memory_mb))
-    if on_ray and (step_tokens is not None or packed_steps):
+    if on_ray and (step_tokens is not None or not packed_steps):
         raise typer.BadParameter(
-            "Ray actors run padded prefill steps; leave out --step-tokens and --packed-steps with --ray", param_hint="'--step-tokens' / '--packed-steps'"
+            "Ray actors run the default packed prefill steps; leave out --step-tokens and --padded-steps with --ray",
+            param_hint="'--step-tokens' / '--padded-steps'",
         )
     if on_ray and (data_parallel > 1 or tensor_parallel > 1):
         raise typer.BadParameter("Ray places one model per actor; use --ray-actors instead", param_hint="'--data-parallel' / '--tensor-parallel'")

@@ -175,19 +175,19 @@ def test_speculative_decoding_gives_the_plain_records(model: Model, model_dir: P
 
 def test_packed_prefill_steps_give_the_plain_records(model: Model, model_dir: Path, tmp_path: Path) -> None:
     """Prefill steps packed into one stream give the padded steps' records: ``--step-tokens`` (streams
-    of that many tokens, chunks cut to fill them), ``--packed-steps`` (streams a power of two wide), and
+    of that many tokens, chunks cut to fill them), the default (streams a power of two wide), and
     ``prefill_apart=False`` (the decoding rows riding along in them). A budget below the batch is
     refused before anything runs."""
     lines = [completion_line(f"r{i}", words(*range(5, 12 + 5 * i)), max_tokens=3 + i, temperature=0) for i in range(5)]
     source = write_lines(tmp_path / "in.jsonl", lines)
-    run(model, source, tmp_path / "plain.jsonl", max_batch_size=4, prefill_chunk=16, progress=False)
+    run(model, source, tmp_path / "plain.jsonl", max_batch_size=4, prefill_chunk=16, packed_steps=False, progress=False)
     texts = {k: r["response"]["body"]["choices"][0]["text"] for k, r in by_id(read_records(tmp_path / "plain.jsonl")).items()}
     args = ["batch", "--model", str(model_dir), "--input", str(source), "--quiet", "--max-batch-size", "4", "--prefill-chunk", "16", "--kv-memory-mb", "4"]
-    for name, flags in (("budget", ["--step-tokens", "24"]), ("streams", ["--packed-steps"])):
+    for name, flags in (("budget", ["--step-tokens", "24"]), ("streams", [])):
         packed = CliRunner().invoke(app, [*args, "--output", str(tmp_path / f"{name}.jsonl"), *flags])
         assert packed.exit_code == 0, packed.output
         assert texts == {k: r["response"]["body"]["choices"][0]["text"] for k, r in by_id(read_records(tmp_path / f"{name}.jsonl")).items()}
-    run(model, source, tmp_path / "along.jsonl", max_batch_size=4, prefill_chunk=16, refill_rows=1, packed_steps=True, prefill_apart=False, progress=False)
+    run(model, source, tmp_path / "along.jsonl", max_batch_size=4, prefill_chunk=16, refill_rows=1, prefill_apart=False, progress=False)
     assert texts == {k: r["response"]["body"]["choices"][0]["text"] for k, r in by_id(read_records(tmp_path / "along.jsonl")).items()}
     refused = CliRunner().invoke(app, [*args, "--output", str(tmp_path / "bad.jsonl"), "--step-tokens", "2"], env={"COLUMNS": "200"})
     assert refused.exit_code == 1 and "step_tokens" in refused.stderr
