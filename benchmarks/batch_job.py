@@ -6,7 +6,8 @@ greedy, token-id prompts (``/v1/completions`` takes them), the same requests on 
 
 * **batch job** — ``zgen.batch.run`` on the JSONL file, on a paged cache (``--kv-memory-mb``), up to
   ``--job-batch-size`` rows: requests queued on the engine as room allows (freed rows refilled
-  ``--refill-rows`` at a time; ``--step-tokens`` packs prefill steps into streams of that many tokens),
+  ``--refill-rows`` at a time into the job's packed prefill steps; ``--step-tokens`` makes them
+  streams of that many tokens; ``--variants`` runs other schedules, padded steps among them),
   the prefix cache serving the shared system prompt (``--no-prefix-cache`` turns it off), results
   appended and synced as they finish.
 * **fixed chunks** — the baseline a user writes without a job runner: ``Generator.batch_generate``
@@ -26,7 +27,7 @@ adapters cost in a job (rows of different adapters share each step).
 
 Both sides first run a warm-up job of twice their batch of requests of the same kind (compiling most
 shape buckets), then the measured one. ``--trace-steps`` adds where each measured side's time went:
-its compiles (count, seconds), and per kind of engine step (prefill/mixed steps, decode loops) the
+its compiles (count, seconds, each one's shapes), and per kind of engine step (prefill/mixed steps, decode loops) the
 calls, forward passes, tokens and seconds, compiles taken out. ``--scale`` shrinks the job for a CPU (request count, prompt
 and output lengths). With ``--bandwidth-gbs`` the report gives the weights-only roofline
 (``job-batch-size`` rows per read of the weights); with ``--trace-steps`` too, each side's decode
@@ -264,7 +265,7 @@ def main() -> None:
     parser.add_argument("--job-batch-size", type=int, default=None, help="The batch job's most rows (default: twice --max-batch-size).")
     parser.add_argument("--prefill-chunk", type=int, default=512)
     parser.add_argument("--prefix-blocks", type=int, default=4096)
-    parser.add_argument("--refill-rows", type=int, default=None, help="The batch job's refill group (default: half the batch).")
+    parser.add_argument("--refill-rows", type=int, default=None, help="The batch job's refill group (default: the job's, an eighth of the batch with packed steps).")
     parser.add_argument("--step-tokens", type=int, default=None, help="The batch job's prefill steps packed into streams of this many tokens (default: padded steps).")
     parser.add_argument("--variants", nargs="*", default=[], help="Run the job once per schedule, in this order (the first is the report's batch_job): padded:R, packed:R[:N] or mixed:R[:N] (see parse_variant).")
     parser.add_argument("--no-prefix-cache", action="store_true")

@@ -4,7 +4,7 @@
     python benchmarks/kernels.py --check-only  # only the correctness checks (small shapes, quick)
 
 Measures the device's copy bandwidth and bf16 matmul rate in the same run, then:
-- paged decode (B=8, 32 q / 8 kv heads, head_dim 128, bf16 queries, contexts 4k and 32k; bf16, fp8,
+- paged decode (B=8 or --decode-batch, 32 q / 8 kv heads, head_dim 128, bf16 queries, contexts 4k and 32k; bf16, fp8,
   q4, q3 pages, and q4/q3 with coded keys as the paged cache stores them): achieved bandwidth = bytes
   of KV actually read / time, and its fraction of copy bandwidth;
 - prefill (causal, 4k and 8k tokens, bf16): TFLOP/s (causal half counted) vs the matmul rate, for
@@ -91,6 +91,7 @@ class Row:
     fraction: float | None = None  # of copy bandwidth (decode) or of matmul FLOP/s (prefill)
     rel_err: float | None = None
     error: str | None = None
+    batch: int | None = None  # decode rows
 
 
 def median_seconds(fn: Callable[[], Any], repeats: int, batch_seconds: float = 5e-3) -> float:
@@ -156,18 +157,18 @@ class DecodeProblem:
     context: int
 
     @classmethod
-    def make(cls, context: int, page_size: int, seed: int) -> DecodeProblem:
+    def make(cls, context: int, page_size: int, seed: int, batch: int = BATCH) -> DecodeProblem:
         ks = jax.random.split(jax.random.key(seed), 4)
         pages_per_seq = context // page_size
-        num_pages = BATCH * pages_per_seq
+        num_pages = batch * pages_per_seq
         shape = (KV_HEADS, num_pages, page_size, HEAD_DIM)
-        tables = jax.random.permutation(ks[3], num_pages).reshape(BATCH, pages_per_seq).astype(jnp.int32)
+        tables = jax.random.permutation(ks[3], num_pages).reshape(batch, pages_per_seq).astype(jnp.int32)
         return cls(
-            q=jax.random.normal(ks[0], (BATCH, Q_HEADS, HEAD_DIM), jnp.bfloat16),
+            q=jax.random.normal(ks[0], (batch, Q_HEADS, HEAD_DIM), jnp.bfloat16),
             k=jax.random.normal(ks[1], shape, jnp.bfloat16),
             v=jax.random.normal(ks[2], shape, jnp.bfloat16),
             tables=tables,
-            lengths=jnp.full((BATCH,), context, jnp.int32),
+            lengths=jnp.full((batch,), context, jnp.int32),
             context=context,
         )
 
@@ -175,7 +176,7 @@ class DecodeProblem:
         """The same cache as [B, S, KVH, D] arrays, for jax's contiguous decode kernel."""
         def dense(p: jax.Array) -> jax.Array:
             g = p[:, self.tables]  # [KVH, B, pps, page, D]
-            return g.reshape(KV_HEADS, BATCH, self.context, HEAD_DIM).transpose(1, 2, 0, 3)
+            return g.reshape(KV_HEADS, self.tables.shape[0], self.context, HEAD_DIM).transpose(1, 2, 0, 3)
 
         return dense(self.k), dense(self.v)
 
@@ -245,10 +246,11 @@ DECODE_FORMATS = ("bf16", *QUANTIZERS, "q4 coded", "q3 coded")
 
 
 def bench_decode(
-    contexts: list[int], formats: list[str], page_size: int, repeats: int, copy_bw: float | None, results: Results
+    contexts: list[int], formats: list[str], page_size: int, repeats: int, copy_bw: float | None, results: Results,
+    batch: int = BATCH,
 ) -> None:
     for context in contexts:
-        p = DecodeProblem.make(context, page_size, seed=context)
+        p = DecodeProblem.make(context, page_size, seed=context, batch=batch)
         for fmt in formats:
             base, coded = fmt.split(" ")[0], fmt.endswith("coded")
             kq, vq = (p.k, p.v) if base == "bf16" else (quantize_in_slices(p.k, base), quantize_in_slices(p.v, base))
@@ -258,9 +260,9 @@ def bench_decode(
             ref = jax.jit(lambda q, k, v, t, n: paged_decode_attention(q, k, v, t, n, implementation="reference", **coding))(
                 p.q, kq, vq, p.tables, p.lengths
             )
-            read = 2 * BATCH * KV_HEADS * context * bytes_per_token(kq)
+            read = 2 * batch * KV_HEADS * context * bytes_per_token(kq)
             for name, fn in paged_candidates(p, fmt, kq, vq, coding).items():
-                row = Row("paged_decode", name, fmt, context)
+                row = Row("paged_decode", name, fmt, context, batch=batch)
                 try:
                     row.rel_err = rel_err(fn(), ref)
                     if not row.rel_err <= MAX_REL_ERR:
@@ -452,11 +454,11 @@ def fmt_cell(x: float | None, spec: str) -> str:
 
 
 def table(rows: list[Row]) -> str:
-    head = f"{'op':<14}{'impl':<34}{'fmt':<6}{'size':>7}{'ms':>9}{'GB/s':>8}{'TFLOP/s':>9}{'frac':>7}{'rel_err':>10}  error"
+    head = f"{'op':<14}{'impl':<34}{'fmt':<6}{'size':>7}{'rows':>5}{'ms':>9}{'GB/s':>8}{'TFLOP/s':>9}{'frac':>7}{'rel_err':>10}  error"
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r.op:<14}{r.impl:<34}{r.fmt:<6}{r.size:>7}{fmt_cell(r.ms, '.3f'):>9}{fmt_cell(r.gbps, '.0f'):>8}"
+            f"{r.op:<14}{r.impl:<34}{r.fmt:<6}{r.size:>7}{r.batch or '':>5}{fmt_cell(r.ms, '.3f'):>9}{fmt_cell(r.gbps, '.0f'):>8}"
             f"{fmt_cell(r.tflops, '.1f'):>9}{fmt_cell(r.fraction, '.2f'):>7}{fmt_cell(r.rel_err, '.2e'):>10}  {r.error or ''}"
         )
     return "\n".join(lines)
@@ -469,6 +471,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--contexts", type=int, nargs="*", help="decode contexts (default 4096 32768; none: skip)")
     parser.add_argument("--prefill-lengths", type=int, nargs="*", help="prefill lengths (default 4096 8192; none: skip)")
+    parser.add_argument("--decode-batch", type=int, nargs="+", default=[BATCH], help="decode rows (several: timed in turn)")
     parser.add_argument("--formats", nargs="*", default=list(DECODE_FORMATS), help=f"decode page formats {DECODE_FORMATS}")
     parser.add_argument("--no-norm-linear", action="store_true", help="skip the fused norm + projection")
     args = parser.parse_args()
@@ -490,7 +493,8 @@ def main() -> None:
     )
     contexts = args.contexts if args.contexts is not None else [2048] if args.check_only else [4096, 32768]
     prefill = args.prefill_lengths if args.prefill_lengths is not None else [1024] if args.check_only else [4096, 8192]
-    bench_decode(contexts, args.formats, args.page_size, args.repeats, copy_bw, results)
+    for batch in args.decode_batch:
+        bench_decode(contexts, args.formats, args.page_size, args.repeats, copy_bw, results, batch)
     bench_prefill(prefill, args.repeats, mm, results)
     if not args.no_norm_linear:
         bench_norm_linear(list(NORM_LINEAR_SHAPES[:1] if args.check_only else NORM_LINEAR_SHAPES), args.repeats, copy_bw, results)
