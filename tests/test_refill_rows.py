@@ -113,6 +113,34 @@ def test_decoding_rows_beside_long_chunks_attend_in_pieces_with_the_same_tokens(
     assert_same_results(padded, pieces)
 
 
+def test_a_packed_steps_compiled_shape_follows_from_the_steps_shape() -> None:
+    """Steps of one ``[rows, chunk]`` shape pack into one compiled shape whatever tokens they hold: the
+    stream is at least an eighth of the padded step and the pieces' layout has room for the most pieces
+    that stream can hold, so a job's warm-up meets the shapes its steps use; the stream then grows by
+    powers of two."""
+    import numpy as np
+
+    from zgen.runtime.step import Packing
+
+    rows, chunk, piece = 16, 512, 32
+
+    def packed_shapes(counts: list[int], with_pieces: bool = True) -> tuple[tuple[int, ...], ...]:
+        counts = counts + [0] * (rows - len(counts))
+        positions = np.where(np.arange(chunk)[None] < np.array(counts)[:, None], np.arange(chunk)[None], -1)
+        tokens, stream_positions, read_rows, packing = Packing.of(
+            np.ones((rows, chunk), np.int32), positions.astype(np.int32), np.zeros((rows, 1), np.int32), counts,
+            piece=piece if with_pieces else None,
+        )
+        assert sorted(stream_positions[0][stream_positions[0] >= 0]) == sorted(positions[positions >= 0])  # every token packed
+        return tokens.shape, packing.rows.shape, () if packing.owners is None else packing.owners.shape
+
+    eighth = [[512, 512], [300, 7, 1, 1, 1], [1], [33] * 16]  # 2 to 48 pieces, 1 to 1,024 tokens
+    assert {packed_shapes(counts) for counts in eighth} == {((1, 1024), (64, 32), (64,))}
+    assert {packed_shapes(counts, with_pieces=False) for counts in eighth} == {((1, 1024), (rows, chunk), ())}
+    assert {packed_shapes(counts) for counts in ([512] * 3, [100] * 16, [512, 512, 1])} == {((1, 2048), (128, 32), (128,))}
+    assert packed_shapes([512] * 16) == ((1, 8192), (rows, chunk), ())  # pieces would not halve the layout
+
+
 def test_a_token_budget_fills_packed_steps_and_gives_the_same_tokens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With ``step_tokens`` every packed prefill step is one stream of exactly that width, rows' chunks
     are cut to fill it (a cut row goes on in the next step), and the tokens are the padded steps'."""
