@@ -818,7 +818,7 @@ def batch_job(
     max_batch_size: Annotated[int, typer.Option("--max-batch-size", min=1, help="Rows decoding together (more requests queue and take rows as others finish).")] = 64,
     prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", min=1, help="Prompt tokens one request feeds per step.")] = 512,
     refill_rows: Annotated[int | None, typer.Option("--refill-rows", min=1, help="Queued requests take freed rows this many at a time, prefilling together. Default: an eighth of --max-batch-size (half with --padded-steps).")] = None,
-    step_tokens: Annotated[int | None, typer.Option("--step-tokens", min=1, help="Prefill steps pack their rows' tokens into one stream of this many tokens (at least --max-batch-size) instead of padding each row to the chunk. Default: streams a power of two wide.")] = None,
+    step_tokens: Annotated[int | None, typer.Option("--step-tokens", min=1, help="Prefill steps are streams of exactly this many tokens (at least --max-batch-size), the rows' chunks cut to fill them. Default: streams a power of two wide.")] = None,
     packed_steps: Annotated[bool, typer.Option("--packed-steps/--padded-steps", help="Prefill steps pack their rows' tokens into one stream, a power of two wide (with --step-tokens: that many tokens), or pad each row to the chunk.")] = True,
     data_parallel: Annotated[int, typer.Option("--data-parallel", min=1, help="Model replicas sharing the job, one per local device (or per group of --tensor-parallel devices).")] = 1,
     tensor_parallel: Annotated[int, typer.Option("--tensor-parallel", min=1, help="Split the model's heads and MLP columns over this many local devices.")] = 1,
