@@ -118,6 +118,15 @@ def interleaved_per_token_s(generates: dict[str, Callable[[int], object]], new_t
     return rounds
 
 
+def pool_megabytes(model: Model, dtype: str, tokens: int, page_size: int) -> float:
+    """MiB of pages that hold ``tokens`` of the model's K/V in ``dtype``."""
+    from zgen.cache.formats import bytes_per_token_per_layer
+
+    c = model.config
+    storage = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[dtype]
+    return tokens * c.num_layers * bytes_per_token_per_layer(storage, c.num_kv_heads, c.head_dim, page_size) / 2**20
+
+
 def bench_zgen(
     shape: str, new_tokens: int, runs: int, attention: str, prompt_tokens: int, batch: int, dtype: str, trace_kernels: int
 ) -> dict[str, Any]:
@@ -130,7 +139,10 @@ def bench_zgen(
     from zgen.cache.tensor import DenseAttention
 
     model = random_shape_model(shape, dtype=dtype)
-    cache = paged_kv(2048.0) if attention == "paged" else dense_attention(cast(DenseAttention, attention))
+    # A pool for every row's whole sequence, a page to spare: a smaller one makes rows wait or
+    # recompute, and the run would time that instead of decoding.
+    pool_mb = pool_megabytes(model, dtype, batch * (prompt_tokens + new_tokens + 64), page_size=64)
+    cache = paged_kv(max(2048.0, pool_mb)) if attention == "paged" else dense_attention(cast(DenseAttention, attention))
     gen = Generator(model, cache, max_batch_size=batch)
     prompt = prompt_ids(prompt_tokens)
 
@@ -182,14 +194,10 @@ def bench_context(shape: str, new_tokens: int, runs: int, prompt_tokens: int, dt
 
     from zgen import Context, Engine, Sampler, stop
     from zgen.cache.factory import paged_kv
-    from zgen.cache.formats import bytes_per_token_per_layer
 
     model = random_shape_model(shape, dtype=dtype)
-    c = model.config
     page_size = 16
-    tokens = prompt_tokens + new_tokens + page_size  # one context's pages, with a page to spare
-    storage = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[dtype]
-    need_mb = tokens * c.num_layers * bytes_per_token_per_layer(storage, c.num_kv_heads, c.head_dim, page_size) / 2**20
+    need_mb = pool_megabytes(model, dtype, prompt_tokens + new_tokens + page_size, page_size)  # a page to spare
     engine = Engine(model, paged_kv(max(512.0, 2 * need_mb), page_size))
     prompt = prompt_ids(prompt_tokens)
 
