@@ -266,7 +266,7 @@ def main() -> None:
     parser.add_argument("--prefill-chunk", type=int, default=512)
     parser.add_argument("--prefix-blocks", type=int, default=4096)
     parser.add_argument("--refill-rows", type=int, default=None, help="The batch job's refill group (default: the job's, an eighth of the batch with packed steps).")
-    parser.add_argument("--step-tokens", type=int, default=None, help="The batch job's prefill steps packed into streams of this many tokens (default: padded steps).")
+    parser.add_argument("--step-tokens", type=int, default=None, help="The batch job's prefill steps packed into streams of exactly this many tokens (default: streams a power of two wide).")
     parser.add_argument("--variants", nargs="*", default=[], help="Run the job once per schedule, in this order (the first is the report's batch_job): padded:R, packed:R[:N] or mixed:R[:N] (see parse_variant).")
     parser.add_argument("--no-prefix-cache", action="store_true")
     parser.add_argument("--kv-memory-mb", type=float, default=None, help="The batch job's page pool (default: the fixed chunks' dense cache).")

@@ -157,7 +157,7 @@ class DecodeProblem:
     context: int
 
     @classmethod
-    def make(cls, context: int, page_size: int, seed: int, batch: int = BATCH) -> DecodeProblem:
+    def make(cls, context: int, page_size: int, seed: int, batch: int) -> DecodeProblem:
         ks = jax.random.split(jax.random.key(seed), 4)
         pages_per_seq = context // page_size
         num_pages = batch * pages_per_seq
@@ -246,8 +246,7 @@ DECODE_FORMATS = ("bf16", *QUANTIZERS, "q4 coded", "q3 coded")
 
 
 def bench_decode(
-    contexts: list[int], formats: list[str], page_size: int, repeats: int, copy_bw: float | None, results: Results,
-    batch: int = BATCH,
+    contexts: list[int], formats: list[str], page_size: int, repeats: int, copy_bw: float | None, results: Results, batch: int
 ) -> None:
     for context in contexts:
         p = DecodeProblem.make(context, page_size, seed=context, batch=batch)
