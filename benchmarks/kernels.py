@@ -182,10 +182,13 @@ class DecodeProblem:
 
 
 # name -> (num_warps, num_stages, num_splits or None for the default ~1024 programs).
-# Default: 4 warps for bf16, 2 for quantized pages, 3 stages, 16 splits at B=8 x 8 kv heads.
+# Default: 4 warps for bf16, 2 for quantized pages, 3 stages, 16 splits at B=8 x 8 kv heads; "x2"/"x4"
+# fix the split count (one split is the default at 128 rows).
 DECODE_VARIANTS: dict[str, tuple[int, int, int | None]] = {
     "w4s3": (4, 3, None),
     "w2s4": (2, 4, None),
+    "w4s3 x2": (4, 3, 2),
+    "w4s3 x4": (4, 3, 4),
 }
 
 

@@ -137,6 +137,29 @@ def test_triton_splits_match_reference() -> None:
     check()
 
 
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_triton_decode_reads_query_groups_from_the_rows_heads(num_splits: int) -> None:
+    """A decode step's kernel loads each kv head's query group itself; with one split it writes the
+    finished rows, with more it leaves partials to merge. Groups of any size, empty rows included."""
+
+    @settings(max_examples=4, deadline=None, derandomize=True)
+    @given(paged_cases(formats=("native", "q4")))
+    def check(case: PagedCase) -> None:
+        from zgen.pallas.paged_attention import triton
+
+        page_size = jax.tree_util.tree_leaves(case.k_pages)[0].shape[2]
+        pages = visible_pages(case.block_tables, case.q_positions, case.page_mask, page_size, case.sliding_window)
+        got = triton.paged_attention(
+            case.q, case.k_pages, case.v_pages, jnp.where(pages, case.block_tables, 0), case.q_positions, pages,
+            scale=case.q.shape[-1] ** -0.5, soft_cap=case.soft_cap, sliding_window=case.sliding_window,
+            interpret=True, num_splits=num_splits,
+        )
+        assert got.dtype == case.q.dtype
+        assert_close(got, case.run("reference"), case.dtype)
+
+    check()
+
+
 def test_quantized_pages_split_into_shorter_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Enough programs for the GPU already, quantized pages still split into runs of at most
     QUANTIZED_SPLIT_PAGES pages (their loop is latency-bound); bf16 pages keep the longer runs."""

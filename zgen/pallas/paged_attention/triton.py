@@ -292,22 +292,39 @@ def _kernel(
     page_size: int,
     pages_per_split: int,
     splits: int,
+    rows: int,
+    group: int | None,
     scale: float,
     soft_cap: float | None,
     window: int | None,
 ) -> None:
+    """``group`` set: one decode token a row, whose kv head's query group is read straight from the
+    row's heads ``q_ref`` ``[h, d]`` (masked to ``rows``) at position ``qpos_ref`` ``[1]``; with one split the
+    finished output goes straight into the group's rows of ``o_ref`` ``[group, d]``. Otherwise ``q_ref``
+    is a padded tile of queries at positions ``qpos_ref`` ``[rows]``, and the outputs are a split's
+    partial output and log-sum-exp."""
     k_refs, refs = refs[: k_reader.num_refs], refs[k_reader.num_refs :]
     v_refs, refs = refs[: v_reader.num_refs], refs[v_reader.num_refs :]
     coding_refs, refs = refs[:coding_inputs], refs[coding_inputs:]
-    tables_ref, logical_ref, lo_ref, hi_ref, o_ref, lse_ref = refs
+    tables_ref, logical_ref, lo_ref, hi_ref, o_ref, *lse_ref = refs
     split_start = (pl.program_id(2) % splits) * pages_per_split
     start = jnp.maximum(lo_ref[0], split_start)
     end = jnp.minimum(hi_ref[0], split_start + pages_per_split)
-    qpos = qpos_ref[...][:, None]
-    rows = q_ref.shape[0]
-    q_pieces = [q_ref[:, pl.ds(dim, width)] for dim, width in k_reader.pieces]
+    row = jnp.arange(rows)
+    in_group = row < (rows if group is None else group)
+    lanes = lambda dim, width: dim + jnp.arange(width)[None, :]  # noqa: E731
+    if group is None:
+        qpos = qpos_ref[...][:, None]
+        q_pieces = [q_ref[:, pl.ds(dim, width)] for dim, width in k_reader.pieces]
+    else:  # no padded copy of the queries: padding rows load as zeros and sit at position -1
+        qpos = jnp.where(in_group, qpos_ref[0], -1)[:, None]
+        heads = (pl.program_id(1) * group + row)[:, None]
+        q_pieces = [
+            pltriton.load(q_ref.at[heads, lanes(dim, width)], mask=in_group[:, None], other=0.0)
+            for dim, width in k_reader.pieces
+        ]
     prepared = k_reader.prepare(q_pieces)
-    mean = _mean_logits(coding_refs, page_size, q_ref.dtype) if coding_refs else None
+    mean = _mean_logits(coding_refs, page_size, q_pieces[0].dtype) if coding_refs else None
 
     def step(slot: Array, carry: tuple[Array, Array, list[Array]]) -> tuple[Array, Array, list[Array]]:
         m, l, acc = carry
@@ -330,8 +347,13 @@ def _kernel(
     )
     m, l, acc = jax.lax.fori_loop(start, jnp.maximum(start, end), step, init)
     for (dim, width), a in zip(v_reader.pieces, acc, strict=True):
-        o_ref[:, pl.ds(dim, width)] = finish_softmax(a, m, l)[0]
-    lse_ref[...] = finish_softmax(acc[0], m, l)[1]
+        out = finish_softmax(a, m, l)[0]
+        if lse_ref:
+            o_ref[:, pl.ds(dim, width)] = out
+        else:
+            pltriton.store(o_ref.at[row[:, None], lanes(dim, width)], out.astype(o_ref.dtype), mask=in_group[:, None])
+    if lse_ref:
+        lse_ref[0][...] = finish_softmax(acc[0], m, l)[1]
 
 
 def _leaf_spec(leaf: Array) -> pl.BlockSpec:
@@ -411,17 +433,29 @@ def paged_attention(
             f"the Triton paged kernel needs a power-of-two page_size >= {MIN_DOT}, got {page_size}; "
             "use implementation='xla' or None"
         )
-    block_t, rows = _launch(t, h // kvh)
-    q_tiles, q_pos = query_blocks(q, q_positions, kvh, block_t, rows)
-    blocks = q_tiles.shape[2]
+    g = h // kvh
+    block_t, rows = _launch(t, g)
+    # A decode step reads each kv head's query group from the row's heads in the kernel (coded keys
+    # fold the queries into tiles outside anyway): the padded tiles cost a copy a layer (~7 µs at
+    # 128 rows of Llama-3-8B's heads on an H200) and, with one split, the merge and the ungrouping two more.
+    direct = t == 1 and key_calibration is None
+    if direct:
+        q_tiles, q_pos, blocks = q[:, 0], q_positions.astype(jnp.int32), 1
+    else:
+        q_tiles, q_pos = query_blocks(q, q_positions, kvh, block_t, rows)
+        blocks = q_tiles.shape[2]
     longest = None if isinstance(k_pages, jax.Array) else QUANTIZED_SPLIT_PAGES
     per_split, tables, logical, count = split_pages(block_tables, page_mask, b * kvh * blocks, num_splits, longest)
     splits = cdiv(block_tables.shape[1], per_split)
-    lo, hi = slot_ranges(logical, count, q_pos, page_size, sliding_window)
+    lo, hi = slot_ranges(logical, count, q_pos[:, None] if direct else q_pos, page_size, sliding_window)
 
     per_query_tile = lambda width: pl.BlockSpec(  # noqa: E731
         (None, None, None, rows, width), lambda b, h, i: (b, h, i // splits, 0, 0)
     )
+    if direct:
+        q_specs = [pl.BlockSpec((None, h, d), lambda b, h, i: (b, 0, 0)), pl.BlockSpec((None, 1), lambda b, h, i: (b, 0))]
+    else:
+        q_specs = [per_query_tile(d), pl.BlockSpec((None, None, rows), lambda b, h, i: (b, i // splits, 0))]
     coding_inputs: list[Array] = []
     coding_specs: list[pl.BlockSpec] = []
     if key_calibration is not None:
@@ -443,18 +477,32 @@ def paged_attention(
         page_size=page_size,
         pages_per_split=per_split,
         splits=splits,
+        rows=rows,
+        group=g if direct else None,
         scale=scale,
         soft_cap=soft_cap,
         window=sliding_window,
     )
     per_block = pl.BlockSpec((None, None, 1), lambda b, h, i: (b, i // splits, 0))
     per_seq = pl.BlockSpec((None, tables.shape[1]), lambda b, h, i: (b, 0))
-    out, lse = pl.pallas_call(
+    finished = direct and splits == 1
+    if finished:
+        out_specs = [pl.BlockSpec((None, None, g, d), lambda b, h, i: (b, h, 0, 0))]
+        out_shape = [jax.ShapeDtypeStruct((b, kvh, g, d), q.dtype)]
+    else:
+        out_specs = [
+            pl.BlockSpec((None, None, None, None, rows, d), lambda b, h, i: (b, h, i // splits, i % splits, 0, 0)),
+            pl.BlockSpec((None, None, None, None, rows), lambda b, h, i: (b, h, i // splits, i % splits, 0)),
+        ]
+        out_shape = [
+            jax.ShapeDtypeStruct((b, kvh, blocks, splits, rows, d), jnp.float32),
+            jax.ShapeDtypeStruct((b, kvh, blocks, splits, rows), jnp.float32),
+        ]
+    outs = pl.pallas_call(
         kernel,
         grid=(b, kvh, blocks * splits),
         in_specs=[
-            per_query_tile(d),
-            pl.BlockSpec((None, None, rows), lambda b, h, i: (b, i // splits, 0)),
+            *q_specs,
             *map(_leaf_spec, k_leaves),
             *map(_leaf_spec, v_leaves),
             *coding_specs,
@@ -463,16 +511,12 @@ def paged_attention(
             per_block,
             per_block,
         ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, None, rows, d), lambda b, h, i: (b, h, i // splits, i % splits, 0, 0)),
-            pl.BlockSpec((None, None, None, None, rows), lambda b, h, i: (b, h, i // splits, i % splits, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((b, kvh, blocks, splits, rows, d), jnp.float32),
-            jax.ShapeDtypeStruct((b, kvh, blocks, splits, rows), jnp.float32),
-        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps or _default_warps(k_pages), num_stages=num_stages),
         interpret=interpret,
         name="zgen_paged_attention",
     )(q_tiles, q_pos, *k_leaves, *v_leaves, *coding_inputs, tables, logical, lo[..., None], hi[..., None])
-    return ungroup_queries(merge_partials(out, lse), t, h, block_t).astype(q.dtype)
+    if finished:
+        return outs[0].reshape(b, 1, h, d)
+    return ungroup_queries(merge_partials(*outs), t, h, block_t).astype(q.dtype)
