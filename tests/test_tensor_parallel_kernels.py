@@ -1,8 +1,9 @@
 """Tensor parallelism runs the attention kernels per device (shard_map over the head axis), on 4 forced
 host devices with the kernels interpreted: one layer's write and attention equal one device's for every
 KV state and page format, and whole greedy generations (prefill and decode, dense and paged bf16/q4
-through the Triton kernels) equal one device's, with one all-reduce per block and nothing gathered, and
-the KV buffers are built split by KV heads."""
+through the Triton kernels, and packed steps whose decoding rows attend in pieces beside long prompt
+chunks) equal one device's, with one all-reduce per block and nothing gathered, and the KV buffers are
+built split by KV heads."""
 
 from __future__ import annotations
 
@@ -92,11 +93,13 @@ print(json.dumps(out))
 GENERATION_SCRIPT = r"""
 import json, re
 import jax, numpy as np
+import zgen.runtime.engine as engine_module
 from zgen import Generator, ModelConfig, Request, SamplingConfig
 from zgen.cache.factory import dense_attention, kv_dtype, paged_kv
 from zgen.model import attached, random_model, split_model
 from zgen.runtime.calibration import key_calibration
 from zgen.runtime.runner import runner_for
+from zgen.runtime.step import Packing
 
 assert len(jax.devices()) == 4
 config = ModelConfig.from_hf(dict(
@@ -108,10 +111,27 @@ four = split_model(one, 4)
 attached(four, "key_calibration", lambda: key_calibration(one))  # q4 codes keys with the same statistics on both
 prompts = ([5, 9, 13, 20, 40, 41, 42, 7, 3, 88, 60, 61, 62, 11, 12, 13, 14], [40, 41])
 requests = [Request(p, SamplingConfig(temperature=0.0, max_new_tokens=5, ignore_eos=True)) for p in prompts]
-cases = {
-    "dense": [dense_attention("triton")],
-    "paged-bf16": [paged_kv(4, attention="triton"), kv_dtype("bf16")],
-    "paged-q4": [paged_kv(4, attention="triton"), kv_dtype("q4")],
+# Packed steps where decoding rows ride along beside long prompt chunks, attention laid out in pieces of
+# 4 tokens (each reading its row's pages): prompts of 2 to 70 tokens in chunks of 32 over 8 rows.
+lengths = (70, 45, 3, 5, 2, 9, 4, 6)
+ride_along = [Request([(7 * i + 3 * j) % 90 + 1 for j in range(n)], SamplingConfig(temperature=0.0, max_new_tokens=5, ignore_eos=True)) for i, n in enumerate(lengths)]
+engine_module.PACKED_PIECE = 4
+pieces_laid_out = []
+packing_of = Packing.of
+def recorded(*args, **kwargs):
+    packed = packing_of(*args, **kwargs)
+    pieces_laid_out.append(packed[3].owners is not None)
+    return packed
+Packing.of = staticmethod(recorded)
+cases = {  # name: (cache options, generator settings, requests)
+    "dense": ([dense_attention("triton")], {"max_batch_size": 2}, requests),
+    "paged-bf16": ([paged_kv(4, attention="triton"), kv_dtype("bf16")], {"max_batch_size": 2}, requests),
+    "paged-q4": ([paged_kv(4, attention="triton"), kv_dtype("q4")], {"max_batch_size": 2}, requests),
+    "paged-bf16-pieces": (
+        [paged_kv(4, attention="triton"), kv_dtype("bf16")],
+        {"max_batch_size": 8, "prefill_chunk": 32, "packed_steps": True},
+        ride_along,
+    ),
 }
 
 
@@ -120,13 +140,14 @@ def split_by_heads(leaf, axis):
 
 
 out = {}
-for name, options in cases.items():
+for name, (options, settings, case_requests) in cases.items():
     runs = {}
     for label, model in (("one", one), ("four", four)):
-        generator = Generator(model, *options, max_batch_size=2)
+        pieces_laid_out.clear()
+        generator = Generator(model, *options, **settings)
         if label == "four" and name != "dense":  # the pool is built split by KV heads: no device holds all of it
             kv_split = split_by_heads(jax.tree_util.tree_leaves(generator.engine.kv.store.k)[0], 0)
-        results = generator.batch_generate(requests)
+        results = generator.batch_generate(case_requests)
         if label == "four" and name == "dense":  # rows made (and grown) split by KV heads
             kv_split = split_by_heads(generator.engine.kv.state.k[0], 2)
         runs[label] = ([r.token_ids for r in results], np.array([r.logprobs for r in results]))
@@ -138,7 +159,7 @@ for name, options in cases.items():
         "tokens": runs["one"][0], "same_tokens": runs["one"][0] == runs["four"][0],
         "logprob_gap": float(np.max(np.abs(runs["one"][1] - runs["four"][1]))),
         "steps": sorted({key[0] for key in runner_for(four)._executables}), "collectives": collectives,
-        "kv_split": kv_split,
+        "kv_split": kv_split, "pieces": any(pieces_laid_out),
     }
     runner_for(four)._executables.clear()
 print(json.dumps(out))
@@ -165,7 +186,8 @@ def test_one_layer_per_shard_equals_one_device_for_every_state_and_format(host_d
 
 def test_generation_through_the_kernels_on_four_devices_equals_one_device(host_devices_env: Callable[[int], dict[str, str]]) -> None:
     out = _run_on_four_devices(GENERATION_SCRIPT, host_devices_env(4))
-    assert set(out) == {"dense", "paged-bf16", "paged-q4"}
+    assert set(out) == {"dense", "paged-bf16", "paged-q4", "paged-bf16-pieces"}
+    assert [name for name, result in out.items() if result["pieces"]] == ["paged-bf16-pieces"]  # its steps attended in pieces
     for name, result in out.items():
         assert result["same_tokens"], (name, result)
         assert result["logprob_gap"] < 1e-4, (name, result)  # float32: only the all-reduce's summation order differs
