@@ -8,7 +8,9 @@ visible pages, one page per loop step, dequantizing it in registers; the splits 
 log-sum-exp outside. The pages are compacted first (``compact_pages``) and each query block
 reads only the slots its queries can see (``slot_ranges``), so the loop has no branch and Triton can
 pipeline its loads. Quantized pages are read as "pieces": contiguous dim ranges that unpack without lane
-shuffles (see ``layouts``), each with its own small dot.
+shuffles (see ``layouts``), each with its own small dot. A decode step (one query a row, keys not coded)
+needs no padded tiles: each program loads its query group from the row's heads, masked to the tile,
+and with one split writes the finished rows itself.
 
 Coded keys (``key_calibration``) are never decoded: the query is folded into the coding once
 (``hadamard(q / scale)``, outside the kernel), dotted with the stored codes like any page, and the
