@@ -117,22 +117,26 @@ def test_gathered_refuses_page_masks() -> None:
         paged_decode_attention(q, k, v, tables, lengths, page_mask=jnp.ones(tables.shape, bool), implementation="gathered")
 
 
+def _triton_in_splits(case: PagedCase, num_splits: int) -> jax.Array:
+    """The interpreted Triton kernel on ``case``'s visible pages, in ``num_splits`` splits."""
+    from zgen.pallas.paged_attention import triton
+
+    page_size = jax.tree_util.tree_leaves(case.k_pages)[0].shape[2]
+    pages = visible_pages(case.block_tables, case.q_positions, case.page_mask, page_size, case.sliding_window)
+    return triton.paged_attention(
+        case.q, case.k_pages, case.v_pages, jnp.where(pages, case.block_tables, 0), case.q_positions, pages,
+        scale=case.q.shape[-1] ** -0.5, soft_cap=case.soft_cap, sliding_window=case.sliding_window,
+        interpret=True, num_splits=num_splits,
+    )
+
+
 def test_triton_splits_match_reference() -> None:
     """Query chunks whose visible slots straddle split boundaries."""
 
     @settings(max_examples=3, deadline=None, derandomize=True)
     @given(paged_cases(formats=("native", "q4"), max_queries=20))
     def check(case: PagedCase) -> None:
-        from zgen.pallas.paged_attention import triton
-
-        page_size = jax.tree_util.tree_leaves(case.k_pages)[0].shape[2]
-        pages = visible_pages(case.block_tables, case.q_positions, case.page_mask, page_size, case.sliding_window)
-        got = triton.paged_attention(
-            case.q, case.k_pages, case.v_pages, jnp.where(pages, case.block_tables, 0), case.q_positions, pages,
-            scale=case.q.shape[-1] ** -0.5, soft_cap=case.soft_cap, sliding_window=case.sliding_window,
-            interpret=True, num_splits=3,
-        )
-        assert_close(got, case.run("reference"), case.dtype)
+        assert_close(_triton_in_splits(case, 3), case.run("reference"), case.dtype)
 
     check()
 
@@ -145,15 +149,7 @@ def test_triton_decode_reads_query_groups_from_the_rows_heads(num_splits: int) -
     @settings(max_examples=4, deadline=None, derandomize=True)
     @given(paged_cases(formats=("native", "q4")))
     def check(case: PagedCase) -> None:
-        from zgen.pallas.paged_attention import triton
-
-        page_size = jax.tree_util.tree_leaves(case.k_pages)[0].shape[2]
-        pages = visible_pages(case.block_tables, case.q_positions, case.page_mask, page_size, case.sliding_window)
-        got = triton.paged_attention(
-            case.q, case.k_pages, case.v_pages, jnp.where(pages, case.block_tables, 0), case.q_positions, pages,
-            scale=case.q.shape[-1] ** -0.5, soft_cap=case.soft_cap, sliding_window=case.sliding_window,
-            interpret=True, num_splits=num_splits,
-        )
+        got = _triton_in_splits(case, num_splits)
         assert got.dtype == case.q.dtype
         assert_close(got, case.run("reference"), case.dtype)
 
