@@ -694,6 +694,24 @@ def test_radix_match_insert_share_and_lru_eviction() -> None:
     assert len(block_hashes([1, 2, 8, 8], 2)) == 2 and radix.contains_hash(block_hashes([1, 2, 8, 8], 2)[1])
 
 
+def test_radix_counts_a_sequence_deeper_than_pythons_recursion_limit() -> None:
+    """A 3,000-block sequence (e.g. 48k tokens in pages of 16) is a 3,000-deep chain: counting what
+    can be evicted, listing the entries and reclaiming walk it without recursion; reclaiming stops
+    counting once it has found enough."""
+    depth = 3_000
+    pool = BlockPool(depth + 2, page_size=1)
+    radix = RadixCache(pool)
+    blocks = pool.allocate(depth)
+    radix.insert(list(range(depth)), blocks)
+    pool.share([blocks[depth // 2]])  # in use (as a running sequence would hold it): it and its ancestors stay
+    pool.free(blocks)
+    assert radix.evictable_blocks() == depth - depth // 2 - 1  # the nodes below the one in use
+    assert radix.evictable_blocks(enough=5) == 5
+    assert len(radix.entries()) == depth and radix.entries()[-1] == (tuple(range(depth)), blocks[-1])
+    assert radix.reclaim(depth) == 0 and radix.num_blocks == depth  # more than can go: nothing goes
+    assert radix.reclaim(4) == 4 and radix.num_blocks == depth - 4
+
+
 def test_radix_reclaim_is_all_or_nothing() -> None:
     pool = BlockPool(4, page_size=2)
     radix = RadixCache(pool)

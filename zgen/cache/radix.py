@@ -14,7 +14,7 @@ in use, so it never frees a block some sequence still reads.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from zgen.cache.block_pool import BlockPool
@@ -106,33 +106,44 @@ class RadixCache:
         return h in self._by_hash
 
     def entries(self) -> list[tuple[tuple[int, ...], int]]:
-        """``(prefix tokens, block)`` for every node: the full token prefix ending with that block."""
+        """``(prefix tokens, block)`` for every node: the full token prefix ending with that block
+        (depth first, children in insertion order)."""
         out: list[tuple[tuple[int, ...], int]] = []
-
-        def walk(node: _Node, prefix: tuple[int, ...]) -> None:
-            for child in node.children.values():
-                p = prefix + child.tokens
-                out.append((p, child.block))
-                walk(child, p)
-
-        walk(self._root, ())
+        stack: list[tuple[_Node, tuple[int, ...]]] = [(self._root, ())]
+        while stack:
+            node, prefix = stack.pop()
+            if node is not self._root:
+                out.append((prefix, node.block))
+            stack.extend((child, prefix + child.tokens) for child in reversed(node.children.values()))
         return out
 
-    def evictable_blocks(self) -> int:
-        """Blocks that eviction could free now: nodes whose whole subtree is not in use."""
+    def evictable_blocks(self, enough: int | None = None) -> int:
+        """Blocks that eviction could free now: nodes whose whole subtree is not in use. With
+        ``enough``, the count stops once it reaches that many (:meth:`reclaim` asks only whether it can:
+        a full count walks the whole tree on every allocation of a full pool).
 
-        def count(node: _Node) -> tuple[int, bool]:
-            total, all_free = 0, True
-            for child in node.children.values():
-                c, free = count(child)
-                total += c
-                all_free &= free
+        The walk is a loop over an explicit stack (post-order): a tree as deep as a long sequence's
+        blocks would pass Python's recursion limit."""
+        found = 0
+        stack: list[tuple[_Node, Iterator[_Node]]] = [(self._root, iter(self._root.children.values()))]
+        subtree_free = [True]  # per node on the stack: nothing below it is in use
+        while stack:
+            node, children = stack[-1]
+            child = next(children, None)
+            if child is not None:
+                stack.append((child, iter(child.children.values())))
+                subtree_free.append(True)
+                continue
+            stack.pop()
+            free = subtree_free.pop()
             if node is self._root:
-                return total, all_free
-            free = all_free and self.pool.refcount(node.block) == 1
-            return total + (1 if free else 0), free
-
-        return count(self._root)[0]
+                break
+            free = free and self.pool.refcount(node.block) == 1
+            found += free
+            if enough is not None and found >= enough:
+                break
+            subtree_free[-1] &= free
+        return found
 
     # -- the cache --------------------------------------------------------------------------------
 
@@ -235,7 +246,7 @@ class RadixCache:
 
     def reclaim(self, n_blocks: int) -> int:
         """Evict ``n_blocks`` blocks if that many can be (all or nothing); the pool asks when short."""
-        return self.evict(n_blocks) if self.evictable_blocks() >= n_blocks else 0
+        return self.evict(n_blocks) if self.evictable_blocks(enough=n_blocks) >= n_blocks else 0
 
     def clear(self) -> int:
         """Drop every node not in use (as ``evict`` would); returns the blocks freed."""
