@@ -14,6 +14,7 @@ in use, so it never frees a block some sequence still reads.
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -27,7 +28,7 @@ EvictionHandler = Callable[[list[tuple[bytes, int]]], None]  # (chained hash, bl
 def block_hash(parent_hash: bytes, tokens: Sequence[int]) -> bytes:
     """The chained hash of a block: its parent's hash and its own tokens."""
     h = hashlib.blake2b(parent_hash, digest_size=16)
-    h.update(b"".join(int(t).to_bytes(8, "little", signed=True) for t in tokens))
+    h.update(struct.pack(f"<{len(tokens)}q", *(int(t) for t in tokens)))  # each token as 8 little-endian signed bytes
     return h.digest()
 
 
@@ -81,6 +82,7 @@ class RadixCache:
         self.on_evict = on_evict
         self._root = _Node((), -1, ROOT_HASH, None)
         self._by_hash: dict[bytes, _Node] = {}
+        self._leaves: dict[_Node, None] = {}  # nodes without children, in the order they became leaves
         self._clock = 0
         self._stats = RadixStats()
 
@@ -192,8 +194,9 @@ class RadixCache:
                 )
         self._clock += 1
         node, added = self._root, 0
+        ids = [int(t) for t in tokens[: n * ps]]
         for i in range(n):
-            chunk = tuple(int(t) for t in tokens[i * ps : (i + 1) * ps])
+            chunk = tuple(ids[i * ps : (i + 1) * ps])
             child = node.children.get(chunk)
             if child is None:
                 block = int(blocks[i])
@@ -201,6 +204,8 @@ class RadixCache:
                 child = _Node(chunk, block, block_hash(node.hash, chunk), node)
                 node.children[chunk] = child
                 self._by_hash[child.hash] = child
+                self._leaves.pop(node, None)
+                self._leaves[child] = None
                 added += 1
             child.last_used = self._clock
             node = child
@@ -219,11 +224,8 @@ class RadixCache:
         even if it raises. Returns how many blocks went back to the pool's free list.
         """
         evicted: list[_Node] = []
-        while len(evicted) < n_blocks:
-            leaves = sorted(
-                (n for n in self._by_hash.values() if not n.children and self.pool.refcount(n.block) == 1),
-                key=lambda n: n.last_used,
-            )
+        while len(evicted) < n_blocks:  # leaves only: a scan of every node cost each allocation of a full pool
+            leaves = sorted((n for n in self._leaves if self.pool.refcount(n.block) == 1), key=lambda n: n.last_used)
             if not leaves:
                 break
             for leaf in leaves[: n_blocks - len(evicted)]:
@@ -253,6 +255,10 @@ class RadixCache:
         return self.evict(self.num_blocks)
 
     def _unlink(self, leaf: _Node) -> None:
-        assert leaf.parent is not None and not leaf.children
-        del leaf.parent.children[leaf.tokens]
+        parent = leaf.parent
+        assert parent is not None and not leaf.children
+        del parent.children[leaf.tokens]
         del self._by_hash[leaf.hash]
+        del self._leaves[leaf]
+        if not parent.children and parent is not self._root:
+            self._leaves[parent] = None
