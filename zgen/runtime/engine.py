@@ -1001,7 +1001,7 @@ class Engine:
         job.result.logprobs.append(logprob)
         if piece and r.stream:
             job.pieces.append(piece)
-        if not grammar_taken:
+        if job.grammar is not None and not grammar_taken:
             self._end_if_grammar_complete(job)
 
     @staticmethod

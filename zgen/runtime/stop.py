@@ -254,8 +254,11 @@ class TextStream:
     def _completed_sequence(self) -> tuple[int, ...]:
         """The stop sequence the last token completed; the longest where several end together (as
         for stop strings), so the text leaves out all of it."""
-        multi = max((s for s in self._multi if tuple(self.tokens[-len(s) :]) == s), key=len, default=())
-        return multi or ((self.tokens[-1],) if self.tokens[-1] in self._single else ())
+        if self._multi:  # checked per token: most streams have none
+            multi = max((s for s in self._multi if tuple(self.tokens[-len(s) :]) == s), key=len, default=())
+            if multi:
+                return multi
+        return (self.tokens[-1],) if self.tokens[-1] in self._single else ()
 
     def _at_limit(self) -> bool:
         return self.stop.max_tokens is not None and len(self.tokens) >= self.stop.max_tokens
