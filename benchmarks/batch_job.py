@@ -67,14 +67,25 @@ class StepTrace:
     """Times the engine's steps and the runner's compiles while installed (``--trace-steps``)."""
 
     def __init__(self) -> None:
+        import jax
+
         from zgen.runtime.engine import Engine
         from zgen.runtime.runner import Runner
 
         self.compile_s, self.compiles, self.compiled = 0.0, 0, []
         self.steps: dict[str, list[float]] = {}
         self.slots = 0  # token slots of the mixed steps' matmuls: rows x chunk padded, or the packed stream
+        self.device_s = 0.0  # from a compiled call's dispatch to its results being ready
         compiled, methods = Runner._compiled, {name: getattr(Engine, name) for name in ("_run_mixed", "_run_decode")}
-        mixed = Runner.mixed
+        mixed, decode = Runner.mixed, Runner.decode
+
+        def until_ready(call: Any) -> Any:
+            def run(runner: Any, *args: Any, **kwargs: Any) -> Any:
+                compile_s, start = self.compile_s, time.perf_counter()
+                out = jax.block_until_ready(call(runner, *args, **kwargs))  # the step reads them next anyway
+                self.device_s += time.perf_counter() - start - (self.compile_s - compile_s)
+                return out
+            return run
 
         def counted_mixed(runner: Any, kv: Any, batch: Any, **kwargs: Any) -> Any:
             self.slots += batch.tokens.size
@@ -92,28 +103,31 @@ class StepTrace:
 
         def timed_step(name: str) -> Any:
             def run(engine: Any, rows: list[Any], *args: Any, **kwargs: Any) -> Any:
-                compile_s, passes, decoded = self.compile_s, engine.stats.forward_passes, engine.stats.decode_tokens
+                compile_s, passes, decoded, device_s = self.compile_s, engine.stats.forward_passes, engine.stats.decode_tokens, self.device_s
                 start = time.perf_counter()
                 out = methods[name](engine, rows, *args, **kwargs)
-                totals = self.steps.setdefault(name.removeprefix("_run_"), [0, 0, 0, 0, 0.0])
+                totals = self.steps.setdefault(name.removeprefix("_run_"), [0, 0, 0, 0, 0.0, 0.0])
                 totals[0] += 1
                 totals[1] += engine.stats.forward_passes - passes
                 totals[2] += sum(row.count for row in rows)
                 totals[3] += engine.stats.decode_tokens - decoded
                 totals[4] += time.perf_counter() - start - (self.compile_s - compile_s)
+                totals[5] += self.device_s - device_s
                 return out
             return run
 
         Runner._compiled = timed_compile  # type: ignore[method-assign]
-        Runner.mixed = counted_mixed  # type: ignore[method-assign]
+        Runner.mixed = until_ready(counted_mixed)  # type: ignore[method-assign]
+        Runner.decode = until_ready(decode)  # type: ignore[method-assign]
         for name in methods:
             setattr(Engine, name, timed_step(name))
 
     def take(self) -> dict[str, Any]:
         """What was timed since the last take."""
         steps = {
-            kind: {"calls": c, "forward_passes": p, "fed_tokens": f, "decode_tokens": d, "seconds": t, "ms_per_pass": t / max(p, 1) * 1e3}
-            for kind, (c, p, f, d, t) in self.steps.items()
+            kind: {"calls": c, "forward_passes": p, "fed_tokens": f, "decode_tokens": d, "seconds": t, "ms_per_pass": t / max(p, 1) * 1e3,
+                   "device_s": dev, "host_ms_per_call": (t - dev) / max(c, 1) * 1e3}
+            for kind, (c, p, f, d, t, dev) in self.steps.items()
         }
         if "mixed" in steps:
             steps["mixed"]["slots"] = self.slots
