@@ -121,6 +121,16 @@ def test_token_id_out_of_range(smollm2: Model) -> None:
         gen.generate([-1], SamplingConfig(max_new_tokens=2))
 
 
+def test_prompt_ids_are_ints_in_the_vocabulary(smollm2: Model) -> None:
+    """Plain ids take a fast check; numpy integers pass as ints; bools, floats and ids past the vocabulary do not."""
+    gen = Generator(smollm2)
+    ids = gen.encode_prompt([1, np.int64(2), 3])
+    assert ids == [1, 2, 3] and all(type(i) is int for i in ids)
+    for bad in ([1, True], [1, 2.0], [0, smollm2.config.vocab_size]):
+        with pytest.raises(TokenIdError):
+            gen.encode_prompt(bad)  # type: ignore[arg-type]
+
+
 def test_empty_prompt(smollm2: Model) -> None:
     with pytest.raises(InputError, match="empty"):
         Generator(smollm2).generate("", SamplingConfig(max_new_tokens=2))

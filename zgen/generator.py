@@ -14,7 +14,7 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import TracebackType
-from typing import Self
+from typing import Self, cast
 
 import numpy as np
 
@@ -30,6 +30,7 @@ from zgen.runtime.sampling import HostSampler, SamplingConfig
 from zgen.runtime.sequence import Sequence as TokenSequence
 from zgen.runtime.speculation import Speculator
 from zgen.runtime.stop import StopCondition
+from zgen.tokenizer import plain_token_ids
 
 Message = Mapping[str, str]
 Prompt = str | Sequence[int] | Sequence[Message]
@@ -238,6 +239,8 @@ class Generator:
             ids = tokenizer.encode(prompt)
         elif isinstance(prompt, (bytes, bytearray)):  # a Sequence of ints, but never meant as token ids
             raise InputError("a prompt is text, not bytes: decode it first (e.g. data.decode('utf-8'))")
+        elif isinstance(prompt, Sequence) and plain_token_ids(prompt, self.model.config.vocab_size):
+            ids = list(cast(Sequence[int], prompt))  # token ids, the common case, checked without a scan for chat messages
         elif isinstance(prompt, Sequence) and any(isinstance(m, Mapping) for m in prompt):
             messages = [m for m in prompt if isinstance(m, Mapping)]
             if len(messages) != len(prompt):

@@ -24,7 +24,7 @@ from zgen.errors import ConfigError, ZgenError
 from zgen.runtime.grammar import Grammar
 from zgen.runtime.results import GenerationResult
 from zgen.runtime.sampling import SamplingConfig
-from zgen.tokenizer import Tokenizer
+from zgen.tokenizer import Tokenizer, plain_ints
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -219,9 +219,7 @@ def _content(content: object, i: int) -> str:
 
 
 def _is_ids(value: object) -> bool:
-    return isinstance(value, list) and bool(value) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in cast(list[object], value)
-    )
+    return isinstance(value, list) and bool(value) and plain_ints(cast(list[object], value))
 
 
 def _completion_prompts(value: object) -> tuple[Prompt, ...]:

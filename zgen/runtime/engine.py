@@ -68,6 +68,7 @@ from zgen.runtime.speculation import (
 from zgen.runtime.step import DecodeLoop, MixedBatch, Packing
 from zgen.runtime.stop import StopCondition, TextStream
 from zgen.shapes import next_pow2
+from zgen.tokenizer import plain_token_ids
 
 GREEDY = SamplingConfig(temperature=0.0)
 #: Most grammar-constrained rows a decode loop takes (a host worker advances them beside each forward
@@ -355,6 +356,8 @@ class Engine:
     def check_ids(self, ids: Seq[int]) -> list[int]:
         """``ids`` as ints in ``[0, vocab)``, or TokenIdError."""
         vocab = self.model.config.vocab_size
+        if plain_token_ids(ids, vocab):
+            return list(ids)
         bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < vocab]
         if bad:
             raise TokenIdError(f"token ids {bad[:5]} are outside [0, {vocab}) for this model's vocabulary (or not integers)")
