@@ -712,6 +712,24 @@ def test_radix_counts_a_sequence_deeper_than_pythons_recursion_limit() -> None:
     assert radix.reclaim(4) == 4 and radix.num_blocks == depth - 4
 
 
+def test_radix_evicts_least_recently_used_first_after_many_lookups() -> None:
+    """Lookups queue their leaf again each time (older entries go stale, and a queue mostly stale is
+    rebuilt): after hundreds of them eviction still takes the least recently used leaf first, a parent
+    left a leaf by its last use, and every block comes back."""
+    pool = BlockPool(8, page_size=1)
+    radix = RadixCache(pool)
+    a, b = pool.allocate(2), pool.allocate(2)
+    radix.insert([1, 2], a)
+    radix.insert([5, 6], b)
+    pool.free(a + b)
+    for _ in range(300):
+        radix.match([1, 2])
+    radix.match([5, 6])  # [5, 6] is the most recent now
+    assert radix.evict(1) == 1 and radix.match([1, 2]) == ([a[0]], 1)  # [1, 2]'s leaf went first
+    assert radix.evict(1) == 1 and radix.match([5, 6]) == ([b[0]], 1)  # [1], a leaf now, was just used: [5, 6]'s leaf goes
+    assert radix.clear() == 2 and pool.num_free == 8
+
+
 def test_radix_reclaim_is_all_or_nothing() -> None:
     pool = BlockPool(4, page_size=2)
     radix = RadixCache(pool)

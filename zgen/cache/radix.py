@@ -14,6 +14,8 @@ in use, so it never frees a block some sequence still reads.
 from __future__ import annotations
 
 import hashlib
+import heapq
+import itertools
 import struct
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -82,7 +84,10 @@ class RadixCache:
         self.on_evict = on_evict
         self._root = _Node((), -1, ROOT_HASH, None)
         self._by_hash: dict[bytes, _Node] = {}
-        self._leaves: dict[_Node, None] = {}  # nodes without children, in the order they became leaves
+        # Leaves by last use, a heap: an entry goes stale when its leaf is used again (a newer entry
+        # stands for it), gets a child or leaves the tree, and is dropped when it comes up.
+        self._lru: list[tuple[int, int, _Node]] = []
+        self._pushes = itertools.count()  # ties by push order; nodes are never compared
         self._clock = 0
         self._stats = RadixStats()
 
@@ -165,6 +170,7 @@ class RadixCache:
             child.last_used = self._clock
             blocks.append(child.block)
             node = child
+        self._queue_if_leaf(node)
         n = len(blocks) * ps
         s = self._stats
         self._stats = RadixStats(
@@ -204,11 +210,10 @@ class RadixCache:
                 child = _Node(chunk, block, block_hash(node.hash, chunk), node)
                 node.children[chunk] = child
                 self._by_hash[child.hash] = child
-                self._leaves.pop(node, None)
-                self._leaves[child] = None
                 added += 1
             child.last_used = self._clock
             node = child
+        self._queue_if_leaf(node)
         s = self._stats
         self._stats = RadixStats(
             s.lookups, s.hits, s.misses, s.query_tokens, s.hit_tokens, s.inserted_blocks + added, s.evicted_blocks
@@ -224,13 +229,19 @@ class RadixCache:
         even if it raises. Returns how many blocks went back to the pool's free list.
         """
         evicted: list[_Node] = []
-        while len(evicted) < n_blocks:  # leaves only: a scan of every node cost each allocation of a full pool
-            leaves = sorted((n for n in self._leaves if self.pool.refcount(n.block) == 1), key=lambda n: n.last_used)
-            if not leaves:
-                break
-            for leaf in leaves[: n_blocks - len(evicted)]:
-                self._unlink(leaf)  # its parent may become a leaf for the next round
-                evicted.append(leaf)
+        in_use: list[tuple[int, int, _Node]] = []  # set aside, queued again after
+        while len(evicted) < n_blocks and self._lru:  # a heap: a scan of the tree cost each allocation of a full pool
+            entry = heapq.heappop(self._lru)
+            used, _, node = entry
+            if used != node.last_used or node.children or self._by_hash.get(node.hash) is not node:
+                continue  # stale
+            if self.pool.refcount(node.block) != 1:
+                in_use.append(entry)
+                continue
+            self._unlink(node)  # its parent may become a leaf, queued by its own last use
+            evicted.append(node)
+        for entry in in_use:
+            heapq.heappush(self._lru, entry)
         if not evicted:
             return 0
         blocks = [n.block for n in evicted]
@@ -259,6 +270,14 @@ class RadixCache:
         assert parent is not None and not leaf.children
         del parent.children[leaf.tokens]
         del self._by_hash[leaf.hash]
-        del self._leaves[leaf]
-        if not parent.children and parent is not self._root:
-            self._leaves[parent] = None
+        self._queue_if_leaf(parent)
+
+    def _queue_if_leaf(self, node: _Node) -> None:
+        """Queue ``node`` for eviction by its last use if it is a leaf (every leaf has a live entry)."""
+        if node is self._root or node.children:
+            return
+        if len(self._lru) > 2 * len(self._by_hash) + 64:  # mostly stale: rebuilt from the leaves
+            self._lru = [(n.last_used, next(self._pushes), n) for n in self._by_hash.values() if not n.children]
+            heapq.heapify(self._lru)
+            return  # ``node`` among them
+        heapq.heappush(self._lru, (node.last_used, next(self._pushes), node))
