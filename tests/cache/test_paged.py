@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import jax
@@ -264,6 +264,35 @@ def test_other_formats_store_the_rotated_keys(kv_dtype: str) -> None:
     _, state, _, k, pos = _context_step(state, 0, 5, 30)
     tolerance = {"fp32": 1e-6, "bf16": 1e-2, "fp8": 0.07}[kv_dtype]  # fp32: XLA may fuse the rotation differently
     np.testing.assert_allclose(_view(state)[0][:, :5], rotary(k, pos, INV_FREQ), rtol=tolerance, atol=tolerance)
+
+
+def test_a_decode_step_on_the_triton_kernels_is_one_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over plain pages the Triton path (interpreted here; the GPU's default) takes a decode step
+    through ``append_and_attend``'s one kernel, prefill through the separate rotation, write and
+    attention; the output and pages equal the XLA path's (rows at different lengths, pages scattered)."""
+    import zgen.cache.paged_state as paged_state
+
+    calls: list[int] = []
+    one_kernel = paged_state.append_and_attend
+
+    def counted(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        return one_kernel(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(paged_state, "append_and_attend", counted)
+    ids = np.random.default_rng(6).permutation(2 * B + 1)[: 2 * B].reshape(B, 2)
+    pages = [empty_pages("fp32", KVH, 2 * B + 1, 16, D) for _ in range(2)]
+    state = PagedKVState((pages[0],), (pages[1],), jnp.asarray(ids, jnp.int32), "fp32", attention="xla")
+    _, state, *_ = _context_step(state, 0, 20, 40)
+    assert not calls
+    pos = jnp.asarray([[20], [17]], jnp.int32)
+    q, k, v = _rand(50, B, 1, H, D), _rand(51, B, 1, KVH, D), _rand(52, B, 1, KVH, D)
+    expected, by_xla = _write_and_attend(state, q, k, v, pos)
+    out, by_kernel = _write_and_attend(replace(state, attention="triton"), q, k, v, pos)
+    assert calls
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+    for got, want in zip(_view(by_kernel), _view(by_xla), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
 def test_key_calibration_centres_each_key_on_its_rotated_mean() -> None:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -7,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
-from pallas_cases import PagedCase, assert_close, paged_cases
+from pallas_cases import DTYPES, PagedCase, assert_close, paged_cases
 
 from zgen.errors import ConfigError
 from zgen.pallas import paged_attention, paged_decode_attention
@@ -361,3 +362,75 @@ def test_triton_reads_f32_q4_scales() -> None:
         got = paged_decode_attention(q, kk, vv, tables, lengths, implementation="triton")
         expected = paged_decode_attention(q, kk, vv, tables, lengths, implementation="reference")
         np.testing.assert_allclose(got, expected, atol=2e-4)
+
+
+@st.composite
+def append_cases(draw: st.DrawFn) -> tuple[tuple[jax.Array, ...], dict[str, Any], str]:
+    """One decode token per row over filled pages in a shuffled pool: rows at the first slot, a page
+    edge, the table's last slot, anywhere, or padding (-1); an unallocated
+    (-1) table entry past each row's pages; head groups of any size (SmolLM2 has 3)."""
+    batch, kv_heads = draw(st.integers(1, 3)), draw(st.sampled_from([1, 2]))
+    group, head_dim = draw(st.sampled_from([1, 3, 4]), label="group"), draw(st.sampled_from([32, 64]))
+    page_size, pps, dtype = 16, draw(st.sampled_from([2, 3])), draw(st.sampled_from(sorted(DTYPES)))
+    slots = page_size * pps
+    edge = st.sampled_from([-1, 0, 15, 16, slots - 1])
+    positions = draw(st.lists(st.one_of(edge, st.integers(-1, slots - 1)), min_size=batch, max_size=batch))
+    options = dict(
+        sliding_window=draw(st.sampled_from([None, 5])), soft_cap=draw(st.sampled_from([None, 5.0])),
+        num_splits=draw(st.sampled_from([None, 1, 2])),
+        inv_freq=draw(st.sampled_from([None, 10_000.0 ** (-np.arange(0, head_dim, 2) / head_dim)])),
+    )
+    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+    num_pages = batch * pps + 1
+    tables = rng.permutation(num_pages)[: batch * pps].reshape(batch, pps)
+    for row, pos in enumerate(positions):  # the page after the one written is not allocated yet
+        tables[row, max(pos, 0) // page_size + 1 :] = -1
+
+    def normal(*shape: int) -> jax.Array:
+        return jnp.asarray(rng.standard_normal(shape), DTYPES[dtype])
+
+    arrays = (
+        normal(batch, 1, kv_heads * group, head_dim), normal(batch, 1, kv_heads, head_dim), normal(batch, 1, kv_heads, head_dim),
+        normal(kv_heads, num_pages, page_size, head_dim), normal(kv_heads, num_pages, page_size, head_dim),
+        jnp.asarray(tables, jnp.int32), jnp.asarray(positions, jnp.int32)[:, None],
+    )
+    return arrays, options, dtype
+
+
+def test_append_decode_matches_rotate_write_then_attend() -> None:
+    """The paged one-kernel decode step (interpreted on a CPU, compiled on a GPU) stores what RoPE and a page write store (to the
+    last bit without rotation, within one rounding with it) -- nothing for padding rows -- and attends as the reference does over the written pages, split or finished."""
+    from zgen.pallas.paged_attention import append_and_attend, triton
+
+    @settings(max_examples=10, deadline=None, derandomize=True)
+    @given(append_cases())
+    def check(case: tuple[tuple[jax.Array, ...], dict[str, Any], str]) -> None:
+        arrays, options, dtype = case
+        window, cap, inv_freq = options["sliding_window"], options["soft_cap"], options["inv_freq"]
+        inv_freq = None if inv_freq is None else jnp.asarray(inv_freq, jnp.float32)
+        expected = append_and_attend(*arrays, inv_freq=inv_freq, sliding_window=window, soft_cap=cap, implementation="reference")
+        kernel = functools.partial(
+            triton.append_decode_attention, scale=arrays[0].shape[-1] ** -0.5, interpret=platform() == "cpu",
+            **{**options, "inv_freq": inv_freq},
+        )
+        out, k, v = jax.jit(kernel)(*arrays)
+        rounding = 0 if inv_freq is None else 2**-7 if dtype == "bf16" else 1e-6
+        np.testing.assert_allclose(np.asarray(k, np.float32), np.asarray(expected[1], np.float32), rtol=rounding, atol=rounding)
+        np.testing.assert_array_equal(np.asarray(v, np.float32), np.asarray(expected[2], np.float32))
+        assert_close(out, expected[0], dtype)
+        padding = np.asarray(arrays[6][:, 0]) < 0
+        assert not np.any(np.asarray(out, np.float32)[padding])
+
+    check()
+
+
+def test_append_and_attend_takes_plain_pages_only() -> None:
+    """Quantized layouts are written by the page write and read by paged_attention; one decode token a row."""
+    from zgen.pallas.paged_attention import append_and_attend
+
+    q, kv = jnp.zeros((1, 1, 2, 32)), jnp.zeros((1, 1, 1, 32))
+    pages, tables, positions = jnp.zeros((1, 2, 16, 32)), jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 1), jnp.int32)
+    with pytest.raises(ConfigError, match="plain float pages"):
+        append_and_attend(q, kv, kv, quantize(pages, "q4"), quantize(pages, "q4"), tables, positions)
+    with pytest.raises(ValueError, match="one token per row"):
+        append_and_attend(jnp.zeros((1, 2, 2, 32)), kv, kv, pages, pages, tables, jnp.zeros((1, 2), jnp.int32))

@@ -46,6 +46,8 @@ from zgen.cache.formats import empty_pages, kv_format
 from zgen.cache.tensor import masked_attention
 from zgen.errors import ConfigError
 from zgen.pallas import paged_attention
+from zgen.pallas.paged_attention import append_and_attend
+from zgen.pallas.paged_attention.api import default_implementation
 from zgen.pallas.page_write import write_kv
 from zgen.pallas.paged_attention.layouts import (
     KeyCalibration,
@@ -55,6 +57,7 @@ from zgen.pallas.paged_attention.layouts import (
     hadamard_dot,
     head_dim_of,
 )
+from zgen.rope import rotary
 from zgen.shapes import cdiv
 
 
@@ -200,6 +203,39 @@ class PagedKVState:
             implementation=self.attention,
         )
         return out if coding is None else hadamard_dot(out).astype(q.dtype)
+
+    def write_and_attend(
+        self,
+        layer: int,
+        q: Float[Array, "B T H D"],
+        k: Float[Array, "B T KVH D"],
+        v: Float[Array, "B T KVH D"],
+        positions: Int[Array, "B T"],
+        *,
+        inv_freq: Float[Array, " half"],
+        sliding_window: int | None,
+    ) -> tuple[Float[Array, "B T H D"], PagedKVState]:
+        """RoPE on ``q`` and ``k``, :meth:`write`, then :meth:`attend`; a decode step over plain float
+        pages on the Triton kernels is one kernel that also stores the token in its page
+        (:func:`zgen.pallas.paged_attention.append_and_attend`: the rotations, the page write and the
+        split merge are launches fewer per layer)."""
+        k_pages, v_pages = self.k[layer], self.v[layer]
+        implementation = self.attention or default_implementation(k_pages, page_mask_given=False, window=sliding_window)
+        one_kernel = (
+            q.shape[1] == 1
+            and implementation == "triton"
+            and isinstance(k_pages, jax.Array)
+            and jnp.issubdtype(k_pages.dtype, jnp.floating)
+        )
+        if not one_kernel:
+            q, k = rotary(q, positions, inv_freq), rotary(k, positions, inv_freq)
+            state = self.write(layer, k, v, positions)
+            return state.attend(layer, q, positions, sliding_window=sliding_window), state
+        out, new_k, new_v = append_and_attend(
+            q, k, v, k_pages, v_pages, self.block_tables, positions, inv_freq=inv_freq, sliding_window=sliding_window,
+            implementation="triton",
+        )
+        return out, replace(self, k=replace_layer(self.k, layer, new_k), v=replace_layer(self.v, layer, new_v))
 
     def select(self, layer: int) -> PagedKVState:
         """A one-layer state holding ``layer`` (no copy: the same arrays)."""

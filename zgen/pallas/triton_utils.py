@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array
+from jax.experimental.pallas import triton as pltriton
+from jaxtyping import Array, Bool, Float, Int
 
 from zgen.numerics import matmul_precision
+from zgen.pallas.common import RUNNING_MAX_INIT, soft_cap as apply_soft_cap
+from zgen.rope import rope_cos_sin
 
 # Triton's tensor-core dot needs every dimension to be at least 16.
 MIN_DOT = 16
@@ -63,3 +66,46 @@ def metadata_column(ref: jax.Ref, index: Array | int, dtype: jnp.dtype) -> Array
     if jnp.dtype(dtype) == jnp.bfloat16:
         return jax.lax.bitcast_convert_type(bits << 16, jnp.float32)
     return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), dtype).astype(jnp.float32)
+
+
+def rope_table(
+    positions: Int[Array, " b"], inv_freq: Float[Array, " half"] | None, head_dim: int
+) -> Float[Array, "b 2 d"]:
+    """Each row's rotation at its position as full-width cosines and signed sines ``[b, 2, D]``
+    (rotate-half: lane ``i`` pairs with lane ``i + D/2``), what :func:`load_rotated` takes; the
+    identity without ``inv_freq``."""
+    b = positions.shape[0]
+    if inv_freq is None:
+        cos, sin = jnp.ones((b, head_dim // 2), jnp.float32), jnp.zeros((b, head_dim // 2), jnp.float32)
+    else:
+        cos, sin = rope_cos_sin(positions, inv_freq)
+    return jnp.stack([jnp.concatenate([cos, cos], -1), jnp.concatenate([-sin, sin], -1)], axis=1)
+
+
+def load_rotated(heads_ref: jax.Ref, head_rows: Array, rope_ref: jax.Ref, mask: Array | None = None) -> Array:
+    """Rows ``head_rows`` of a ``[heads, D]`` block after RoPE (a row of :func:`rope_table` in
+    ``rope_ref`` ``[2, D]``), in f32 like :func:`zgen.rope.apply_rope`, then rounded to the heads'
+    dtype; the partner lanes come from a second, permuted load. ``mask``: rows to load (others 0)."""
+    d = heads_ref.shape[-1]
+    lanes = jnp.arange(d)[None, :]
+    cos, sin = rope_ref[0, :][None, :], rope_ref[1, :][None, :]
+    masked = {} if mask is None else {"mask": mask, "other": 0.0}
+    x = pltriton.load(heads_ref.at[head_rows[:, None], lanes], **masked).astype(jnp.float32)
+    partner = pltriton.load(heads_ref.at[head_rows[:, None], (lanes + d // 2) % d], **masked)
+    return (x * cos + partner.astype(jnp.float32) * sin).astype(heads_ref.dtype)
+
+
+def own_key_carry(
+    q: Float[Array, "rows d"], k_new: Float[Array, "1 d"], v_new: Float[Array, "1 d"], first: Bool[Array, " rows"],
+    *, scale: float, soft_cap: float | None,
+) -> tuple[Float[Array, " rows"], Float[Array, " rows"], Float[Array, "rows d"]]:
+    """The online softmax's starting carry ``(max, sum, acc)`` of an appending decode step: rows in
+    ``first`` start from the token's own key (always visible to itself, held in registers, so no
+    program waits for its write), the others from nothing."""
+    own = apply_soft_cap(jnp.sum(q.astype(jnp.float32) * k_new.astype(jnp.float32), axis=-1) * scale, soft_cap)
+    rows = q.shape[0]
+    return (
+        jnp.where(first, own, RUNNING_MAX_INIT),
+        jnp.where(first, 1.0, 0.0),
+        jnp.where(first[:, None], jnp.broadcast_to(v_new.astype(jnp.float32), (rows, q.shape[1])), 0.0),
+    )

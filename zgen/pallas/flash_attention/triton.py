@@ -35,8 +35,7 @@ from zgen.pallas.common import (
     ungroup_queries,
     visible,
 )
-from zgen.pallas.triton_utils import MIN_DOT, dot_nn, dot_nt
-from zgen.rope import rope_cos_sin
+from zgen.pallas.triton_utils import MIN_DOT, dot_nn, dot_nt, load_rotated, own_key_carry, rope_table
 from zgen.shapes import cdiv, next_pow2
 
 # Query rows per kv head up to which the decode kernel runs: beyond, the prefill grid has enough programs.
@@ -360,8 +359,7 @@ def _append_decode_kernel(
     """One query token per row: store its key/value in slot ``pos`` and attend over slots ``0..pos``.
 
     ``heads_ref`` holds the row's query heads, then its new keys, then its new values, before RoPE;
-    ``rope_ref`` the rotation at ``pos`` as full-width cosines and signed sines (rotate-half: lane ``i``
-    pairs with lane ``i + D/2``). The stored slots ``< pos`` come from the buffer and the token's own
+    ``rope_ref`` the rotation at ``pos`` (``rope_table``). The stored slots ``< pos`` come from the buffer and the token's own
     key from registers, so no program waits for the write: split 0 stores the slot after its loop
     (another split may load that slot meanwhile, old or new, and masks it either way)."""
     o_ref, k_out_ref, v_out_ref = out_refs[0], out_refs[-2], out_refs[-1]
@@ -371,23 +369,12 @@ def _append_decode_kernel(
     real = pos >= 0
     row = jnp.arange(rows)
     in_group = row < group
-    d = heads_ref.shape[-1]
-    lanes = jnp.arange(d)[None, :]
-    cos, sin = rope_ref[0, :][None, :], rope_ref[1, :][None, :]
-
-    def rotated(head_rows: Array, mask: Array | None = None) -> Array:
-        """Heads (rows of ``heads_ref``) after RoPE, in f32 like :func:`zgen.rope.apply_rope`, then
-        rounded to their dtype; the partner lanes come from a second, permuted load."""
-        masked = {} if mask is None else {"mask": mask, "other": 0.0}
-        x = pltriton.load(heads_ref.at[head_rows[:, None], lanes], **masked).astype(jnp.float32)
-        partner = pltriton.load(heads_ref.at[head_rows[:, None], (lanes + d // 2) % d], **masked)
-        return (x * cos + partner.astype(jnp.float32) * sin).astype(heads_ref.dtype)
-
+    lanes = jnp.arange(heads_ref.shape[-1])[None, :]
     # The head group (any size) read as a power-of-two tile for the tensor cores; padding rows are 0.
-    q = rotated(kv_head * group + row, in_group[:, None])
+    q = load_rotated(heads_ref, kv_head * group + row, rope_ref, in_group[:, None])
     # The token's own key and value as the cache will hold them (what the other keys are read as).
     own_row = jnp.full((1,), num_heads + kv_head, jnp.int32)
-    k_new = rotated(own_row).astype(k_ref.dtype)  # [1, d]
+    k_new = load_rotated(heads_ref, own_row, rope_ref).astype(k_ref.dtype)  # [1, d]
     v_new = pltriton.load(heads_ref.at[(own_row + kv_heads)[:, None], lanes]).astype(v_ref.dtype)
     q_pos = jnp.where(in_group, pos, -1)
     lo, hi = key_block_range(pos, pos, pos, block_k=block_k, num_k_blocks=num_k_blocks, causal=True, window=window)
@@ -397,15 +384,7 @@ def _append_decode_kernel(
         _attend_block, q, q_pos, k_ref, v_ref, pos,
         block_k=block_k, masked=True, causal=True, window=window, scale=scale, soft_cap=soft_cap,
     )
-    # Split 0 starts from the token's own key (always visible to itself), the others from nothing.
-    own = apply_soft_cap(jnp.sum(q.astype(jnp.float32) * k_new.astype(jnp.float32), axis=-1) * scale, soft_cap)
-    first = (split == 0) & real & in_group
-    m0, l0, acc0 = _init_carry(q)
-    carry = (
-        jnp.where(first, own, m0),
-        jnp.where(first, 1.0, l0),
-        jnp.where(first[:, None], jnp.broadcast_to(v_new.astype(jnp.float32), acc0.shape), acc0),
-    )
+    carry = own_key_carry(q, k_new, v_new, (split == 0) & real & in_group, scale=scale, soft_cap=soft_cap)
     m, l, acc = jax.lax.fori_loop(start, jnp.minimum(start + per_split, hi), step, carry)
     out, lse = finish_softmax(acc, m, l)
     if num_splits == 1:  # the finished output, written straight into the group's rows
@@ -463,11 +442,7 @@ def append_decode_attention(
         num_splits=splits, window=sliding_window, scale=scale, soft_cap=soft_cap,
     )
     heads = jnp.concatenate([q, k_new, v_new], axis=2)[:, 0]  # [b, h + 2 kvh, d]
-    if inv_freq is None:
-        cos, sin = jnp.ones((b, d // 2), jnp.float32), jnp.zeros((b, d // 2), jnp.float32)
-    else:
-        cos, sin = rope_cos_sin(positions[:, 0], inv_freq)
-    rope = jnp.stack([jnp.concatenate([cos, cos], -1), jnp.concatenate([-sin, sin], -1)], axis=1)  # [b, 2, d]
+    rope = rope_table(positions[:, 0], inv_freq, d)
     kv_spec = pl.BlockSpec((None, s, None, d), lambda b, h, i: (b, 0, h, 0))
     if splits == 1:
         out_specs: list[pl.BlockSpec] = [pl.BlockSpec((None, None, g, d), lambda b, h, i: (b, h, 0, 0))]

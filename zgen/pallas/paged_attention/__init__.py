@@ -1,6 +1,6 @@
 """Paged attention (decode, verification, chunked prefill) over (optionally quantized) KV pages."""
 
-from zgen.pallas.paged_attention.api import paged_attention, paged_decode_attention
+from zgen.pallas.paged_attention.api import append_and_attend, paged_attention, paged_decode_attention
 from zgen.pallas.paged_attention.layouts import (
     Fp8Pages,
     KVPages,
@@ -19,6 +19,7 @@ __all__ = [
     "Q3Pages",
     "Q4Pages",
     "QuantizedPages",
+    "append_and_attend",
     "paged_attention",
     "paged_decode_attention",
     "quantize",

@@ -1,6 +1,6 @@
 """Attention over a paged (optionally quantized) KV cache: ``paged_attention`` for queries at any
 positions (chunked prefill, verification, decode), ``paged_decode_attention`` for one new token per
-sequence."""
+sequence, ``append_and_attend`` for a decode step that also rotates and stores its token (plain pages)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from zgen.pallas.common import interpret_pallas, platform, resolve_scale
 from zgen.pallas.paged_attention import gathered
 from zgen.pallas.paged_attention.common import visible_pages
 from zgen.pallas.paged_attention.layouts import KeyCalibration, KVPages, float_pages, head_dim_of, leading_shape
+from zgen.rope import apply_rope
 
 
 def _layout(pages: KVPages) -> type:
@@ -249,3 +250,74 @@ def paged_decode_attention(
         key_calibration=key_calibration,
         implementation=implementation,
     )[:, 0]
+
+
+def append_and_attend(
+    q: Float[Array, "b 1 h d"],
+    k_new: Float[Array, "b 1 kvh d"],
+    v_new: Float[Array, "b 1 kvh d"],
+    k_pages: KVPages,
+    v_pages: KVPages,
+    block_tables: Int[Array, "b pages_per_seq"],
+    positions: Int[Array, "b 1"],
+    *,
+    inv_freq: Float[Array, " half"] | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    scale: float | None = None,
+    implementation: str | None = None,
+) -> tuple[Float[Array, "b 1 h d"], Float[Array, "kvh pages page_size d"], Float[Array, "kvh pages page_size d"]]:
+    """One decode step over plain (float) pages: rotate ``q`` and ``k_new`` (rotate-half RoPE with
+    ``inv_freq`` at each row's position; none without it), store each row's key/value at its position
+    (page ``block_tables[b, pos // page_size]``, offset ``pos % page_size``; a negative position, one
+    past the table or an unallocated page (-1) stores nothing) and attend causally over its pages.
+
+    Returns the attention output and the updated pools. On the GPU (``implementation`` None or
+    "triton") one Triton kernel does it all, updating the pools in place, where RoPE, the page write,
+    :func:`paged_attention` and its split merge are separate launches; "reference" is exactly those
+    steps. Plain pages only: quantized layouts are written by :func:`zgen.pallas.page_write.write_kv`
+    and read by :func:`paged_attention`.
+    """
+    b, t, _, d = q.shape
+    if not isinstance(k_pages, jax.Array) or not isinstance(v_pages, jax.Array) or not jnp.issubdtype(k_pages.dtype, jnp.floating):
+        raise ConfigError(
+            "append_and_attend takes plain float pages; write quantized layouts with zgen.pallas.page_write.write_kv "
+            "and read them with paged_attention"
+        )
+    kvh = k_pages.shape[0]
+    if t != 1 or k_new.shape != (b, 1, kvh, d) or v_new.shape != k_new.shape or v_pages.shape != k_pages.shape:
+        raise ValueError(f"append_and_attend takes one token per row: q {q.shape}, k/v {k_new.shape}, pages {k_pages.shape}")
+    _check(q, k_pages, v_pages, block_tables, positions)
+    if implementation is None:
+        from zgen.pallas.paged_attention import triton
+
+        impl = "triton" if platform() == "gpu" and triton.supports(k_pages) else "reference"
+    elif implementation in ("reference", "triton"):
+        impl = implementation
+    else:
+        raise ConfigError(f"append_and_attend has implementations reference and triton (or None), not {implementation!r}")
+    if impl == "triton":
+        from zgen.pallas.paged_attention import triton
+
+        return triton.append_decode_attention(
+            q, k_new, v_new, k_pages, v_pages, block_tables, positions, inv_freq=inv_freq, sliding_window=sliding_window,
+            soft_cap=soft_cap, scale=resolve_scale(d, scale), interpret=interpret_pallas(),
+        )
+    if inv_freq is not None:
+        q, k_new = (apply_rope(x, positions[:, :, None], inv_freq) for x in (q, k_new))
+    _, num_pages, page_size = k_pages.shape[:3]
+    pos = positions[:, 0].astype(jnp.int32)
+    pps = block_tables.shape[1]
+    own = jnp.take_along_axis(block_tables, jnp.clip(pos // page_size, 0, pps - 1)[:, None], axis=1)[:, 0]
+    page = jnp.where((pos >= 0) & (pos < pps * page_size) & (own >= 0), own, num_pages)  # out of bounds: dropped
+    offset = pos % page_size
+
+    def store(pages: Array, tokens: Array) -> Array:
+        return pages.at[:, page, offset].set(jnp.swapaxes(tokens[:, 0], 0, 1).astype(pages.dtype), mode="drop")
+
+    k_pages, v_pages = store(k_pages, k_new), store(v_pages, v_new)
+    out = paged_attention(
+        q, k_pages, v_pages, block_tables, positions, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
+        implementation="reference",
+    )
+    return out, k_pages, v_pages

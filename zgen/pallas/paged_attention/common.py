@@ -54,6 +54,15 @@ def compact_pages(
 TARGET_PROGRAMS = 1024
 
 
+def split_count(
+    pages_per_seq: int, programs: int, num_splits: int | None, max_pages_per_split: int | None = None, target: int = TARGET_PROGRAMS
+) -> int:
+    """Splits of a row's pages: ``num_splits``, or enough for ``target`` programs over a grid of
+    ``programs`` programs per split, and none longer than ``max_pages_per_split``."""
+    longest = 1 if max_pages_per_split is None else cdiv(pages_per_seq, max_pages_per_split)
+    return num_splits or min(pages_per_seq, max(1, cdiv(target, programs), longest))
+
+
 def split_pages(
     block_tables: Int[Array, "b pages_per_seq"],
     page_mask: Bool[Array, "b pages_per_seq"],
@@ -68,9 +77,7 @@ def split_pages(
     whole number of splits) and the visible-page counts.
     """
     pps = block_tables.shape[1]
-    longest = 1 if max_pages_per_split is None else cdiv(pps, max_pages_per_split)
-    splits = num_splits or min(pps, max(1, cdiv(TARGET_PROGRAMS, programs), longest))
-    per_split = cdiv(pps, splits)
+    per_split = cdiv(pps, split_count(pps, programs, num_splits, max_pages_per_split))
     splits = cdiv(pps, per_split)
     tables, logical, count = compact_pages(block_tables, page_mask)
     pad = ((0, 0), (0, splits * per_split - pps))

@@ -41,7 +41,7 @@ from zgen.pallas.common import (
     ungroup_queries,
     visible,
 )
-from zgen.pallas.paged_attention.common import slot_ranges, split_pages
+from zgen.pallas.paged_attention.common import slot_ranges, split_count, split_pages
 from zgen.pallas.paged_attention.layouts import (
     Q3_LEVELS,
     Fp8Pages,
@@ -51,7 +51,17 @@ from zgen.pallas.paged_attention.layouts import (
     Q4Pages,
     leading_shape,
 )
-from zgen.pallas.triton_utils import MIN_DOT, dot_nn, dot_nt, nibble_tiles, prev_pow2, widen_metadata
+from zgen.pallas.triton_utils import (
+    MIN_DOT,
+    dot_nn,
+    dot_nt,
+    load_rotated,
+    nibble_tiles,
+    own_key_carry,
+    prev_pow2,
+    rope_table,
+    widen_metadata,
+)
 from zgen.rope import rope_cos_sin
 from zgen.shapes import cdiv, next_pow2
 
@@ -327,33 +337,74 @@ def _kernel(
         ]
     prepared = k_reader.prepare(q_pieces)
     mean = _mean_logits(coding_refs, page_size, q_pieces[0].dtype) if coding_refs else None
-
-    def step(slot: Array, carry: tuple[Array, Array, list[Array]]) -> tuple[Array, Array, list[Array]]:
-        m, l, acc = carry
-        page, logical = tables_ref[slot], logical_ref[slot]
-        first = logical * page_size
-        pos = first + jnp.arange(page_size)
-        s = k_reader.logits(k_refs, page, q_pieces, prepared)
-        if mean is not None:
-            s = s + mean(logical, first)
-        ok = visible(qpos, pos[None, :], qpos + 1, causal=True, window=window)
-        s = jnp.where(ok, apply_soft_cap(s * scale, soft_cap), -jnp.inf)
-        m, l, p, alpha = softmax_rescale(m, l, s)
-        pv = v_reader.values(v_refs, page, p)
-        return m, l, [a * alpha[:, None] + c for a, c in zip(acc, pv, strict=True)]
-
     init = (
         jnp.full((rows,), RUNNING_MAX_INIT, jnp.float32),
         jnp.zeros((rows,), jnp.float32),
         [jnp.zeros((rows, width), jnp.float32) for _, width in v_reader.pieces],
     )
-    m, l, acc = jax.lax.fori_loop(start, jnp.maximum(start, end), step, init)
-    for (dim, width), a in zip(v_reader.pieces, acc, strict=True):
+    m, l, acc = _attend_pages(
+        k_refs, v_refs, tables_ref, logical_ref, q_pieces, prepared, qpos, qpos + 1, init, start, end,
+        k_reader=k_reader, v_reader=v_reader, mean=mean, page_size=page_size, scale=scale, soft_cap=soft_cap, window=window,
+    )
+    _store_output(o_ref, lse_ref, v_reader.pieces, m, l, acc, row, in_group)
+
+
+def _attend_pages(
+    k_refs: Sequence[jax.Ref],
+    v_refs: Sequence[jax.Ref],
+    tables_ref: jax.Ref,
+    logical_ref: jax.Ref | None,
+    q_pieces: Sequence[Array],
+    prepared: Sequence[Array],
+    qpos: Array,
+    length: Array,
+    carry: tuple[Array, Array, list[Array]],
+    start: Array,
+    end: Array,
+    *,
+    k_reader: PageReader,
+    v_reader: PageReader,
+    mean: Callable[[Array, Array], Array] | None,
+    page_size: int,
+    scale: float,
+    soft_cap: float | None,
+    window: int | None,
+) -> tuple[Array, Array, list[Array]]:
+    """The online softmax of a query tile (positions ``qpos`` ``[rows, 1]``) over the page slots
+    ``[start, end)`` of ``tables_ref``, one page a step: keys below ``length`` that the queries see.
+    ``logical_ref`` gives each slot's place in the sequence (compacted tables); None: the slot's own."""
+
+    def step(slot: Array, carry: tuple[Array, Array, list[Array]]) -> tuple[Array, Array, list[Array]]:
+        m, l, acc = carry
+        page = tables_ref[slot]
+        logical = slot if logical_ref is None else logical_ref[slot]
+        first = logical * page_size
+        pos = first + jnp.arange(page_size)
+        s = k_reader.logits(k_refs, page, q_pieces, prepared)
+        if mean is not None:
+            s = s + mean(logical, first)
+        ok = visible(qpos, pos[None, :], length, causal=True, window=window)
+        s = jnp.where(ok, apply_soft_cap(s * scale, soft_cap), -jnp.inf)
+        m, l, p, alpha = softmax_rescale(m, l, s)
+        pv = v_reader.values(v_refs, page, p)
+        return m, l, [a * alpha[:, None] + c for a, c in zip(acc, pv, strict=True)]
+
+    return jax.lax.fori_loop(start, jnp.maximum(start, end), step, carry)
+
+
+def _store_output(
+    o_ref: jax.Ref, lse_ref: Sequence[jax.Ref], pieces: Sequence[tuple[int, int]], m: Array, l: Array, acc: Sequence[Array],
+    row: Array, in_group: Array,
+) -> None:
+    """A split's partial output and log-sum-exp (``lse_ref`` given), or the finished rows of the group
+    (``in_group``) straight into ``o_ref``."""
+    for (dim, width), a in zip(pieces, acc, strict=True):
         out = finish_softmax(a, m, l)[0]
         if lse_ref:
             o_ref[:, pl.ds(dim, width)] = out
         else:
-            pltriton.store(o_ref.at[row[:, None], lanes(dim, width)], out.astype(o_ref.dtype), mask=in_group[:, None])
+            lanes = dim + jnp.arange(width)[None, :]
+            pltriton.store(o_ref.at[row[:, None], lanes], out.astype(o_ref.dtype), mask=in_group[:, None])
     if lse_ref:
         lse_ref[0][...] = finish_softmax(acc[0], m, l)[1]
 
@@ -522,3 +573,153 @@ def paged_attention(
     if finished:
         return outs[0].reshape(b, 1, h, d)
     return ungroup_queries(merge_partials(*outs), t, h, block_t).astype(q.dtype)
+
+
+# The appending decode kernel aims at half the programs of TARGET_PROGRAMS: on an H200 (Llama-3-8B
+# heads, batch 8, bf16 pages of 64, 64 steps in one loop, merge included) 8 splits against 16 took
+# 82 against 91 us a layer at 8,000 tokens and 23 against 25 at 1,000; 4 and 2 splits were slower.
+APPEND_TARGET_PROGRAMS = 512
+
+
+def _append_kernel(
+    heads_ref: jax.Ref,
+    rope_ref: jax.Ref,
+    pos_ref: jax.Ref,
+    page_ref: jax.Ref,
+    k_ref: jax.Ref,
+    v_ref: jax.Ref,
+    tables_ref: jax.Ref,
+    lo_ref: jax.Ref,
+    hi_ref: jax.Ref,
+    *out_refs: jax.Ref,
+    kv_heads: int,
+    group: int,
+    rows: int,
+    page_size: int,
+    pages_per_split: int,
+    scale: float,
+    soft_cap: float | None,
+    window: int | None,
+) -> None:
+    """One decode token a row over plain pages: rotate its query group and key (``heads_ref``: the
+    row's query heads, new keys, new values, before RoPE; ``rope_ref``: its ``rope_table`` row),
+    attend over the stored keys before ``pos`` plus its own key from registers, and store its key and
+    value in page ``page_ref`` at offset ``pos % page_size`` after split 0's loop (another split may
+    read that slot meanwhile, old or new, and masks it either way)."""
+    o_ref, lse_ref, k_out_ref, v_out_ref = out_refs[0], out_refs[1:-2], out_refs[-2], out_refs[-1]
+    kv_head, split = pl.program_id(1), pl.program_id(2)
+    pos, page = pos_ref[0], page_ref[0]
+    row = jnp.arange(rows)
+    in_group = row < group
+    q = load_rotated(heads_ref, kv_head * group + row, rope_ref, in_group[:, None])
+    own_row = jnp.full((1,), kv_heads * group + kv_head, jnp.int32)
+    k_new = load_rotated(heads_ref, own_row, rope_ref).astype(k_ref.dtype)  # [1, d]
+    lanes = jnp.arange(heads_ref.shape[-1])[None, :]
+    v_new = pltriton.load(heads_ref.at[(own_row + kv_heads)[:, None], lanes]).astype(v_ref.dtype)
+    m, l, acc = own_key_carry(q, k_new, v_new, (split == 0) & (pos >= 0) & in_group, scale=scale, soft_cap=soft_cap)
+    split_start = split * pages_per_split
+    reader = _native_reader(q.shape[1], q.dtype)
+    m, l, acc_pieces = _attend_pages(
+        [k_ref], [v_ref], tables_ref, None, [q], [], jnp.where(in_group, pos, -1)[:, None], pos, (m, l, [acc]),
+        jnp.maximum(lo_ref[0], split_start), jnp.minimum(hi_ref[0], split_start + pages_per_split),
+        k_reader=reader, v_reader=reader, mean=None, page_size=page_size, scale=scale, soft_cap=soft_cap, window=window,
+    )
+    _store_output(o_ref, lse_ref, reader.pieces, m, l, acc_pieces, row, in_group)
+
+    @pl.when((split == 0) & (page >= 0))
+    def _store() -> None:
+        offset = pos % page_size
+        k_out_ref[page, pl.ds(offset, 1), :] = k_new
+        v_out_ref[page, pl.ds(offset, 1), :] = v_new
+
+
+def append_decode_attention(
+    q: Float[Array, "b 1 h d"],
+    k_new: Float[Array, "b 1 kvh d"],
+    v_new: Float[Array, "b 1 kvh d"],
+    k_pages: Float[Array, "kvh pages page_size d"],
+    v_pages: Float[Array, "kvh pages page_size d"],
+    block_tables: Int[Array, "b pages_per_seq"],
+    positions: Int[Array, "b 1"],
+    *,
+    inv_freq: Float[Array, " half"] | None,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    scale: float,
+    interpret: bool = False,
+    num_splits: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 3,
+) -> tuple[Float[Array, "b 1 h d"], Float[Array, "kvh pages page_size d"], Float[Array, "kvh pages page_size d"]]:
+    """A paged decode step's RoPE, page write and attention in one kernel over plain (float) pages,
+    updated in place: :func:`~zgen.pallas.flash_attention.triton.append_decode_attention`'s step with
+    the keys in pages. A row's visible pages are a run of its table (``[lo, hi)``: no compaction);
+    splits of equal page runs as in :func:`paged_attention`, merged outside unless there is one."""
+    b, _, h, d = q.shape
+    kvh, _, page_size = k_pages.shape[:3]
+    if not supports(k_pages):
+        raise ConfigError(
+            f"the Triton paged kernel needs a power-of-two page_size >= {MIN_DOT}, got {page_size}; "
+            "use implementation='reference' or None"
+        )
+    g = h // kvh
+    rows = max(MIN_DOT, next_pow2(g))
+    pps = block_tables.shape[1]
+    pos = positions[:, 0].astype(jnp.int32)
+    hi = jnp.clip(pos // page_size + 1, 0, pps)  # the pages holding slots 0..pos (pos -1: none)
+    lo = jnp.zeros_like(hi) if sliding_window is None else jnp.minimum(jnp.maximum(pos + 1 - sliding_window, 0) // page_size, hi)
+    own = jnp.take_along_axis(block_tables, jnp.clip(pos // page_size, 0, pps - 1)[:, None], axis=1)[:, 0]
+    page = jnp.where((pos >= 0) & (pos < pps * page_size), own, -1).astype(jnp.int32)  # -1 (also unallocated): no write
+    per_split = cdiv(pps, split_count(pps, b * kvh, num_splits, target=APPEND_TARGET_PROGRAMS))
+    splits = cdiv(pps, per_split)
+    kernel = functools.partial(
+        _append_kernel, kv_heads=kvh, group=g, rows=rows, page_size=page_size, pages_per_split=per_split,
+        scale=scale, soft_cap=soft_cap, window=sliding_window,
+    )
+    per_row = pl.BlockSpec((None, 1), lambda b, h, i: (b, 0))
+    pool = _leaf_spec(k_pages)
+    if splits == 1:
+        out_specs = [pl.BlockSpec((None, None, g, d), lambda b, h, i: (b, h, 0, 0))]
+        out_shape = [jax.ShapeDtypeStruct((b, kvh, g, d), q.dtype)]
+    else:
+        out_specs = [
+            pl.BlockSpec((None, None, None, rows, d), lambda b, h, i: (b, h, i, 0, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda b, h, i: (b, h, i, 0)),
+        ]
+        out_shape = [
+            jax.ShapeDtypeStruct((b, kvh, splits, rows, d), jnp.float32),
+            jax.ShapeDtypeStruct((b, kvh, splits, rows), jnp.float32),
+        ]
+    *outs, k_pages, v_pages = pl.pallas_call(
+        kernel,
+        grid=(b, kvh, splits),
+        in_specs=[
+            pl.BlockSpec((None, h + 2 * kvh, d), lambda b, h, i: (b, 0, 0)),
+            pl.BlockSpec((None, 2, d), lambda b, h, i: (b, 0, 0)),
+            per_row,
+            per_row,
+            pool,
+            pool,
+            pl.BlockSpec((None, pps), lambda b, h, i: (b, 0)),
+            per_row,
+            per_row,
+        ],
+        out_specs=[*out_specs, pool, pool],
+        out_shape=[*out_shape, jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype), jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
+        input_output_aliases={4: len(out_shape), 5: len(out_shape) + 1},
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="zgen_paged_append_decode",
+    )(
+        jnp.concatenate([q, k_new, v_new], axis=2)[:, 0],
+        rope_table(pos, inv_freq, d),
+        pos[:, None],
+        page[:, None],
+        k_pages,
+        v_pages,
+        jnp.maximum(block_tables, 0).astype(jnp.int32),
+        lo[:, None],
+        hi[:, None],
+    )
+    out = outs[0] if splits == 1 else merge_partials(outs[0], outs[1])[:, :, :g].astype(q.dtype)
+    return out.reshape(b, 1, h, d), k_pages, v_pages
