@@ -33,7 +33,7 @@ from zgen.errors import CacheError, ConfigError, PoolExhaustedError
 from zgen.graph.decoder import build_decoder
 from zgen.rope import rotary
 from zgen.model import random_model
-from zgen.pallas.paged_attention.layouts import KeyCalibration, hadamard
+from zgen.pallas.paged_attention.layouts import KeyCalibration, hadamard, quantize
 from zgen.runtime.calibration import calibrate_keys
 from zgen.runtime.step import ModelSpec, _CacheContext, forward
 
@@ -266,8 +266,9 @@ def test_other_formats_store_the_rotated_keys(kv_dtype: str) -> None:
     np.testing.assert_allclose(_view(state)[0][:, :5], rotary(k, pos, INV_FREQ), rtol=tolerance, atol=tolerance)
 
 
-def test_a_decode_step_on_the_triton_kernels_is_one_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Over plain pages the Triton path (interpreted here; the GPU's default) takes a decode step
+@pytest.mark.parametrize("kv_dtype", ["fp32", "fp8"])
+def test_a_decode_step_on_the_triton_kernels_is_one_kernel(kv_dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over plain or fp8 pages the Triton path (interpreted here; the GPU's default) takes a decode step
     through ``append_and_attend``'s one kernel, prefill through the separate rotation, write and
     attention; the output and pages equal the XLA path's (rows at different lengths, pages scattered)."""
     import zgen.cache.paged_state as paged_state
@@ -281,8 +282,10 @@ def test_a_decode_step_on_the_triton_kernels_is_one_kernel(monkeypatch: pytest.M
 
     monkeypatch.setattr(paged_state, "append_and_attend", counted)
     ids = np.random.default_rng(6).permutation(2 * B + 1)[: 2 * B].reshape(B, 2)
-    pages = [empty_pages("fp32", KVH, 2 * B + 1, 16, D) for _ in range(2)]
-    state = PagedKVState((pages[0],), (pages[1],), jnp.asarray(ids, jnp.int32), "fp32", attention="xla")
+    # fp8 as float pages (a CPU cache keeps them in integer containers, which take the XLA path)
+    empty = jnp.zeros((KVH, 2 * B + 1, 16, D), jnp.float32)
+    pages = [empty if kv_dtype == "fp32" else quantize(empty, "fp8") for _ in range(2)]
+    state = PagedKVState((pages[0],), (pages[1],), jnp.asarray(ids, jnp.int32), kv_dtype, attention="xla")
     _, state, *_ = _context_step(state, 0, 20, 40)
     assert not calls
     pos = jnp.asarray([[20], [17]], jnp.int32)

@@ -152,20 +152,21 @@ def test_append_decode_lowers(head_dim: int, heads: int, kv_heads: int, slots: i
     assert "xla.gpu.triton" in lower_for_cuda(fn, q, new, new, cache, cache, positions)
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize(("heads", "kv_heads"), [(32, 8), (9, 3)])
 @pytest.mark.parametrize(("num_splits", "window", "cap"), [(1, None, None), (None, 100, 30.0)])
 def test_paged_append_decode_lowers(
-    head_dim: int, heads: int, kv_heads: int, num_splits: int | None, window: int | None, cap: float | None
+    fmt: str, head_dim: int, heads: int, kv_heads: int, num_splits: int | None, window: int | None, cap: float | None
 ) -> None:
-    """The paged cache's one-kernel decode step over bf16 pages: finished in the kernel or split."""
+    """The paged cache's one-kernel decode step over bf16 or fp8 pages: finished in the kernel or split."""
     q = jnp.zeros((2, 1, heads, head_dim), jnp.bfloat16)
     new = jnp.zeros((2, 1, kv_heads, head_dim), jnp.bfloat16)
-    pool = jnp.zeros((kv_heads, 16, 64, head_dim), jnp.bfloat16)
+    pool = quantize(jnp.zeros((kv_heads, 16, 64, head_dim), jnp.float32), fmt)  # type: ignore[arg-type]
     tables, positions = jnp.zeros((2, 8), jnp.int32), jnp.zeros((2, 1), jnp.int32)
     inv_freq = jnp.ones((head_dim // 2,), jnp.float32)
 
-    def fn(q: jax.Array, kn: jax.Array, vn: jax.Array, k: jax.Array, v: jax.Array, t: jax.Array, p: jax.Array) -> Any:
+    def fn(q: jax.Array, kn: jax.Array, vn: jax.Array, k: Any, v: Any, t: jax.Array, p: jax.Array) -> Any:
         return paged_triton.append_decode_attention(
             q, kn, vn, k, v, t, p, inv_freq=inv_freq, sliding_window=window, soft_cap=cap, scale=0.1, num_splits=num_splits
         )

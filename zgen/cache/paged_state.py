@@ -47,7 +47,7 @@ from zgen.cache.tensor import masked_attention
 from zgen.errors import ConfigError
 from zgen.pallas import paged_attention
 from zgen.pallas.paged_attention import append_and_attend
-from zgen.pallas.paged_attention.api import default_implementation
+from zgen.pallas.paged_attention.api import appends_to, default_implementation
 from zgen.pallas.page_write import write_kv
 from zgen.pallas.paged_attention.layouts import (
     KeyCalibration,
@@ -216,17 +216,12 @@ class PagedKVState:
         sliding_window: int | None,
     ) -> tuple[Float[Array, "B T H D"], PagedKVState]:
         """RoPE on ``q`` and ``k``, :meth:`write`, then :meth:`attend`; a decode step over plain float
-        pages on the Triton kernels is one kernel that also stores the token in its page
+        or fp8 pages on the Triton kernels is one kernel that also stores the token in its page
         (:func:`zgen.pallas.paged_attention.append_and_attend`: the rotations, the page write and the
         split merge are launches fewer per layer)."""
         k_pages, v_pages = self.k[layer], self.v[layer]
         implementation = self.attention or default_implementation(k_pages, page_mask_given=False, window=sliding_window)
-        one_kernel = (
-            q.shape[1] == 1
-            and implementation == "triton"
-            and isinstance(k_pages, jax.Array)
-            and jnp.issubdtype(k_pages.dtype, jnp.floating)
-        )
+        one_kernel = q.shape[1] == 1 and implementation == "triton" and appends_to(k_pages)
         if not one_kernel:
             q, k = rotary(q, positions, inv_freq), rotary(k, positions, inv_freq)
             state = self.write(layer, k, v, positions)

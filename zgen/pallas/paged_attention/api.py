@@ -4,7 +4,7 @@ sequence, ``append_and_attend`` for a decode step that also rotates and stores i
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal, get_args
+from typing import Any, Callable, Literal, cast, get_args
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +14,15 @@ from zgen.errors import ConfigError, InputError
 from zgen.pallas.common import interpret_pallas, platform, resolve_scale
 from zgen.pallas.paged_attention import gathered
 from zgen.pallas.paged_attention.common import visible_pages
-from zgen.pallas.paged_attention.layouts import KeyCalibration, KVPages, float_pages, head_dim_of, leading_shape
+from zgen.pallas.paged_attention.layouts import (
+    Fp8Pages,
+    KeyCalibration,
+    KVPages,
+    float_pages,
+    head_dim_of,
+    leading_shape,
+    quantize_fp8,
+)
 from zgen.rope import apply_rope
 
 
@@ -252,6 +260,20 @@ def paged_decode_attention(
     )[:, 0]
 
 
+def appends_to(pages: KVPages) -> bool:
+    """Pages :func:`append_and_attend` writes and reads: plain float arrays and fp8."""
+    return isinstance(pages, Fp8Pages) or (isinstance(pages, jax.Array) and jnp.issubdtype(pages.dtype, jnp.floating))
+
+
+def _appendable(pages: KVPages) -> Array | Fp8Pages:
+    if not appends_to(pages):
+        raise ConfigError(
+            "append_and_attend takes plain float or fp8 pages; write other layouts with zgen.pallas.page_write.write_kv "
+            "and read them with paged_attention"
+        )
+    return cast("Array | Fp8Pages", pages)
+
+
 def append_and_attend(
     q: Float[Array, "b 1 h d"],
     k_new: Float[Array, "b 1 kvh d"],
@@ -266,8 +288,8 @@ def append_and_attend(
     soft_cap: float | None = None,
     scale: float | None = None,
     implementation: str | None = None,
-) -> tuple[Float[Array, "b 1 h d"], Float[Array, "kvh pages page_size d"], Float[Array, "kvh pages page_size d"]]:
-    """One decode step over plain (float) pages: rotate ``q`` and ``k_new`` (rotate-half RoPE with
+) -> tuple[Float[Array, "b 1 h d"], KVPages, KVPages]:
+    """One decode step over plain (float) or fp8 pages: rotate ``q`` and ``k_new`` (rotate-half RoPE with
     ``inv_freq`` at each row's position; none without it), store each row's key/value at its position
     (page ``block_tables[b, pos // page_size]``, offset ``pos % page_size``; a negative position, one
     past the table or an unallocated page (-1) stores nothing) and attend causally over its pages.
@@ -275,18 +297,15 @@ def append_and_attend(
     Returns the attention output and the updated pools. On the GPU (``implementation`` None or
     "triton") one Triton kernel does it all, updating the pools in place, where RoPE, the page write,
     :func:`paged_attention` and its split merge are separate launches; "reference" is exactly those
-    steps. Plain pages only: quantized layouts are written by :func:`zgen.pallas.page_write.write_kv`
-    and read by :func:`paged_attention`.
+    steps (fp8 tokens quantized as :func:`~zgen.pallas.paged_attention.layouts.quantize_fp8` does).
+    Other quantized layouts are written by :func:`zgen.pallas.page_write.write_kv` and read by
+    :func:`paged_attention`.
     """
     b, t, _, d = q.shape
-    if not isinstance(k_pages, jax.Array) or not isinstance(v_pages, jax.Array) or not jnp.issubdtype(k_pages.dtype, jnp.floating):
-        raise ConfigError(
-            "append_and_attend takes plain float pages; write quantized layouts with zgen.pallas.page_write.write_kv "
-            "and read them with paged_attention"
-        )
-    kvh = k_pages.shape[0]
-    if t != 1 or k_new.shape != (b, 1, kvh, d) or v_new.shape != k_new.shape or v_pages.shape != k_pages.shape:
-        raise ValueError(f"append_and_attend takes one token per row: q {q.shape}, k/v {k_new.shape}, pages {k_pages.shape}")
+    k_pages, v_pages = _appendable(k_pages), _appendable(v_pages)
+    kvh, num_pages, page_size = leading_shape(k_pages)
+    if t != 1 or k_new.shape != (b, 1, kvh, d) or v_new.shape != k_new.shape:
+        raise ValueError(f"append_and_attend takes one token per row: q {q.shape}, k/v {k_new.shape}")
     _check(q, k_pages, v_pages, block_tables, positions)
     if implementation is None:
         from zgen.pallas.paged_attention import triton
@@ -305,15 +324,18 @@ def append_and_attend(
         )
     if inv_freq is not None:
         q, k_new = (apply_rope(x, positions[:, :, None], inv_freq) for x in (q, k_new))
-    _, num_pages, page_size = k_pages.shape[:3]
     pos = positions[:, 0].astype(jnp.int32)
     pps = block_tables.shape[1]
     own = jnp.take_along_axis(block_tables, jnp.clip(pos // page_size, 0, pps - 1)[:, None], axis=1)[:, 0]
     page = jnp.where((pos >= 0) & (pos < pps * page_size) & (own >= 0), own, num_pages)  # out of bounds: dropped
     offset = pos % page_size
 
-    def store(pages: Array, tokens: Array) -> Array:
-        return pages.at[:, page, offset].set(jnp.swapaxes(tokens[:, 0], 0, 1).astype(pages.dtype), mode="drop")
+    def store(pages: KVPages, tokens: Array) -> KVPages:
+        stored = quantize_fp8(tokens[:, 0]) if isinstance(pages, Fp8Pages) else tokens[:, 0]  # [b, kvh, ...] leaves
+        def put(pool: Array, x: Array) -> Array:
+            return pool.at[:, page, offset].set(jnp.swapaxes(x, 0, 1).astype(pool.dtype), mode="drop")
+
+        return jax.tree_util.tree_map(put, pages, stored)
 
     k_pages, v_pages = store(k_pages, k_new), store(v_pages, v_new)
     out = paged_attention(

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeAlias
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +43,7 @@ from zgen.pallas.common import (
 )
 from zgen.pallas.paged_attention.common import slot_ranges, split_count, split_pages
 from zgen.pallas.paged_attention.layouts import (
+    FP8_MAX,
     Q3_LEVELS,
     Fp8Pages,
     KeyCalibration,
@@ -140,17 +141,22 @@ def _fp8_reader(head_dim: int, dtype: jnp.dtype) -> PageReader:
         factor = jnp.exp2(jnp.maximum(jnp.ceil(jnp.log2(jnp.max(jnp.abs(q32)) / _F16_QUERY_MAX)), 0.0))
         return [(q32 / factor).astype(dot_dtype), factor]
 
+    def tile(vals: jax.Ref, p: Array) -> Array:
+        page = vals[p]  # E4M3, or its bytes where the kernel also stores into the pool (appending)
+        page = jax.lax.bitcast_convert_type(page, jnp.float8_e4m3fn) if page.dtype == jnp.uint8 else page
+        return page.astype(dot_dtype)
+
     def logits(refs: Sequence[jax.Ref], p: Array, q: Sequence[Array], prepared: Sequence[Array]) -> Array:
         vals, scale = refs
         q_dot, factor = prepared
-        return dot_nt(q_dot, vals[p].astype(dot_dtype)) * (scale[p] * factor)[None, :]
+        return dot_nt(q_dot, tile(vals, p)) * (scale[p] * factor)[None, :]
 
     def values(refs: Sequence[jax.Ref], p: Array, probs: Array) -> list[Array]:
         vals, scale = refs
         tokens = scale[p]
         top = jnp.max(tokens)
         w = (probs * (tokens / top)[None, :]).astype(dot_dtype)
-        return [dot_nn(w, vals[p].astype(dot_dtype)) * top]
+        return [dot_nn(w, tile(vals, p)) * top]
 
     return PageReader(((0, head_dim),), 2, logits, values, prepare)
 
@@ -586,12 +592,8 @@ def _append_kernel(
     rope_ref: jax.Ref,
     pos_ref: jax.Ref,
     page_ref: jax.Ref,
-    k_ref: jax.Ref,
-    v_ref: jax.Ref,
-    tables_ref: jax.Ref,
-    lo_ref: jax.Ref,
-    hi_ref: jax.Ref,
-    *out_refs: jax.Ref,
+    *refs: jax.Ref,
+    reader: PageReader,
     kv_heads: int,
     group: int,
     rows: int,
@@ -601,44 +603,77 @@ def _append_kernel(
     soft_cap: float | None,
     window: int | None,
 ) -> None:
-    """One decode token a row over plain pages: rotate its query group and key (``heads_ref``: the
-    row's query heads, new keys, new values, before RoPE; ``rope_ref``: its ``rope_table`` row),
-    attend over the stored keys before ``pos`` plus its own key from registers, and store its key and
-    value in page ``page_ref`` at offset ``pos % page_size`` after split 0's loop (another split may
-    read that slot meanwhile, old or new, and masks it either way)."""
-    o_ref, lse_ref, k_out_ref, v_out_ref = out_refs[0], out_refs[1:-2], out_refs[-2], out_refs[-1]
+    """One decode token a row over plain or fp8 pages: rotate its query group and key (``heads_ref``:
+    the row's query heads, new keys, new values, before RoPE; ``rope_ref``: its ``rope_table`` row),
+    attend over the stored keys before ``pos`` plus its own key from registers (as the pool will hold
+    it: fp8 tokens quantized first), and store its key and value in page ``page_ref`` at offset ``pos %
+    page_size`` after split 0's loop (another split may read that slot meanwhile, old or new, and masks
+    it either way)."""
+    n = reader.num_refs
+    k_refs, v_refs, (tables_ref, lo_ref, hi_ref) = refs[:n], refs[n : 2 * n], refs[2 * n : 2 * n + 3]
+    outs = refs[2 * n + 3 :]
+    o_ref, lse_ref, k_out_refs, v_out_refs = outs[0], outs[1:-2 * n], outs[-2 * n : -n], outs[-n:]
     kv_head, split = pl.program_id(1), pl.program_id(2)
     pos, page = pos_ref[0], page_ref[0]
     row = jnp.arange(rows)
     in_group = row < group
     q = load_rotated(heads_ref, kv_head * group + row, rope_ref, in_group[:, None])
     own_row = jnp.full((1,), kv_heads * group + kv_head, jnp.int32)
-    k_new = load_rotated(heads_ref, own_row, rope_ref).astype(k_ref.dtype)  # [1, d]
     lanes = jnp.arange(heads_ref.shape[-1])[None, :]
-    v_new = pltriton.load(heads_ref.at[(own_row + kv_heads)[:, None], lanes]).astype(v_ref.dtype)
+    k_stored, k_new = _stored_token(load_rotated(heads_ref, own_row, rope_ref), k_refs)
+    v_stored, v_new = _stored_token(pltriton.load(heads_ref.at[(own_row + kv_heads)[:, None], lanes]), v_refs)
     m, l, acc = own_key_carry(q, k_new, v_new, (split == 0) & (pos >= 0) & in_group, scale=scale, soft_cap=soft_cap)
     split_start = split * pages_per_split
-    reader = _native_reader(q.shape[1], q.dtype)
     m, l, acc_pieces = _attend_pages(
-        [k_ref], [v_ref], tables_ref, None, [q], [], jnp.where(in_group, pos, -1)[:, None], pos, (m, l, [acc]),
-        jnp.maximum(lo_ref[0], split_start), jnp.minimum(hi_ref[0], split_start + pages_per_split),
+        k_refs, v_refs, tables_ref, None, [q], reader.prepare([q]), jnp.where(in_group, pos, -1)[:, None], pos,
+        (m, l, [acc]), jnp.maximum(lo_ref[0], split_start), jnp.minimum(hi_ref[0], split_start + pages_per_split),
         k_reader=reader, v_reader=reader, mean=None, page_size=page_size, scale=scale, soft_cap=soft_cap, window=window,
     )
     _store_output(o_ref, lse_ref, reader.pieces, m, l, acc_pieces, row, in_group)
 
     @pl.when((split == 0) & (page >= 0))
     def _store() -> None:
-        offset = pos % page_size
-        k_out_ref[page, pl.ds(offset, 1), :] = k_new
-        v_out_ref[page, pl.ds(offset, 1), :] = v_new
+        offset = pl.ds(pos % page_size, 1)
+        for out_ref, value in zip((*k_out_refs, *v_out_refs), (*k_stored, *v_stored), strict=True):
+            out_ref[page, offset] = value
+
+
+def _stored_token(x: Float[Array, "1 d"], leaves: Sequence[jax.Ref]) -> tuple[list[Array], Float[Array, "1 d"]]:
+    """A token as a pool of ``leaves`` stores it (plain: in the leaf's dtype; fp8: E4M3 bytes and a
+    per-token scale, as :func:`~zgen.pallas.paged_attention.layouts.quantize_fp8` does), and the value
+    the pool then holds, in f32."""
+    if len(leaves) == 1:
+        stored = x.astype(leaves[0].dtype)
+        return [stored], stored.astype(jnp.float32)
+    x = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x), axis=1)
+    token_scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    code = (x / token_scale[:, None]).astype(jnp.float8_e4m3fn)
+    return [jax.lax.bitcast_convert_type(code, jnp.uint8), token_scale], code.astype(jnp.float32) * token_scale[:, None]
+
+
+AppendPages: TypeAlias = Float[Array, "kvh pages page_size d"] | Fp8Pages
+
+
+def _append_leaves(pages: AppendPages) -> list[Array]:
+    """What the appending kernel reads and stores: a plain pool, or fp8 values as bytes and their scales."""
+    if isinstance(pages, Fp8Pages):
+        return [jax.lax.bitcast_convert_type(pages.values, jnp.uint8), pages.scale]
+    return [pages]
+
+
+def _from_leaves(pages: AppendPages, leaves: Sequence[Array]) -> AppendPages:
+    if isinstance(pages, Fp8Pages):
+        return Fp8Pages(values=jax.lax.bitcast_convert_type(leaves[0], pages.values.dtype), scale=leaves[1])
+    return leaves[0]
 
 
 def append_decode_attention(
     q: Float[Array, "b 1 h d"],
     k_new: Float[Array, "b 1 kvh d"],
     v_new: Float[Array, "b 1 kvh d"],
-    k_pages: Float[Array, "kvh pages page_size d"],
-    v_pages: Float[Array, "kvh pages page_size d"],
+    k_pages: AppendPages,
+    v_pages: AppendPages,
     block_tables: Int[Array, "b pages_per_seq"],
     positions: Int[Array, "b 1"],
     *,
@@ -648,15 +683,16 @@ def append_decode_attention(
     scale: float,
     interpret: bool = False,
     num_splits: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     num_stages: int = 3,
-) -> tuple[Float[Array, "b 1 h d"], Float[Array, "kvh pages page_size d"], Float[Array, "kvh pages page_size d"]]:
-    """A paged decode step's RoPE, page write and attention in one kernel over plain (float) pages,
-    updated in place: :func:`~zgen.pallas.flash_attention.triton.append_decode_attention`'s step with
-    the keys in pages. A row's visible pages are a run of its table (``[lo, hi)``: no compaction);
-    splits of equal page runs as in :func:`paged_attention`, merged outside unless there is one."""
+) -> tuple[Float[Array, "b 1 h d"], AppendPages, AppendPages]:
+    """A paged decode step's RoPE, page write and attention in one kernel over plain (float) or fp8
+    pages, updated in place: :func:`~zgen.pallas.flash_attention.triton.append_decode_attention`'s
+    step with the keys in pages (fp8 tokens quantized in the kernel). A row's visible pages are a run
+    of its table (``[lo, hi)``: no compaction); splits of equal page runs as in :func:`paged_attention`,
+    merged outside unless there is one."""
     b, _, h, d = q.shape
-    kvh, _, page_size = k_pages.shape[:3]
+    kvh, _, page_size = leading_shape(k_pages)
     if not supports(k_pages):
         raise ConfigError(
             f"the Triton paged kernel needs a power-of-two page_size >= {MIN_DOT}, got {page_size}; "
@@ -672,12 +708,13 @@ def append_decode_attention(
     page = jnp.where((pos >= 0) & (pos < pps * page_size), own, -1).astype(jnp.int32)  # -1 (also unallocated): no write
     per_split = cdiv(pps, split_count(pps, b * kvh, num_splits, target=APPEND_TARGET_PROGRAMS))
     splits = cdiv(pps, per_split)
+    k_leaves, v_leaves = _append_leaves(k_pages), _append_leaves(v_pages)
     kernel = functools.partial(
-        _append_kernel, kv_heads=kvh, group=g, rows=rows, page_size=page_size, pages_per_split=per_split,
-        scale=scale, soft_cap=soft_cap, window=sliding_window,
+        _append_kernel, reader=page_reader(k_pages, d, q.dtype), kv_heads=kvh, group=g, rows=rows, page_size=page_size,
+        pages_per_split=per_split, scale=scale, soft_cap=soft_cap, window=sliding_window,
     )
     per_row = pl.BlockSpec((None, 1), lambda b, h, i: (b, 0))
-    pool = _leaf_spec(k_pages)
+    pools = [_leaf_spec(leaf) for leaf in k_leaves + v_leaves]
     if splits == 1:
         out_specs = [pl.BlockSpec((None, None, g, d), lambda b, h, i: (b, h, 0, 0))]
         out_shape = [jax.ShapeDtypeStruct((b, kvh, g, d), q.dtype)]
@@ -690,7 +727,18 @@ def append_decode_attention(
             jax.ShapeDtypeStruct((b, kvh, splits, rows, d), jnp.float32),
             jax.ShapeDtypeStruct((b, kvh, splits, rows), jnp.float32),
         ]
-    *outs, k_pages, v_pages = pl.pallas_call(
+    inputs = [
+        jnp.concatenate([q, k_new, v_new], axis=2)[:, 0],
+        rope_table(pos, inv_freq, d),
+        pos[:, None],
+        page[:, None],
+        *k_leaves,
+        *v_leaves,
+        jnp.maximum(block_tables, 0).astype(jnp.int32),
+        lo[:, None],
+        hi[:, None],
+    ]
+    outs = pl.pallas_call(
         kernel,
         grid=(b, kvh, splits),
         in_specs=[
@@ -698,28 +746,19 @@ def append_decode_attention(
             pl.BlockSpec((None, 2, d), lambda b, h, i: (b, 0, 0)),
             per_row,
             per_row,
-            pool,
-            pool,
+            *pools,
             pl.BlockSpec((None, pps), lambda b, h, i: (b, 0)),
             per_row,
             per_row,
         ],
-        out_specs=[*out_specs, pool, pool],
-        out_shape=[*out_shape, jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype), jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
-        input_output_aliases={4: len(out_shape), 5: len(out_shape) + 1},
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        out_specs=[*out_specs, *pools],
+        out_shape=[*out_shape, *(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in k_leaves + v_leaves)],
+        input_output_aliases={4 + i: len(out_shape) + i for i in range(len(pools))},
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps or _default_warps(k_pages), num_stages=num_stages),
         interpret=interpret,
         name="zgen_paged_append_decode",
-    )(
-        jnp.concatenate([q, k_new, v_new], axis=2)[:, 0],
-        rope_table(pos, inv_freq, d),
-        pos[:, None],
-        page[:, None],
-        k_pages,
-        v_pages,
-        jnp.maximum(block_tables, 0).astype(jnp.int32),
-        lo[:, None],
-        hi[:, None],
-    )
+    )(*inputs)
+    n = len(k_leaves)
+    stored = outs[len(out_shape) :]
     out = outs[0] if splits == 1 else merge_partials(outs[0], outs[1])[:, :, :g].astype(q.dtype)
-    return out.reshape(b, 1, h, d), k_pages, v_pages
+    return out.reshape(b, 1, h, d), _from_leaves(k_pages, stored[:n]), _from_leaves(v_pages, stored[n:])
