@@ -11,6 +11,7 @@ Needs a stand-alone Triton (it bundles ptxas and cuobjdump); it is not one of zg
     pip install triton==3.9.0
     python benchmarks/kernel_sass.py quantized-matmul --bits 4 --out 28672 --inp 4096
     python benchmarks/kernel_sass.py paged-attention --format q4 --coded --warps 2
+    python benchmarks/kernel_sass.py paged-append --format fp8 --context 8192
 """
 
 from __future__ import annotations
@@ -110,6 +111,25 @@ def paged_attention_call(args: argparse.Namespace) -> tuple[Callable[..., Any], 
     return call, shapes
 
 
+def paged_append_call(args: argparse.Namespace) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    from zgen.pallas.paged_attention import quantize, triton as kernel
+
+    b, kvh, heads, d, page, pages = args.batch, args.kv_heads, args.heads, args.head_dim, args.page_size, args.context // args.page_size
+    pool = jax.eval_shape(lambda: quantize(jnp.zeros((kvh, b * pages, page, d), jnp.float32), args.format))
+    inv_freq = jnp.ones((d // 2,), jnp.float32)
+
+    def call(q: Any, new: Any, k: Any, v: Any, tables: Any, positions: Any) -> Any:
+        return kernel.append_decode_attention(
+            q, new, new, k, v, tables, positions, inv_freq=inv_freq, sliding_window=None, soft_cap=None, scale=d**-0.5
+        )
+
+    shapes = (
+        jax.ShapeDtypeStruct((b, 1, heads, d), jnp.bfloat16), jax.ShapeDtypeStruct((b, 1, kvh, d), jnp.bfloat16), pool, pool,
+        jax.ShapeDtypeStruct((b, pages), jnp.int32), jax.ShapeDtypeStruct((b, 1), jnp.int32),
+    )
+    return call, shapes
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--warps", type=int, default=2, help="num_warps to compile with: match the launch (2 for quantized_matmul and quantized pages, 4 for bf16 pages)")
@@ -124,14 +144,18 @@ def main() -> None:
     paged = kernels.add_parser("paged-attention")
     paged.add_argument("--format", choices=["bf16", "fp8", "q4", "q3"], default="q4")
     paged.add_argument("--coded", action="store_true", help="keys coded through a calibration (the paged cache's q4/q3)")
-    paged.add_argument("--batch", type=int, default=8)
-    paged.add_argument("--heads", type=int, default=32)
-    paged.add_argument("--kv-heads", type=int, default=8)
-    paged.add_argument("--head-dim", type=int, default=128)
-    paged.add_argument("--page-size", type=int, default=64)
-    paged.add_argument("--context", type=int, default=32768)
+    append = kernels.add_parser("paged-append", help="the paged cache's one-kernel decode step (plain or fp8 pages)")
+    append.add_argument("--format", choices=["bf16", "fp8"], default="fp8")
+    for sub in (paged, append):
+        sub.add_argument("--batch", type=int, default=8)
+        sub.add_argument("--heads", type=int, default=32)
+        sub.add_argument("--kv-heads", type=int, default=8)
+        sub.add_argument("--head-dim", type=int, default=128)
+        sub.add_argument("--page-size", type=int, default=64)
+        sub.add_argument("--context", type=int, default=32768)
     args = parser.parse_args()
-    fn, shapes = (quantized_matmul_call if args.kernel == "quantized-matmul" else paged_attention_call)(args)
+    calls = {"quantized-matmul": quantized_matmul_call, "paged-attention": paged_attention_call, "paged-append": paged_append_call}
+    fn, shapes = calls[args.kernel](args)
     for i, ir in enumerate(captured_ir(fn, *shapes)):
         usage, sass = compiled(ir, args.warps, args.stages)
         count, mix = loop_mix(sass)
