@@ -4,7 +4,7 @@ against the dense cache's, µs a call (GPU only).
 Each kernel runs ``--calls`` times in one jitted ``fori_loop`` over donated buffers, as a decode
 step's layers call it (RoPE, the token's K/V write and attention, the split merge included), and a
 call's time is the loop's wall time over its calls, median of ``--repeats``. Llama-3-8B's heads (32
-query / 8 KV of 128), every row at ``context`` tokens, pages of 64 in a shuffled pool.
+query / 8 KV of 128), every row at ``context`` tokens, pages of ``--page-size`` (64) in a shuffled pool.
 
     python benchmarks/paged_append.py                          # batch 8 at 8,000 and 1,000 tokens
     python benchmarks/paged_append.py --batch 128 --contexts 700 --splits 0 2 --formats bf16
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 64
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 INV_FREQ = 500_000.0 ** (-jnp.arange(0, HEAD_DIM, 2, dtype=jnp.float32) / HEAD_DIM)
 
 
@@ -58,6 +58,7 @@ def main() -> None:
     parser.add_argument("--formats", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
     parser.add_argument("--warps", type=int, nargs="+", default=[0], help="warps per program (0: the kernel's default)")
     parser.add_argument("--stages", type=int, nargs="+", default=[3], help="pipeline stages of the page loop")
+    parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--calls", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
@@ -68,11 +69,11 @@ def main() -> None:
 
     if platform() != "gpu":
         raise SystemExit("the appending kernels are timed on a GPU")
-    b, key = args.batch, jax.random.key(0)
-    print(f"device: {jax.devices()[0].device_kind}; batch {b}, heads {HEADS}/{KV_HEADS} of {HEAD_DIM}, pages of {PAGE}")
+    b, key, page = args.batch, jax.random.key(0), args.page_size
+    print(f"device: {jax.devices()[0].device_kind}; batch {b}, heads {HEADS}/{KV_HEADS} of {HEAD_DIM}, pages of {page}")
     for context in args.contexts:
         capacity = -(-(context + args.calls) // 128) * 128
-        pages_per_row = capacity // PAGE
+        pages_per_row = capacity // page
         q = jax.random.normal(key, (b, 1, HEADS, HEAD_DIM), jnp.bfloat16)
         new = jax.random.normal(key, (b, 1, KV_HEADS, HEAD_DIM), jnp.bfloat16)
         tables = jnp.asarray(np.random.default_rng(0).permutation(b * pages_per_row).reshape(b, pages_per_row), jnp.int32)
@@ -85,7 +86,7 @@ def main() -> None:
                         scale=HEAD_DIM**-0.5, num_splits=splits or None, num_warps=warps or None, num_stages=stages,
                     )
 
-                pool = jax.random.normal(key, (KV_HEADS, b * pages_per_row, PAGE, HEAD_DIM), jnp.bfloat16)
+                pool = jax.random.normal(key, (KV_HEADS, b * pages_per_row, page, HEAD_DIM), jnp.bfloat16)
                 k = v = pool if fmt == "bf16" else quantize(pool.astype(jnp.float32), "fp8")
                 us = per_call_us(paged, q, new, k, jax.tree_util.tree_map(jnp.copy, v), args.calls, args.repeats)
                 print(
