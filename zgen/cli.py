@@ -857,14 +857,14 @@ def batch_job(
     same command continues where it stopped (custom_ids already in --output are skipped; with the same
     --lora-modules). Exit code 0 when every request succeeded, 3 when some failed (the summary says how
     many). Speculative decoding (--prompt-lookup, --draft-model, --early-exit, --jacobi) works as for
-    `zgen generate`, on one device.
+    `zgen generate`, also with --data-parallel (not with --ray or --tensor-parallel).
     """
     path = _model_path(model)
     speculating = _check_speculator_flags(prompt_lookup, draft_model, early_exit, jacobi, num_draft_tokens, kv_cache, eagle=eagle)
     tree = _draft_tree(draft_tree, speculating=speculating, prompt_lookup=prompt_lookup, jacobi=jacobi)
-    if speculating and (on_ray or data_parallel > 1 or tensor_parallel > 1):
+    if speculating and (on_ray or tensor_parallel > 1):
         raise typer.BadParameter(
-            "speculative decoding in a batch job runs on one device; leave out --ray, --data-parallel and --tensor-parallel",
+            "speculative decoding in a batch job runs on unsplit replicas of this process; leave out --ray and --tensor-parallel",
             param_hint="'--prompt-lookup'",
         )
     draft_path = _model_path(draft_model, "--draft-model") if draft_model is not None else None

@@ -1,4 +1,5 @@
-"""zgen batch --data-parallel N: N replicas on N forced host devices give what one device gives."""
+"""zgen batch --data-parallel N: N replicas on N forced host devices give what one device gives,
+speculating too (each replica drafting with its own copy of a draft model's weights)."""
 
 from __future__ import annotations
 
@@ -17,11 +18,14 @@ import json, sys
 import jax
 from zgen import load_model
 from zgen.batch import run
+from zgen.speculative import DraftModel
 assert len(jax.devices()) == 2, jax.devices()
 model = load_model(sys.argv[1])
 one = run(model, sys.argv[2], sys.argv[3], max_batch_size=2, progress=False)
 two = run(model, sys.argv[2], sys.argv[4], max_batch_size=2, progress=False, data_parallel=2)
-print(json.dumps([one.to_json(), two.to_json()]))
+draft = DraftModel.early_exit(model, layers=1, num_tokens=3, adaptive=False)
+drafted = run(model, sys.argv[2], sys.argv[5], max_batch_size=2, progress=False, data_parallel=2, speculative=draft)
+print(json.dumps([one.to_json(), two.to_json(), drafted.to_json()]))
 """
 
 
@@ -34,15 +38,20 @@ def test_two_replicas_on_two_host_devices_match_one(tmp_path: Path, host_devices
     ]
     source = tmp_path / "in.jsonl"
     source.write_text("\n".join(lines) + "\n")
-    outputs = [tmp_path / "one.jsonl", tmp_path / "two.jsonl"]
+    outputs = [tmp_path / "one.jsonl", tmp_path / "two.jsonl", tmp_path / "drafted.jsonl"]
     done = subprocess.run([sys.executable, "-c", SCRIPT, str(model_dir), str(source), *map(str, outputs)], env=host_devices_env(2), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
-    one, two = json.loads(done.stdout.splitlines()[-1])
+    one, two, drafted = json.loads(done.stdout.splitlines()[-1])
     assert one["replica_requests"] == [16] and sum(two["replica_requests"]) == 16 and min(two["replica_requests"]) > 0
-    single, parallel = (by_id(read_records(path)) for path in outputs)
+    single, parallel, speculated = (by_id(read_records(path)) for path in outputs)
     assert sorted(single) == sorted(parallel) == sorted(f"r{i}" for i in range(16))
     for custom_id, record in single.items():  # greedy and seeded rows alike
         assert parallel[custom_id]["response"]["body"]["choices"] == record["response"]["body"]["choices"]
     tokens = sum(record["response"]["body"]["usage"]["completion_tokens"] for record in single.values())
     assert one["completion_tokens"] == two["completion_tokens"] == tokens  # two replicas' metrics added up
     assert one["generations"] == two["generations"] == 16 and two["inter_token_latency_s"]["p50"] > 0
+    # Drafting on both replicas: every request done, the greedy ones (even ids) token for token as without it.
+    assert sum(drafted["replica_requests"]) == 16 and min(drafted["replica_requests"]) > 0
+    assert drafted["speculative"]["draft_tokens"] > 0, drafted
+    for i in range(0, 16, 2):
+        assert speculated[f"r{i}"]["response"]["body"]["choices"] == single[f"r{i}"]["response"]["body"]["choices"]

@@ -156,21 +156,27 @@ def test_cli_exit_code_summary_and_foreign_output(model_dir: Path, tmp_path: Pat
 def test_speculative_decoding_gives_the_plain_records(model: Model, model_dir: Path, tmp_path: Path) -> None:
     lines = [completion_line(f"r{i}", words(*[5 + i, 6, 7] * 4), max_tokens=8, temperature=0) for i in range(4)]
     source = write_lines(tmp_path / "in.jsonl", lines)
-    run(model, source, tmp_path / "plain.jsonl", max_batch_size=2, progress=False)
+    plain = run(model, source, tmp_path / "plain.jsonl", max_batch_size=2, progress=False)
     drafted = run(model, source, tmp_path / "drafted.jsonl", max_batch_size=2, progress=False, speculative=PromptLookup(num_tokens=4))
     texts = {k: r["response"]["body"]["choices"][0]["text"] for k, r in by_id(read_records(tmp_path / "plain.jsonl")).items()}
     assert texts == {k: r["response"]["body"]["choices"][0]["text"] for k, r in by_id(read_records(tmp_path / "drafted.jsonl")).items()}
     assert drafted.succeeded == 4
+    # The summary's speculative figures, as `zgen generate --json` gives them (the prompts repeat: lookups draft).
+    assert plain.speculative is None and plain.to_json()["speculative"] is None
+    figures = drafted.to_json()["speculative"]
+    assert isinstance(figures, dict) and figures["draft_tokens"] >= figures["accepted_tokens"] > 0, figures
+    assert figures["acceptance_rate"] == figures["accepted_tokens"] / figures["draft_tokens"]
+    assert figures["mean_accepted_per_step"] > 0 and "drafted tokens accepted" in drafted.describe()
     args = ["batch", "--model", str(model_dir), "--input", str(source), "--quiet"]
     cli = CliRunner().invoke(app, [*args, "--output", str(tmp_path / "cli.jsonl"), "--jacobi", "--num-draft-tokens", "4"])
     assert cli.exit_code == 0, cli.output
     assert texts == {k: r["response"]["body"]["choices"][0]["text"] for k, r in by_id(read_records(tmp_path / "cli.jsonl")).items()}
-    for bad, why in ((["--jacobi", "--data-parallel", "2"], "runs on one device"), (["--num-draft-tokens", "4"], "needs --prompt-lookup")):
+    for bad, why in ((["--jacobi", "--tensor-parallel", "2"], "runs on unsplit replicas"), (["--num-draft-tokens", "4"], "needs --prompt-lookup")):
         refused = CliRunner().invoke(app, [*args, "--output", str(tmp_path / "bad.jsonl"), *bad], env={"COLUMNS": "200"})
         assert refused.exit_code == 2 and why in refused.output
     assert not (tmp_path / "bad.jsonl").exists()
-    with pytest.raises(ConfigError, match="one device"):
-        run(model, source, tmp_path / "bad.jsonl", data_parallel=2, speculative=PromptLookup())
+    with pytest.raises(ConfigError, match="unsplit replicas"):
+        run(model, source, tmp_path / "bad.jsonl", tensor_parallel=2, speculative=PromptLookup())
 
 
 def test_packed_prefill_steps_give_the_plain_records(model: Model, model_dir: Path, tmp_path: Path) -> None:

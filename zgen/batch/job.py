@@ -357,10 +357,11 @@ class JobOutput:
         self._tokens_shown = tokens
 
     def summary(
-        self, metrics: Sequence[EngineMetrics], requests: int, skipped: int, replica_requests: Sequence[int], path: str | Path | None
+        self, metrics: Sequence[EngineMetrics], requests: int, skipped: int, replica_requests: Sequence[int], path: str | Path | None,
+        *, speculating: bool = False,
     ) -> BatchSummary:
-        """The job's summary (call after the ``with``) from its engines' ``metrics``; also written as
-        JSON to ``path`` if given."""
+        """The job's summary (call after the ``with``) from its engines' ``metrics`` (``speculating``:
+        with a speculator's figures); also written as JSON to ``path`` if given."""
         result = summarize(
             metrics,
             requests=requests,
@@ -370,6 +371,7 @@ class JobOutput:
             written=self.written,
             wall_s=time.perf_counter() - self.started,
             replica_requests=replica_requests,
+            speculating=speculating,
         )
         if path is not None:
             result.write(path)
@@ -418,14 +420,15 @@ def run(
     tokens and latencies are read from the engines' metrics (:mod:`zgen.batch.summary`).
 
     ``speculative`` (:mod:`zgen.speculative`) drafts tokens for every request (greedy results are the
-    plain ones; sampled ones follow the same distribution); one replica only.
+    plain ones; sampled ones follow the same distribution), on every data-parallel replica (each
+    drafts with a copy of the speculator's weights on its own device); not with ``tensor_parallel``.
     """
     for what, value in (("data_parallel", data_parallel), ("tensor_parallel", tensor_parallel)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{what} must be an integer >= 1, got {value!r}")
     devices = jax.local_devices()
-    if speculative is not None and data_parallel * tensor_parallel > 1:
-        raise ConfigError("speculative decoding in a batch job runs on one device; leave out data_parallel / tensor_parallel")
+    if speculative is not None and tensor_parallel > 1:
+        raise ConfigError("speculative decoding in a batch job runs on unsplit replicas; leave out tensor_parallel")
     if data_parallel * tensor_parallel > len(devices):
         raise ConfigError(
             f"data_parallel={data_parallel} x tensor_parallel={tensor_parallel} needs as many local devices; this "
@@ -467,7 +470,7 @@ def run(
     finally:
         for generator in generators:
             generator.close()
-    return out.summary(metrics, count_requests(lines), screened.skipped, replica_requests, summary)
+    return out.summary(metrics, count_requests(lines), screened.skipped, replica_requests, summary, speculating=speculative is not None)
 
 
 def count_requests(lines: Sequence[str]) -> int:

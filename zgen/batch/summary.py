@@ -16,6 +16,7 @@ from operator import add
 from pathlib import Path
 
 from zgen.runtime.metrics import EngineMetrics, Histogram
+from zgen.runtime.results import SpeculativeStats
 
 
 @dataclass(frozen=True)
@@ -39,8 +40,9 @@ class Percentiles:
 class BatchSummary:
     """What a job did. ``succeeded``/``failed`` count the whole output file (earlier runs included);
     the rest is this run's: ``generations`` (choices the engines generated), the prompt, cached and
-    output tokens, output tokens/s over ``wall_s``, and the time to first token and inter-token
-    latency percentiles, all read from the engines' metrics."""
+    output tokens, output tokens/s over ``wall_s``, the time to first token and inter-token latency
+    percentiles, and with a speculator ``speculative`` (drafted and accepted tokens, verification
+    passes), all read from the engines' metrics."""
 
     requests: int  # input lines
     succeeded: int
@@ -56,9 +58,13 @@ class BatchSummary:
     time_to_first_token_s: Percentiles | None = None
     inter_token_latency_s: Percentiles | None = None
     replica_requests: tuple[int, ...] = ()  # requests each replica finished this run (data parallelism)
+    speculative: SpeculativeStats | None = None
 
     def to_json(self) -> dict[str, object]:
-        return asdict(self)
+        """The fields as JSON; ``speculative`` as ``zgen generate --json`` gives it (rates included)."""
+        out = asdict(self)
+        out["speculative"] = None if self.speculative is None else self.speculative.as_dict()
+        return out
 
     def write(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n", encoding="utf-8")
@@ -72,6 +78,12 @@ class BatchSummary:
         for what, p in (("time to first token", self.time_to_first_token_s), ("inter-token latency", self.inter_token_latency_s)):
             if p is not None:
                 text += f"; {what} p50 {_duration(p.p50)}, p90 {_duration(p.p90)}, p99 {_duration(p.p99)}"
+        if self.speculative is not None:
+            s = self.speculative
+            text += (
+                f"; speculative: {s.accepted_tokens} of {s.draft_tokens} drafted tokens accepted "
+                f"({s.acceptance_rate:.0%}), {s.mean_accepted_per_step:.2f} a verification pass"
+            )
         return text
 
 
@@ -81,10 +93,10 @@ def _duration(seconds: float) -> str:
 
 def summarize(
     metrics: Sequence[EngineMetrics], *, requests: int, succeeded: int, failed: int, skipped: int, written: int,
-    wall_s: float, replica_requests: Sequence[int] = (),
+    wall_s: float, replica_requests: Sequence[int] = (), speculating: bool = False,
 ) -> BatchSummary:
     """The summary of a run whose engines' metrics are ``metrics`` (one snapshot per engine, taken when
-    the run ended; the engines were made for it)."""
+    the run ended; the engines were made for it); ``speculating``: the engines had a speculator."""
     generated = sum(m.generated_tokens for m in metrics)
     finished = [m.requests_finished for m in metrics]
     return BatchSummary(
@@ -102,6 +114,11 @@ def summarize(
         time_to_first_token_s=_percentiles([m.time_to_first_token for m in metrics]),
         inter_token_latency_s=_percentiles([m.inter_token_latency for m in metrics]),
         replica_requests=tuple(replica_requests),
+        speculative=SpeculativeStats(
+            sum(m.speculative_draft_tokens for m in metrics),
+            sum(m.speculative_accepted_tokens for m in metrics),
+            sum(m.speculative_steps for m in metrics),
+        ) if speculating else None,
     )
 
 

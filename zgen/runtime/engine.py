@@ -974,7 +974,7 @@ class Engine:
             job = row.job
             job.control = {name: np.asarray(getattr(ctl, name))[i : i + 1] for name in control}
             stats = SpeculativeStats(int(drafted[i]), int(accepted[i]), int(verified[i]))
-            self.collector.speculation(stats.draft_tokens, stats.accepted_tokens)
+            self.collector.speculation(stats.draft_tokens, stats.accepted_tokens, stats.steps)
             job.result.speculative = stats if job.result.speculative is None else job.result.speculative + stats
             if i in failures:
                 self._fail(job, failures[i])

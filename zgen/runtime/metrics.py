@@ -119,6 +119,7 @@ class EngineMetrics:
     prefix_cache_hit_tokens: int | None = None
     speculative_draft_tokens: int = 0
     speculative_accepted_tokens: int = 0
+    speculative_steps: int = 0  # verification passes that checked a row's draft, summed over rows
 
     @property
     def speculative_acceptance_rate(self) -> float:
@@ -152,6 +153,7 @@ class MetricsCollector:
         self.occupancy = _Counts(OCCUPANCY_BUCKETS)
         self.draft_tokens = 0
         self.accepted_tokens = 0
+        self.speculative_steps = 0
 
     def submitted(self) -> None:
         with self._lock:
@@ -182,13 +184,14 @@ class MetricsCollector:
                 self.prompt_tokens += prompt_tokens
                 self.cached_prompt_tokens += cached_tokens
 
-    def speculation(self, drafted: int, accepted: int) -> None:
-        """A speculative step verified ``drafted`` tokens and kept ``accepted`` of them."""
-        if not 0 <= accepted <= drafted:
-            raise ConfigError(f"accepted draft tokens ({accepted}) must lie in [0, drafted = {drafted}]")
+    def speculation(self, drafted: int, accepted: int, steps: int = 0) -> None:
+        """A row's speculative loop verified ``drafted`` tokens in ``steps`` passes and kept ``accepted`` of them."""
+        if not 0 <= accepted <= drafted or steps < 0:
+            raise ConfigError(f"accepted draft tokens ({accepted}) must lie in [0, drafted = {drafted}], passes ({steps}) >= 0")
         with self._lock:
             self.draft_tokens += drafted
             self.accepted_tokens += accepted
+            self.speculative_steps += steps
 
     def snapshot(self, *, steps: int, forward_passes: int) -> EngineMetrics:
         """The counters so far (the engine adds its step counts here and its cache's numbers after)."""
@@ -207,6 +210,7 @@ class MetricsCollector:
                 batch_occupancy=self.occupancy.frozen(),
                 speculative_draft_tokens=self.draft_tokens,
                 speculative_accepted_tokens=self.accepted_tokens,
+                speculative_steps=self.speculative_steps,
             )
 
 

@@ -58,6 +58,7 @@ class Runner:
         lora_graph = inject_lora(model.graph)
         self.spec = ModelSpec(model.graph, model.config.sliding_window, lora_graph, model.mesh)
         self._executables: dict[Hashable, Any] = {}
+        self._draft_copies: dict[int, tuple[Speculator, Any]] = {}
         self.compile_seconds = 0.0  # spent lowering and compiling so far (not part of a call's run time)
         # Loops' output columns never narrow, for every engine of the model (a batch job after a warm-up,
         # several Generators), and start wide enough for 64 draws (a speculative pass's timing draws,
@@ -147,7 +148,7 @@ class Runner:
         shape, sampling flags and speculator key; ``grammar`` is compiled in, like the decode loop's.
         A :class:`~zgen.runtime.speculation.ResumableSpeculator` goes on from ``carried`` (the state
         the last loop over the same rows returned; ``None``: it starts over) and returns its state."""
-        draft_params = speculator.device_params()
+        draft_params = self._draft_params(speculator)
         resumable = isinstance(speculator, ResumableSpeculator)
         fresh = carried is None
         if resumable and fresh:  # a state of the loop's shapes for `start` to replace: one executable either way
@@ -165,6 +166,19 @@ class Runner:
             return out, state, final  # type: ignore[return-value]
 
         return self._compiled(key, lambda: jax.jit(run, donate_argnums=(1, 2, 5)).lower(*args))(*args)
+
+    def _draft_params(self, speculator: Speculator) -> Any:
+        """The speculator's arrays on this runner's device: a model replica on another device (a batch
+        job's data-parallel replica) drafts with its own copy, made once."""
+        params = speculator.device_params()
+        mine = _device_of(self.params)
+        if mine is None or _device_of(params) in (None, mine):
+            return params
+        copy = self._draft_copies.get(id(speculator))
+        if copy is None or copy[0] is not speculator:
+            copy = (speculator, jax.device_put(params, mine))
+            self._draft_copies[id(speculator)] = copy  # keeps the speculator, so its id stays its own
+        return copy[1]
 
     def _start_placeholder(self, speculator: Speculator, loop: SpeculativeLoop) -> Any:
         """Zeros shaped like ``speculator``'s state at the start of a loop like ``loop``, made by one
@@ -252,3 +266,13 @@ def runner_for(model: Model) -> Runner:
 def _shape_key(tree: Any) -> tuple[Any, ...]:
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     return (treedef, tuple((leaf.shape, leaf.dtype) for leaf in leaves))
+
+
+def _device_of(tree: Any) -> Any:
+    """The one device (a ``jax.Device``, which jax's stubs do not declare as a type) every array of
+    ``tree`` sits on; None for none, several, or arrays split over devices."""
+    devices: set[Any] = set()
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if isinstance(leaf, jax.Array):
+            devices |= leaf.devices()
+    return next(iter(devices)) if len(devices) == 1 else None
