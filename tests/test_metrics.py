@@ -104,6 +104,7 @@ def test_prometheus_export_parses_to_the_plain_numbers(tiny: Model) -> None:
     assert value("zgen_batch_occupancy_ratio", "_count") == m.steps
     assert value("zgen_kv_pages", state="total") == m.kv_pages_total
     assert value("zgen_prefix_cache_lookups", "_total") == m.prefix_cache_lookups
+    assert value("zgen_speculative_steps", "_total") == m.speculative_steps == 0
     assert m.as_dict()["generated_tokens"] == m.generated_tokens
 
 

@@ -271,3 +271,4 @@ class PrometheusCollector:
             yield counter("prefix_cache_hit_tokens", "Tokens served from the prefix cache.", m.prefix_cache_hit_tokens or 0)
         yield counter("speculative_draft_tokens", "Draft tokens verified.", m.speculative_draft_tokens)
         yield counter("speculative_accepted_tokens", "Draft tokens accepted.", m.speculative_accepted_tokens)
+        yield counter("speculative_steps", "Verification passes that checked a row's draft, summed over rows.", m.speculative_steps)
