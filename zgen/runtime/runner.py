@@ -58,7 +58,8 @@ class Runner:
         lora_graph = inject_lora(model.graph)
         self.spec = ModelSpec(model.graph, model.config.sliding_window, lora_graph, model.mesh)
         self._executables: dict[Hashable, Any] = {}
-        self._draft_copies: dict[int, tuple[Speculator, Any]] = {}
+        self._device = _device_of(model.params)  # None: split over devices
+        self._draft_params_of: dict[int, tuple[Speculator, Any]] = {}
         self.compile_seconds = 0.0  # spent lowering and compiling so far (not part of a call's run time)
         # Loops' output columns never narrow, for every engine of the model (a batch job after a warm-up,
         # several Generators), and start wide enough for 64 draws (a speculative pass's timing draws,
@@ -168,17 +169,16 @@ class Runner:
         return self._compiled(key, lambda: jax.jit(run, donate_argnums=(1, 2, 5)).lower(*args))(*args)
 
     def _draft_params(self, speculator: Speculator) -> Any:
-        """The speculator's arrays on this runner's device: a model replica on another device (a batch
-        job's data-parallel replica) drafts with its own copy, made once."""
+        """The speculator's arrays on this runner's device, looked up once per speculator: a model
+        replica on another device (a batch job's data-parallel replica) drafts with its own copy."""
+        known = self._draft_params_of.get(id(speculator))
+        if known is not None and known[0] is speculator:
+            return known[1]
         params = speculator.device_params()
-        mine = _device_of(self.params)
-        if mine is None or _device_of(params) in (None, mine):
-            return params
-        copy = self._draft_copies.get(id(speculator))
-        if copy is None or copy[0] is not speculator:
-            copy = (speculator, jax.device_put(params, mine))
-            self._draft_copies[id(speculator)] = copy  # keeps the speculator, so its id stays its own
-        return copy[1]
+        if self._device is not None and _device_of(params) not in (None, self._device):
+            params = jax.device_put(params, self._device)
+        self._draft_params_of[id(speculator)] = (speculator, params)  # keeps the speculator, so its id stays its own
+        return params
 
     def _start_placeholder(self, speculator: Speculator, loop: SpeculativeLoop) -> Any:
         """Zeros shaped like ``speculator``'s state at the start of a loop like ``loop``, made by one

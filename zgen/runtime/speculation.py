@@ -200,7 +200,11 @@ class Speculator(Protocol):
         """Raise a typed error if this speculator cannot draft for ``model`` (another vocabulary)."""
         ...
 
-    def device_params(self) -> Any: ...
+    def device_params(self) -> Any:
+        """The arrays ``start`` and ``propose`` get as ``params`` (a draft's weights; ``()`` for none),
+        fixed for the speculator's life: a model's runner reads them once (and copies them to its
+        device if they sit on another)."""
+        ...
 
     def start(self, params: Any, history: Int[Array, "B L"], length: Int[Array, " B"]) -> Any:
         """The state before the first pass (rows hold ``history[:length]``, the last token pending)."""
