@@ -8,6 +8,7 @@ checks exits with code 1.
 from __future__ import annotations
 
 import collections.abc
+import functools
 import importlib.metadata
 import json
 import math
@@ -856,16 +857,16 @@ def batch_job(
     custom_id) becomes an error record for its custom_id and the job goes on. Killed at any point, the
     same command continues where it stopped (custom_ids already in --output are skipped; with the same
     --lora-modules). Exit code 0 when every request succeeded, 3 when some failed (the summary says how
-    many). Speculative decoding (--prompt-lookup, --draft-model, --early-exit, --jacobi) works as for
-    `zgen generate`, also with --data-parallel (not with --ray or --tensor-parallel).
+    many). Speculative decoding (--prompt-lookup, --draft-model, --early-exit, --jacobi, --eagle) works as
+    for `zgen generate`, also with --data-parallel and --ray (each Ray actor loads its own draft), not
+    with --tensor-parallel.
     """
     path = _model_path(model)
     speculating = _check_speculator_flags(prompt_lookup, draft_model, early_exit, jacobi, num_draft_tokens, kv_cache, eagle=eagle)
     tree = _draft_tree(draft_tree, speculating=speculating, prompt_lookup=prompt_lookup, jacobi=jacobi)
-    if speculating and (on_ray or tensor_parallel > 1):
+    if speculating and tensor_parallel > 1:
         raise typer.BadParameter(
-            "speculative decoding in a batch job runs on unsplit replicas of this process; leave out --ray and --tensor-parallel",
-            param_hint="'--prompt-lookup'",
+            "speculative decoding in a batch job runs on unsplit replicas; leave out --tensor-parallel", param_hint="'--prompt-lookup'",
         )
     draft_path = _model_path(draft_model, "--draft-model") if draft_model is not None else None
     if output.resolve() == input.resolve():
@@ -890,9 +891,16 @@ def batch_job(
     adapters = _read_lora_modules(lora_modules, base_name)
     try:
         if on_ray:
+            make_speculator = (
+                functools.partial(
+                    _actor_speculator, prompt_lookup, None if draft_path is None else str(draft_path), dtype, early_exit,
+                    num_draft_tokens, jacobi, eagle, tree,
+                )
+                if speculating else None
+            )
             result = _batch_on_ray(
                 model if model in BUILTIN_MODELS else str(path), input, output, options, actors=ray_actors, gpus=ray_gpus, max_batch_size=max_batch_size,
-                prefill_chunk=prefill_chunk, dtype=dtype, model_name=base_name, quiet=quiet, summary=summary,
+                prefill_chunk=prefill_chunk, dtype=dtype, model_name=base_name, quiet=quiet, summary=summary, speculative=make_speculator,
             )
         else:
             with Phases.on_stderr(enabled=not quiet) as phases:
@@ -920,14 +928,26 @@ def batch_job(
 
 def _batch_on_ray(
     model: str, input: Path, output: Path, options: list[CacheOption], *, actors: int, gpus: float, max_batch_size: int,
-    prefill_chunk: int, dtype: str, model_name: str, quiet: bool, summary: Path | None,
+    prefill_chunk: int, dtype: str, model_name: str, quiet: bool, summary: Path | None, speculative: Callable[[Model], Speculator] | None,
 ) -> BatchSummary:
     from zgen.integrations.ray import run_on_ray  # Ray loads only for --ray
 
     return run_on_ray(
         model, input, output, *options, actors=actors, gpus_per_actor=gpus, max_batch_size=max_batch_size,
-        prefill_chunk=prefill_chunk, dtype=dtype, model_name=model_name, progress=not quiet, summary=summary,
+        prefill_chunk=prefill_chunk, dtype=dtype, model_name=model_name, progress=not quiet, summary=summary, speculative=speculative,
     )
+
+
+def _actor_speculator(
+    prompt_lookup: bool, draft_path: str | None, dtype: str, early_exit: int | None, num_tokens: int | None, jacobi: bool,
+    eagle: Path | None, tree: TreeShape | None, model: Model,
+) -> Speculator:
+    """The speculator the flags ask for, made inside a Ray actor for its loaded ``model`` (the draft
+    model, if any, loaded there too)."""
+    draft = load_model(draft_path, dtype=dtype) if draft_path is not None else None
+    speculator = _speculator(model, prompt_lookup, draft, early_exit, num_tokens, jacobi=jacobi, eagle=eagle, tree=tree)
+    assert speculator is not None, "the flags were checked to ask for a speculator"
+    return speculator
 
 
 @eval_app.command("ppl", cls=_Command)

@@ -3,6 +3,8 @@ same resumable output as a local job."""
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +16,7 @@ import zgen
 from batch_helpers import by_id, chat_line, completion_line, read_records, save_tiny_chat_model, words
 from zgen import Generator, SamplingConfig, load_model
 from zgen.batch import run
+from zgen.speculative import DraftModel
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'zgen[ray]')")
 ray_data = pytest.importorskip("ray.data")
@@ -89,4 +92,37 @@ def test_batch_on_ray_writes_what_a_local_job_writes(model_dir: Path, tmp_path: 
             assert on_ray[custom_id]["error"]["code"] == record["error"]["code"]
     # the summary adds up the actors' engine metrics: this run generated r4, r5 and chat
     assert summary.completion_tokens == sum(on_ray[k]["response"]["body"]["usage"]["completion_tokens"] for k in ("r4", "r5", "chat"))
-    assert summary.generations == 3 and summary.time_to_first_token_s is not None
+    assert summary.generations == 3 and summary.time_to_first_token_s is not None and summary.speculative is None
+    # Each actor drafts with a speculator it makes for its own model (a draft model's weights included).
+    draft = functools.partial(DraftModel.early_exit, layers=1, num_tokens=3, adaptive=False)
+    drafted = run_on_ray(str(model_dir), source, tmp_path / "drafted.jsonl", actors=2, lines_per_task=2, max_batch_size=2, progress=False, speculative=draft)
+    assert drafted.written == 8 and drafted.speculative is not None and drafted.speculative.draft_tokens > 0
+    speculated = by_id(read_records(tmp_path / "drafted.jsonl"))
+    assert sorted(speculated, key=str) == sorted(here, key=str)
+    for custom_id, record in here.items():  # greedy requests: the plain records
+        if record["error"] is None:
+            assert speculated[custom_id]["response"]["body"]["choices"] == record["response"]["body"]["choices"]
+        else:
+            assert speculated[custom_id]["error"]["code"] == record["error"]["code"]
+
+
+@pytest.mark.usefixtures("local_ray")
+def test_cli_batch_on_ray_speculates_in_each_actor(model_dir: Path, tmp_path: Path) -> None:
+    """`zgen batch --ray` with speculator flags: each actor makes the flags' speculator for its own
+    model (prompt lookup over prompts that repeat); the records are the local job's, the summary has
+    the figures."""
+    from typer.testing import CliRunner
+
+    from zgen.cli import app
+
+    lines = [completion_line(f"r{i}", words(*[5 + i, 6, 7] * 3), max_tokens=6, temperature=0) for i in range(4)]
+    source = tmp_path / "in.jsonl"
+    source.write_text("\n".join(lines) + "\n")
+    local = run(str(model_dir), source, tmp_path / "local.jsonl", max_batch_size=2, progress=False)
+    args = ["batch", "--model", str(model_dir), "--input", str(source), "--output", str(tmp_path / "ray.jsonl"), "--quiet"]
+    result = CliRunner().invoke(app, [*args, "--ray", "--ray-actors", "1", "--prompt-lookup", "--num-draft-tokens", "3", "--summary", str(tmp_path / "s.json")])
+    assert result.exit_code == 0, result.output
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["succeeded"] == local.succeeded == 4 and summary["speculative"]["draft_tokens"] > 0
+    here, on_ray = by_id(read_records(tmp_path / "local.jsonl")), by_id(read_records(tmp_path / "ray.jsonl"))
+    assert {k: r["response"]["body"]["choices"] for k, r in on_ray.items()} == {k: r["response"]["body"]["choices"] for k, r in here.items()}

@@ -15,15 +15,18 @@ the model inside each actor exactly as on one machine:
 
 * :func:`run_on_ray` (``zgen batch --ray``) — an OpenAI Batch API file run by Ray actors and written,
   as results stream back, into the same resumable output file :func:`zgen.batch.run` writes.
+
+Both take ``speculative``: a function each actor calls with its loaded model to make its speculator
+(``lambda model: DraftModel.early_exit(model, layers=8)``; Ray pickles the function, not a model).
 """
 
 from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 
@@ -33,16 +36,19 @@ from zgen.batch.summary import BatchSummary
 from zgen.cache.factory import CacheOption
 from zgen.errors import ConfigError, InputError
 from zgen.generator import Generator, Prompt, Request
-from zgen.model import load_model
+from zgen.model import Model, load_model
 from zgen.runtime.metrics import EngineMetrics, Histogram
 from zgen.runtime.sampling import SamplingConfig
+from zgen.runtime.speculation import Speculator
 
 Batch = dict[str, Any]  # a Ray Data batch in the "numpy" format: column name -> array
+SpeculatorFactory: TypeAlias = Callable[[Model], Speculator]  # an actor's speculator, made for its loaded model
 
 
 class ZgenPredictor:
     """Generates for each row of a Ray Data batch (see the module docstring). ``sampling`` is a
-    :class:`SamplingConfig` or its fields as a dict; ``cache_options`` choose the KV cache."""
+    :class:`SamplingConfig` or its fields as a dict; ``cache_options`` choose the KV cache;
+    ``speculative`` makes the actor's speculator from its model."""
 
     def __init__(
         self,
@@ -52,10 +58,14 @@ class ZgenPredictor:
         sampling: SamplingConfig | Mapping[str, Any] | None = None,
         max_batch_size: int = 64,
         prefill_chunk: int = 512,
+        speculative: SpeculatorFactory | None = None,
     ) -> None:
         self.sampling = sampling if isinstance(sampling, SamplingConfig) else SamplingConfig(**(sampling or {}))
         loaded = load_model(model, dtype=dtype)
-        self.generator = Generator(loaded, *cache_options, max_batch_size=max_batch_size, prefill_chunk=prefill_chunk)
+        self.generator = Generator(
+            loaded, *cache_options, max_batch_size=max_batch_size, prefill_chunk=prefill_chunk,
+            speculative=None if speculative is None else speculative(loaded),
+        )
 
     def __call__(self, batch: Batch) -> Batch:
         results = self.generator.batch_generate([Request(prompt, self.sampling) for prompt in _prompts(batch)])
@@ -86,9 +96,12 @@ class BatchLineWorker:
 
     def __init__(
         self, model: str, *cache_options: CacheOption, dtype: str = "float32", max_batch_size: int = 64,
-        prefill_chunk: int = 512, model_name: str | None = None,
+        prefill_chunk: int = 512, model_name: str | None = None, speculative: SpeculatorFactory | None = None,
     ) -> None:
-        self.generator = job_generator(load_model(model, dtype=dtype), cache_options, max_batch_size, prefill_chunk)
+        loaded = load_model(model, dtype=dtype)
+        self.generator = job_generator(
+            loaded, cache_options, max_batch_size, prefill_chunk, speculative=None if speculative is None else speculative(loaded)
+        )
         self.model_name = model_name or model
         self.window = 2 * max_batch_size
         self.worker = secrets.token_hex(8)
@@ -127,13 +140,15 @@ def run_on_ray(
     model_name: str | None = None,
     progress: bool = True,
     summary: str | Path | None = None,
+    speculative: SpeculatorFactory | None = None,
 ) -> BatchSummary:
     """:func:`zgen.batch.run` with Ray actors doing the generation: ``actors`` of them (each loads
     ``model``, so it must be a built-in name or a path every node can read), ``gpus_per_actor`` GPUs
-    each, ``lines_per_task`` request lines per Ray task. Connects to the Ray cluster that
-    ``ray.init()`` finds (``RAY_ADDRESS``), or starts a local one. Records stream back to this process,
-    which alone writes the output: resuming works as for a local job. The summary adds up the actors'
-    engine metrics (each actor's engine is new, so its figures are this job's)."""
+    each, ``lines_per_task`` request lines per Ray task; ``speculative`` makes each actor's
+    speculator from its model. Connects to the Ray cluster that ``ray.init()`` finds
+    (``RAY_ADDRESS``), or starts a local one. Records stream back to this process, which alone writes
+    the output: resuming works as for a local job. The summary adds up the actors' engine metrics
+    (each actor's engine is new, so its figures are this job's)."""
     try:
         import ray
         import ray.data
@@ -158,6 +173,7 @@ def run_on_ray(
                 fn_constructor_args=(model, *options),
                 fn_constructor_kwargs={
                     "dtype": dtype, "max_batch_size": max_batch_size, "prefill_chunk": prefill_chunk, "model_name": model_name,
+                    "speculative": speculative,
                 },
                 concurrency=actors,
                 num_gpus=gpus_per_actor,
@@ -170,7 +186,7 @@ def run_on_ray(
                     if str(worker) not in latest or snapshot.requests >= latest[str(worker)].requests:  # batches may arrive out of order
                         latest[str(worker)] = snapshot
                     out.put(json.loads(str(text)))
-    return out.summary(list(latest.values()), count_requests(lines), screened.skipped, (), summary)
+    return out.summary(list(latest.values()), count_requests(lines), screened.skipped, (), summary, speculating=speculative is not None)
 
 
 __all__ = ["BatchLineWorker", "ZgenPredictor", "run_on_ray"]
