@@ -16,7 +16,7 @@ import zgen
 from batch_helpers import by_id, chat_line, completion_line, read_records, save_tiny_chat_model, words
 from zgen import Generator, SamplingConfig, load_model
 from zgen.batch import run
-from zgen.speculative import DraftModel
+from zgen.speculative import DraftModel, PromptLookup
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'zgen[ray]')")
 ray_data = pytest.importorskip("ray.data")
@@ -58,6 +58,11 @@ def test_predictor_in_map_batches_matches_the_generator(model_dir: Path) -> None
     chats = ray_data.from_items([{"messages": [{"role": "user", "content": p}]} for p in prompts[:2]]).map_batches(
         ZgenPredictor, fn_constructor_kwargs={"model": str(model_dir), "sampling": sampling}, concurrency=1, batch_size=2
     ).take_all()
+    drafted = ray_data.from_items(rows).map_batches(
+        ZgenPredictor, fn_constructor_kwargs={"model": str(model_dir), "sampling": sampling, "speculative": lambda model: PromptLookup(num_tokens=4)},
+        concurrency=1, batch_size=2,
+    ).take_all()
+    assert sorted(r["generated_text"] for r in drafted) == sorted(r["generated_text"] for r in out)  # greedy: the plain tokens
     generator = Generator(load_model(model_dir))
     config = SamplingConfig(**sampling)
     for row in out:
