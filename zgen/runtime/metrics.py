@@ -184,10 +184,12 @@ class MetricsCollector:
                 self.prompt_tokens += prompt_tokens
                 self.cached_prompt_tokens += cached_tokens
 
-    def speculation(self, drafted: int, accepted: int, steps: int = 0) -> None:
+    def speculation(self, drafted: int, accepted: int, steps: int) -> None:
         """A row's speculative loop verified ``drafted`` tokens in ``steps`` passes and kept ``accepted`` of them."""
         if not 0 <= accepted <= drafted or steps < 0:
-            raise ConfigError(f"accepted draft tokens ({accepted}) must lie in [0, drafted = {drafted}], passes ({steps}) >= 0")
+            raise ConfigError(
+                f"accepted draft tokens ({accepted}) must lie in [0, drafted = {drafted}] and passes ({steps}) must be >= 0"
+            )
         with self._lock:
             self.draft_tokens += drafted
             self.accepted_tokens += accepted
