@@ -8,7 +8,7 @@ from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Bool, Float, Int
 
 from zgen.numerics import matmul_precision
-from zgen.pallas.common import RUNNING_MAX_INIT, soft_cap as apply_soft_cap
+from zgen.pallas.common import RUNNING_MAX_INIT, base2_logits
 from zgen.rope import rope_cos_sin
 
 # Triton's tensor-core dot needs every dimension to be at least 16.
@@ -99,10 +99,11 @@ def own_key_carry(
     q: Float[Array, "rows d"], k_new: Float[Array, "1 d"], v_new: Float[Array, "1 d"], first: Bool[Array, " rows"],
     *, scale: float, soft_cap: float | None,
 ) -> tuple[Float[Array, " rows"], Float[Array, " rows"], Float[Array, "rows d"]]:
-    """The online softmax's starting carry ``(max, sum, acc)`` of an appending decode step: rows in
-    ``first`` start from the token's own key (always visible to itself, held in registers, so no
-    program waits for its write), the others from nothing."""
-    own = apply_soft_cap(jnp.sum(q.astype(jnp.float32) * k_new.astype(jnp.float32), axis=-1) * scale, soft_cap)
+    """The online softmax's starting carry ``(max, sum, acc)`` of an appending decode step (the max in
+    base-2 units, :func:`~zgen.pallas.common.base2_logits`): rows in ``first`` start from the token's
+    own key (always visible to itself, held in registers, so no program waits for its write), the
+    others from nothing."""
+    own = base2_logits(jnp.sum(q.astype(jnp.float32) * k_new.astype(jnp.float32), axis=-1), scale, soft_cap)
     rows = q.shape[0]
     return (
         jnp.where(first, own, RUNNING_MAX_INIT),

@@ -23,6 +23,7 @@ from jaxtyping import Array, Float, Int
 
 from zgen.pallas.common import (
     RUNNING_MAX_INIT,
+    base2_logits,
     finish_softmax,
     is_query,
     key_block_range,
@@ -30,7 +31,6 @@ from zgen.pallas.common import (
     query_blocks,
     query_positions,
     query_span,
-    soft_cap as apply_soft_cap,
     softmax_rescale,
     ungroup_queries,
     visible,
@@ -84,11 +84,11 @@ def _attend_block(
     m, l, acc = carry
     k = k_ref[pl.ds(j * block_k, block_k), :]
     v = v_ref[pl.ds(j * block_k, block_k), :]
-    s = apply_soft_cap(dot_nt(q, k) * scale, soft_cap)
+    s = base2_logits(dot_nt(q, k), scale, soft_cap)
     if masked:
         k_pos = j * block_k + jnp.arange(block_k)
         s = jnp.where(visible(q_pos[:, None], k_pos[None, :], length, causal=causal, window=window), s, -jnp.inf)
-    m, l, p, alpha = softmax_rescale(m, l, s)
+    m, l, p, alpha = softmax_rescale(m, l, s, base2=True)
     return m, l, acc * alpha[:, None] + dot_nn(p.astype(v.dtype), v)
 
 
@@ -138,7 +138,7 @@ def _prefill_kernel(
     carry = jax.lax.fori_loop(lo, full_lo, masked, _init_carry(q))
     carry = jax.lax.fori_loop(full_lo, full_hi, unmasked, carry)
     m, l, acc = jax.lax.fori_loop(full_hi, hi, masked, carry)
-    out = finish_softmax(acc, m, l)[0]
+    out = finish_softmax(acc, m, l, base2=True)[0]
     o_ref[...] = jnp.where(is_query(q_pos, length)[:, None], out, 0.0).astype(o_ref.dtype)
 
 
@@ -174,7 +174,7 @@ def _decode_kernel(
         block_k=block_k, masked=True, causal=causal, window=window, scale=scale, soft_cap=soft_cap,
     )
     m, l, acc = jax.lax.fori_loop(start, jnp.minimum(start + per_split, hi), step, _init_carry(q))
-    out, lse = finish_softmax(acc, m, l)
+    out, lse = finish_softmax(acc, m, l, base2=True)
     real = is_query(q_pos, length)
     o_ref[...] = jnp.where(real[:, None], out, 0.0)
     lse_ref[...] = jnp.where(real, lse, -jnp.inf)
@@ -386,7 +386,7 @@ def _append_decode_kernel(
     )
     carry = own_key_carry(q, k_new, v_new, (split == 0) & real & in_group, scale=scale, soft_cap=soft_cap)
     m, l, acc = jax.lax.fori_loop(start, jnp.minimum(start + per_split, hi), step, carry)
-    out, lse = finish_softmax(acc, m, l)
+    out, lse = finish_softmax(acc, m, l, base2=True)
     if num_splits == 1:  # the finished output, written straight into the group's rows
         pltriton.store(o_ref.at[row[:, None], lanes], out.astype(o_ref.dtype), mask=in_group[:, None])
     else:

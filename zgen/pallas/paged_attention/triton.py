@@ -33,10 +33,10 @@ from jaxtyping import Array, Bool, Float, Int
 from zgen.errors import ConfigError
 from zgen.pallas.common import (
     RUNNING_MAX_INIT,
+    base2_logits,
     finish_softmax,
     merge_partials,
     query_blocks,
-    soft_cap as apply_soft_cap,
     softmax_rescale,
     ungroup_queries,
     visible,
@@ -390,8 +390,8 @@ def _attend_pages(
         if mean is not None:
             s = s + mean(logical, first)
         ok = visible(qpos, pos[None, :], length, causal=True, window=window)
-        s = jnp.where(ok, apply_soft_cap(s * scale, soft_cap), -jnp.inf)
-        m, l, p, alpha = softmax_rescale(m, l, s)
+        s = jnp.where(ok, base2_logits(s, scale, soft_cap), -jnp.inf)
+        m, l, p, alpha = softmax_rescale(m, l, s, base2=True)
         pv = v_reader.values(v_refs, page, p)
         return m, l, [a * alpha[:, None] + c for a, c in zip(acc, pv, strict=True)]
 
@@ -405,14 +405,14 @@ def _store_output(
     """A split's partial output and log-sum-exp (``lse_ref`` given), or the finished rows of the group
     (``in_group``) straight into ``o_ref``."""
     for (dim, width), a in zip(pieces, acc, strict=True):
-        out = finish_softmax(a, m, l)[0]
+        out = finish_softmax(a, m, l, base2=True)[0]
         if lse_ref:
             o_ref[:, pl.ds(dim, width)] = out
         else:
             lanes = dim + jnp.arange(width)[None, :]
             pltriton.store(o_ref.at[row[:, None], lanes], out.astype(o_ref.dtype), mask=in_group[:, None])
     if lse_ref:
-        lse_ref[0][...] = finish_softmax(acc[0], m, l)[1]
+        lse_ref[0][...] = finish_softmax(acc[0], m, l, base2=True)[1]
 
 
 def _leaf_spec(leaf: Array) -> pl.BlockSpec:
