@@ -1,6 +1,7 @@
 """load_model(..., tensor_parallel=N) on forced host devices: the same greedy tokens as one device,
-through the Generator (dense and paged caches), a context, and a batch job of two replicas of two devices
-each; heads that N does not divide are refused."""
+through the Generator (dense and paged caches), a context, a batch job of two replicas of two devices
+each, speculative decoding (Generator, batch job, ``zgen generate --tensor-parallel``); heads that N
+does not divide are refused."""
 
 from __future__ import annotations
 
@@ -58,6 +59,26 @@ summaries = [  # packed prefill steps (the job's default) on a paged cache
 out["replicas"] = [list(s.replica_requests) for s in summaries]
 texts = [{r["custom_id"]: r["response"]["body"]["choices"][0]["text"] for r in map(json.loads, open(f"{sys.argv[2]}.{dp}x{tp}"))} for dp, tp in ((1, 1), (2, 2))]
 out["batch_same"] = texts[0] == texts[1] and len(texts[0]) == 6
+from zgen.speculative import DraftModel, PromptLookup
+from zgen.speculative.eagle import Eagle, EagleHead
+greedy = [Request("w5 w9 w13 w5 w9 w13 w5", SamplingConfig(temperature=0.0, max_new_tokens=10, ignore_eos=True))]
+out["plain"] = Generator(one, max_batch_size=2).batch_generate(greedy)[0].token_ids
+for name, speculator in (  # drafts of the split model itself, and of weights on one device (copied to each)
+    ("eagle", Eagle(EagleHead.init(two, jax.random.PRNGKey(0)), adaptive=False)),
+    ("draft", DraftModel(one, num_tokens=3, adaptive=False)),
+):
+    result = Generator(two, max_batch_size=2, speculative=speculator).batch_generate(greedy)[0]
+    out[f"two-{name}"] = result.token_ids
+    out[f"two-{name}-drafted"] = result.speculative.draft_tokens
+spec_job = run(one, sys.argv[2], f"{sys.argv[2]}.spec", paged_kv(max_memory_mb=8), data_parallel=2, tensor_parallel=2, max_batch_size=2,
+               progress=False, speculative=DraftModel.early_exit(one, layers=1))
+spec_texts = {r["custom_id"]: r["response"]["body"]["choices"][0]["text"] for r in map(json.loads, open(f"{sys.argv[2]}.spec"))}
+out["batch_speculative_same"] = spec_texts == texts[0] and spec_job.speculative.draft_tokens > 0
+from typer.testing import CliRunner
+from zgen.cli import app
+cli = CliRunner().invoke(app, ["generate", "-m", sys.argv[1], "-p", greedy[0].prompt, "-n", "10", "--temperature", "0", "--ignore-eos", "--json",
+                               "--tensor-parallel", "2", "--prompt-lookup"])
+out["cli"] = json.loads(cli.stdout)["token_ids"] if cli.exit_code == 0 else cli.output
 from zgen.errors import ConfigError
 from zgen.lora import random_adapter
 try:
@@ -80,6 +101,11 @@ def test_two_way_tensor_parallel_matches_one_device(tmp_path: Path, host_devices
     assert out["adapter_refused"]  # LoRA rows would need the split layout: refused, not wrong
     assert out["batch_same"] and out["replicas"][0] == [6] and sum(out["replicas"][1]) == 6  # 2 replicas x 2 devices
     assert len({tuple(ids) for ids in out["one-tensor"]}) == 4
+    # Speculative decoding on the split model: the plain greedy tokens, drafting with the split model's
+    # own weights or with a one-device draft copied to the group, in a Generator, a batch job and the CLI.
+    assert out["two-eagle"] == out["two-draft"] == out["plain"] and out["two-eagle-drafted"] > 0 and out["two-draft-drafted"] > 0
+    assert out["batch_speculative_same"]
+    assert out["cli"] == out["plain"]
 
 
 def test_heads_that_do_not_divide_are_refused(tmp_path: Path) -> None:

@@ -243,6 +243,9 @@ DraftTreeOption = Annotated[
         "one pass (e.g. 4x16; the depth is --num-draft-tokens; same output).",
     ),
 ]
+TensorParallelOption = Annotated[
+    int, typer.Option("--tensor-parallel", min=1, help="Split the model's heads and MLP columns over this many local devices.")
+]
 NumDraftOption = Annotated[
     int | None,
     typer.Option("--num-draft-tokens", metavar="K", min=1, max=32, help="Tokens drafted per pass at most (default: 8 with --prompt-lookup or --jacobi, else 4)."),
@@ -532,6 +535,7 @@ def generate(
     ignore_eos: IgnoreEosOption = False,
     dtype: DtypeOption = "float32",
     weights: WeightsOption = None,
+    tensor_parallel: TensorParallelOption = 1,
     kv_cache: KVCacheOption = None,
     kv_dtype_name: KVDtypeOption = None,
     use_prefix_cache: PrefixCacheOption = False,
@@ -566,9 +570,9 @@ def generate(
     GGUF recommends nothing, so pass --temperature 0 for greedy, repeatable text (or e.g.
     --temperature 0.7 --top-p 0.9).
 
-    Speculative decoding (--prompt-lookup, --draft-model, --early-exit, --jacobi) drafts tokens cheaply and checks
-    them in one forward pass: greedy output is exactly the plain output, sampled output follows the
-    same distribution.
+    Speculative decoding (--prompt-lookup, --draft-model, --early-exit, --jacobi, --eagle) drafts tokens cheaply
+    and checks them in one forward pass: greedy output is exactly the plain output, sampled output follows
+    the same distribution. --tensor-parallel N splits the model over N local devices (speculators included).
     """
     if not (prompt or chat):
         raise typer.BadParameter("the prompt is empty", param_hint="'--prompt'")
@@ -590,7 +594,7 @@ def generate(
     try:
         adapters = _read_adapters(lora)
         with Phases.on_stderr(enabled=show) as phases:
-            loaded = _with_adapters(_load(phases, model, path, dtype, sampling, weights), adapters)
+            loaded = _with_adapters(_load(phases, model, path, dtype, sampling, weights, tensor_parallel=tensor_parallel), adapters)
             draft = _load(phases, draft_model, draft_path, dtype, None) if draft_model is not None and draft_path is not None else None
             speculator = _speculator(loaded, prompt_lookup, draft, early_exit, num_draft_tokens, jacobi=jacobi, eagle=eagle, tree=tree)
             generator = Generator(loaded, *options, speculative=speculator)
@@ -743,6 +747,7 @@ def chat(
     seed: SeedOption = None,
     dtype: DtypeOption = "float32",
     weights: WeightsOption = None,
+    tensor_parallel: TensorParallelOption = 1,
     kv_cache: KVCacheOption = None,
     kv_dtype_name: KVDtypeOption = None,
     use_prefix_cache: PrefixCacheOption = False,
@@ -763,7 +768,8 @@ def chat(
     try:
         adapters = _read_adapters(lora)
         with Phases.on_stderr(enabled=not quiet) as phases:
-            generator = Generator(_with_adapters(_load(phases, model, path, dtype, sampling, weights), adapters), *options)
+            loaded = _load(phases, model, path, dtype, sampling, weights, tensor_parallel=tensor_parallel)
+            generator = Generator(_with_adapters(loaded, adapters), *options)
     except ZgenError as err:
         raise _fail(err) from None
     messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
@@ -822,7 +828,7 @@ def batch_job(
     step_tokens: Annotated[int | None, typer.Option("--step-tokens", min=1, help="Prefill steps are streams of exactly this many tokens (at least --max-batch-size), the rows' chunks cut to fill them. Default: streams a power of two wide.")] = None,
     packed_steps: Annotated[bool, typer.Option("--packed-steps/--padded-steps", help="Prefill steps pack their rows' tokens into one stream, a power of two wide (with --step-tokens: that many tokens), or pad each row to the chunk.")] = True,
     data_parallel: Annotated[int, typer.Option("--data-parallel", min=1, help="Model replicas sharing the job, one per local device (or per group of --tensor-parallel devices).")] = 1,
-    tensor_parallel: Annotated[int, typer.Option("--tensor-parallel", min=1, help="Split the model's heads and MLP columns over this many local devices.")] = 1,
+    tensor_parallel: TensorParallelOption = 1,
     dtype: DtypeOption = "float32",
     kv_cache: KVCacheOption = None,
     kv_dtype_name: KVDtypeOption = None,
@@ -858,16 +864,12 @@ def batch_job(
     same command continues where it stopped (custom_ids already in --output are skipped; with the same
     --lora-modules). Exit code 0 when every request succeeded, 3 when some failed (the summary says how
     many). Speculative decoding (--prompt-lookup, --draft-model, --early-exit, --jacobi, --eagle) works as
-    for `zgen generate`, also with --data-parallel and --ray (each Ray actor loads its own draft), not
-    with --tensor-parallel.
+    for `zgen generate`, also with --data-parallel, --tensor-parallel (a draft that is not the split model's
+    own early exit is copied whole to each device of a group) and --ray (each Ray actor loads its own draft).
     """
     path = _model_path(model)
     speculating = _check_speculator_flags(prompt_lookup, draft_model, early_exit, jacobi, num_draft_tokens, kv_cache, eagle=eagle)
     tree = _draft_tree(draft_tree, speculating=speculating, prompt_lookup=prompt_lookup, jacobi=jacobi)
-    if speculating and tensor_parallel > 1:
-        raise typer.BadParameter(
-            "speculative decoding in a batch job runs on unsplit replicas; leave out --tensor-parallel", param_hint="'--prompt-lookup'",
-        )
     draft_path = _model_path(draft_model, "--draft-model") if draft_model is not None else None
     if output.resolve() == input.resolve():
         raise typer.BadParameter("the output would overwrite the input; choose another file", param_hint="'--output'")

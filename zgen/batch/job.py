@@ -421,14 +421,13 @@ def run(
 
     ``speculative`` (:mod:`zgen.speculative`) drafts tokens for every request (greedy results are the
     plain ones; sampled ones follow the same distribution), on every data-parallel replica (each
-    drafts with a copy of the speculator's weights on its own device); not with ``tensor_parallel``.
+    drafts with a copy of the speculator's weights on its own device, or on each device of its
+    ``tensor_parallel`` group).
     """
     for what, value in (("data_parallel", data_parallel), ("tensor_parallel", tensor_parallel)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{what} must be an integer >= 1, got {value!r}")
     devices = jax.local_devices()
-    if speculative is not None and tensor_parallel > 1:
-        raise ConfigError("speculative decoding in a batch job runs on unsplit replicas; leave out tensor_parallel")
     if data_parallel * tensor_parallel > len(devices):
         raise ConfigError(
             f"data_parallel={data_parallel} x tensor_parallel={tensor_parallel} needs as many local devices; this "

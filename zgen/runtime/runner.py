@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, Int
 
 from zgen.cache.base import KVState
@@ -170,12 +171,21 @@ class Runner:
 
     def _draft_params(self, speculator: Speculator) -> Any:
         """The speculator's arrays on this runner's device, looked up once per speculator: a model
-        replica on another device (a batch job's data-parallel replica) drafts with its own copy."""
+        replica on another device (a batch job's data-parallel replica) drafts with its own copy; a
+        model split over a mesh (tensor parallelism) with a copy on each of its devices, except for
+        arrays already spread over that mesh (an early exit of the split model itself)."""
         known = self._draft_params_of.get(id(speculator))
         if known is not None and known[0] is speculator:
             return known[1]
         params = speculator.device_params()
-        if self._device is not None and _device_of(params) not in (None, self._device):
+        mesh = self.spec.mesh
+        if mesh is not None:
+            replicated = NamedSharding(mesh, PartitionSpec())
+            on_mesh = set(mesh.devices.flat)
+            params = jax.tree_util.tree_map(
+                lambda leaf: leaf if isinstance(leaf, jax.Array) and leaf.devices() == on_mesh else jax.device_put(leaf, replicated), params
+            )
+        elif self._device is not None and _device_of(params) not in (None, self._device):
             params = jax.device_put(params, self._device)
         self._draft_params_of[id(speculator)] = (speculator, params)  # keeps the speculator, so its id stays its own
         return params
