@@ -80,6 +80,7 @@ def main() -> None:
     parser.add_argument("--self-distill", type=int, default=len(TASKS) * len(TOPICS), help="prompts whose greedy answers are the data")
     parser.add_argument("--data", type=Path, default=None, help="the prompts (.jsonl chats or .txt lines) instead of the built-in ones")
     parser.add_argument("--fused", action="store_true", help="EAGLE-3's low/middle/high feature fusion")
+    parser.add_argument("--chain-steps", type=int, default=1, help="EAGLE-3's training-time test over this many chained steps (1: off)")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--runs", type=int, default=3)
@@ -98,7 +99,7 @@ def main() -> None:
     data = args.data or distill_file(args.out.parent / f"{args.out.name}-prompts.jsonl")
     config = TrainConfig(
         steps=args.train_steps, batch_size=args.train_batch, seq_len=args.seq_len, lr=args.lr, self_distill=args.self_distill,
-        fused=args.fused, save_every=max(args.train_steps // 4, 1), eval_every=max(args.train_steps // 20, 1),
+        fused=args.fused, chain_steps=args.chain_steps, save_every=max(args.train_steps // 4, 1), eval_every=max(args.train_steps // 20, 1),
     )
 
     def show(step: StepReport) -> None:
@@ -109,6 +110,7 @@ def main() -> None:
     report = train(model, data, args.out, config, show)
     training = dict(
         steps=report.steps, first_step=report.first_step, tokens=report.tokens, loss=report.loss, acceptance=report.acceptance,
+        chain_acceptance=report.chain_acceptance, chain_steps=args.chain_steps,
         generation_gpu_minutes=report.generation_seconds / 60, training_gpu_minutes=report.seconds / 60,
         total_gpu_minutes=(time.perf_counter() - started) / 60,
     )

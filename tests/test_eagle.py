@@ -31,7 +31,8 @@ from zgen.runtime.speculation import DraftInput, Proposal
 from zgen.runtime.step import ModelSpec, forward_features
 from zgen.runtime.stop import StopCondition
 from zgen.speculative import DraftModel, Eagle, EagleHead, TreeShape
-from zgen.speculative.eagle.train import TrainConfig, train
+from zgen.speculative.eagle.head import draft_step, fuse
+from zgen.speculative.eagle.train import TrainConfig, chained_outputs, train
 
 GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=20, ignore_eos=True)
 PROMPTS = ["w5 w9 w12 w5 w9 w12 w5 w9 w3", "w7 w8 w7 w8 w7", "w20 w21 w22 w23 w24 w25 w20 w21 w22 w30 w31"]
@@ -233,6 +234,31 @@ def test_sampled_drafts_follow_the_distribution_they_report(tiny: Model) -> None
     _assert_follows(tokens[:, 0], probs[0, 0])
 
 
+def test_the_training_time_test_sees_what_a_drafted_chain_sees(tiny: Model) -> None:
+    """Chained step ``s`` of training at row ``j`` (all rows in one pass, through the chain mask) gives
+    the logits of drafting step by step: the true rows up to ``j - s + 1`` fed, then ``s - 1`` chain
+    rows, each reading the feature its predecessor predicted (the tokens being the true ones)."""
+    head = EagleHead.init(tiny, 5, fused=True)
+    t, steps = 8, 3
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, tiny.config.vocab_size, (1, t)), jnp.int32)
+    features = jax.random.normal(jax.random.PRNGKey(1), (1, t, len(head.feature_layers) * tiny.config.hidden_size))
+    lengths = jnp.asarray([t - 1], jnp.int32)  # the last token is padding
+    chained = chained_outputs(head, head.params, tiny.params, tokens, lengths, features, steps=steps)
+    joined = head.joined(head.params, tiny.params)
+    for step in range(1, steps + 1):
+        for j in range(step - 1, t - 2):
+            kv = head.new_kv(1, t, attention="einsum", dtype=jnp.dtype(jnp.float32))
+            true_rows = jnp.arange(j - step + 2)[None]
+            feature, logits, kv = draft_step(
+                head.graph, joined, kv, fuse(head.params, features[:, : j - step + 2]), tokens[:, 1 : j - step + 3], true_rows, true_rows
+            )
+            feature, logits = feature[:, -1:], logits[:, -1:]
+            for row in range(j - step + 2, j + 1):
+                at = jnp.asarray([[row]], jnp.int32)
+                feature, logits, kv = draft_step(head.graph, joined, kv, feature, tokens[:, row + 1 : row + 2], at, jnp.zeros((1, 1), jnp.int32))
+            np.testing.assert_allclose(chained[step - 1][1][0, j], logits[0, 0], rtol=1e-4, atol=1e-4, err_msg=f"step {step}, row {j}")
+
+
 def test_training_learns_resumes_and_records_its_target(tiny: Model, tmp_path: Path) -> None:
     """One short text (every batch the same): the loss goes down step by step."""
     out = tmp_path / "head"
@@ -243,7 +269,7 @@ def test_training_learns_resumes_and_records_its_target(tiny: Model, tmp_path: P
     report = train(tiny, one, out, config, lambda step: losses.append(step.loss))
     assert report.first_step == 0 and len(losses) == 8 and report.tokens > 0
     assert losses[-1] < losses[3] < losses[0]
-    assert 0.0 <= report.acceptance <= 1.0
+    assert 0.0 <= report.acceptance <= 1.0 and len(report.chain_acceptance) == 4 and report.chain_acceptance[0] == report.acceptance
     resumed = train(tiny, one, out, dataclasses.replace(config, steps=10))
     assert resumed.first_step == 8 and json.loads((out / "head.json").read_text())["step"] == 10
     with pytest.raises(ConfigError, match="fused"):
@@ -284,7 +310,7 @@ def test_the_command_line_trains_and_drafts_with_a_head(
     monkeypatch.setenv("ZGEN_XLA_CACHE_DIR", str(tmp_path / "xla"))
     runner = CliRunner()
     out = tmp_path / "head"
-    train_args = ["--data", str(data), "--out", str(out), "--steps", "2", "--batch-size", "2", "--seq-len", "16"]
+    train_args = ["--data", str(data), "--out", str(out), "--steps", "2", "--batch-size", "2", "--seq-len", "16", "--chain-steps", "2"]
     trained = runner.invoke(app, ["eagle", "train", "--model", str(checkpoint), *train_args])
     assert trained.exit_code == 0, trained.output
     args = ["generate", "--model", str(checkpoint), "-p", PROMPTS[1], "-n", "12", "--ignore-eos", "--temperature", "0", "--json"]

@@ -1190,6 +1190,9 @@ def eagle_train(
         int, typer.Option("--self-distill", metavar="N", min=0, help="Train on the model's own greedy continuations of the data's first N prompts (0: on the data itself).")
     ] = 0,
     fused: Annotated[bool, typer.Option("--fused", help="Read a low, a middle and a high layer's features (EAGLE-3) instead of the last layer's.")] = False,
+    chain_steps: Annotated[
+        int, typer.Option("--chain-steps", min=1, help="Also train on the head's own predicted features over this many chained steps (EAGLE-3's training-time test; 1: off).")
+    ] = 1,
     save_every: Annotated[int, typer.Option("--save-every", min=1, help="Save a checkpoint every this many steps.")] = 200,
     dtype: DtypeOption = "float32",
     quiet: QuietOption = False,
@@ -1199,7 +1202,10 @@ def eagle_train(
 
     path = _model_path(model)
     try:
-        config = TrainConfig(steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, self_distill=self_distill, fused=fused, save_every=save_every)
+        config = TrainConfig(
+            steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, self_distill=self_distill, fused=fused, chain_steps=chain_steps,
+            save_every=save_every,
+        )
         with Phases.on_stderr(enabled=not quiet) as phases:
             loaded = _load(phases, model, path, dtype, None)
         console = stderr_console()
@@ -1220,7 +1226,8 @@ def eagle_train(
     if not quiet:
         console.print(
             f"{out}: step {report.steps} (from {report.first_step}), {report.tokens} tokens in {report.seconds:.1f} s, "
-            f"loss {report.loss:.4f}, held-out acceptance {report.acceptance:.1%}",
+            f"loss {report.loss:.4f}, held-out acceptance {report.acceptance:.1%} "
+            f"(along a chain: {' / '.join(f'{a:.0%}' for a in report.chain_acceptance)})",
             highlight=False, soft_wrap=True,
         )
 

@@ -9,8 +9,10 @@ continuations: the head then learns what the target says, which is what it will 
 Each step runs the frozen target over a batch to get its features and next-token distributions, and
 the head over the same positions; the loss is EAGLE's: a smooth-L1 regression of the predicted feature
 on the target's next one plus 0.1 × the cross-entropy of the head's next-token distribution against
-the target's. The held-out acceptance is the head's top-1 agreement with the target's top-1 on
-sequences kept out of training. Checkpoints (:mod:`.checkpoint`) are written every ``save_every``
+the target's. With ``chain_steps > 1`` the head is also trained on its own predicted features over
+that many chained steps (EAGLE-3's training-time test, :func:`head_loss`). The held-out acceptance is
+the head's top-1 agreement with the target's top-1 on sequences kept out of training, at the first
+drafted token and along a chain of :data:`EVAL_STEPS`. Checkpoints (:mod:`.checkpoint`) are written every ``save_every``
 steps; training again into the same directory continues from the last one.
 """
 
@@ -28,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from zgen.cache.tensor import DenseKVState
 from zgen.errors import ConfigError, InputError
@@ -38,10 +40,14 @@ from zgen.runtime.sampling import SamplingConfig
 from zgen.runtime.step import ModelSpec, forward_features
 from zgen.runtime.stop import StopCondition
 from zgen.speculative.eagle import checkpoint
-from zgen.speculative.eagle.head import EagleHead, default_feature_layers, draft_step, fingerprint, fuse
+from zgen.speculative.eagle.head import HEAD_WINDOW, EagleHead, default_feature_layers, draft_step, draft_tree_step, fingerprint, fuse
 
 #: EAGLE's weight of the token cross-entropy against the feature regression.
 CLASSIFICATION_WEIGHT = 0.1
+#: EAGLE-3's weight of a chained step's loss against the step before it (training-time test).
+CHAIN_DECAY = 0.8
+#: Chained steps of the held-out acceptance: the default draft length.
+EVAL_STEPS = 4
 
 
 @dataclass(frozen=True)
@@ -52,13 +58,14 @@ class TrainConfig:
     lr: float = 3e-4
     self_distill: int = 0  # > 0: train on the target's greedy continuations of this many prompts
     fused: bool = False  # read a low, a middle and a high layer (EAGLE-3) instead of the last
+    chain_steps: int = 1  # > 1: EAGLE-3's training-time test over that many chained steps (see head_loss)
     feature_noise: float = 0.1  # uniform noise of this amplitude on the features the head reads, as EAGLE trains
     save_every: int = 200
     eval_every: int = 50
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "seq_len", "save_every", "eval_every"):
+        for name in ("steps", "batch_size", "seq_len", "chain_steps", "save_every", "eval_every"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"EAGLE training {name} must be a positive integer, got {value!r}")
@@ -91,6 +98,7 @@ class TrainReport:
     loss: float
     acceptance: float  # held-out top-1 agreement at the end
     generation_seconds: float  # producing the self-distilled sequences
+    chain_acceptance: tuple[float, ...]  # the same at each of EVAL_STEPS chained steps (the first is acceptance)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -223,30 +231,70 @@ def target_outputs(
     return logits, features
 
 
+def chain_visibility(rows: int, step: int, steps: int) -> Bool[Array, "T S"]:
+    """What head row ``j`` sees at chained step ``step`` (1-based) of the training-time test, over
+    ``steps`` blocks of ``rows`` slots (block ``r`` holds step ``r + 1``'s rows): as when it drafts the
+    ``step``-th token after the last true row ``j - step + 1``, the true rows up to that one (within
+    :data:`~.head.HEAD_WINDOW`) and the chain's rows after it, one from each earlier step, and its own."""
+    query = jnp.arange(rows)[:, None]
+    slot = jnp.arange(steps * rows)[None, :]
+    block, row = slot // rows, slot % rows
+    last_true = query - (step - 1)
+    true_rows = (block == 0) & (row <= last_true) & (query - row < HEAD_WINDOW)
+    chain_rows = (block >= 1) & (block < step) & (row == last_true + block)
+    return true_rows | chain_rows
+
+
+def chained_outputs(
+    head: EagleHead, params: dict[str, Array], target_params: Any, tokens: Int[Array, "B T"], lengths: Int[Array, " B"],
+    features: Float[Array, "B T F"], noise: Float[Array, "B T1 F"] | None = None, *, steps: int = 1,
+) -> list[tuple[Float[Array, "B T1 H"], Float[Array, "B T1 V"]]]:
+    """The head's predicted features and logits at every row ``j`` (reading the token at ``j + 1``), at
+    each of ``steps`` chained steps. Step 1 reads the target's true features (plus ``noise``); step
+    ``s`` feeds row ``j`` the feature step ``s - 1`` predicted for position ``j`` (its row ``j - 1``'s
+    output), attending as a drafted chain does (:func:`chain_visibility`): EAGLE-3's training-time test."""
+    b, t = tokens.shape
+    width = t - 1
+    rows = jnp.broadcast_to(jnp.arange(width)[None, :], (b, width))
+    valid = rows < (lengths - 1)[:, None]
+    # einsum attention and float32 buffers: differentiable everywhere (CPU keeps bfloat16 buffers as integers)
+    kv = head.new_kv(b, steps * width, attention="einsum", dtype=jnp.dtype(jnp.float32))
+    read = features[:, :-1] if noise is None else features[:, :-1] + noise.astype(features.dtype)
+    joined = head.joined(params, target_params)
+    after = tokens[:, 1:]
+    predicted, logits, kv = draft_step(head.graph, joined, kv, fuse(params, read).astype(head.model.dtype), after, jnp.where(valid, rows, -1), rows)
+    outputs = [(predicted, logits)]
+    for step in range(2, steps + 1):
+        fed = jnp.concatenate([jnp.zeros_like(predicted[:, :1]), predicted[:, :-1]], axis=1)
+        visible = jnp.broadcast_to(chain_visibility(width, step, steps)[None], (b, width, steps * width))
+        predicted, logits, kv = draft_tree_step(head.graph, joined, kv, fed, after, rows, rows + (step - 1) * width, visible, rows)
+        outputs.append((predicted, logits))
+    return outputs
+
+
 def head_loss(
     head: EagleHead, params: dict[str, Array], target_params: Any, tokens: Int[Array, "B T"], lengths: Int[Array, " B"],
-    logits: Float[Array, "B T V"], features: Float[Array, "B T F"], noise: Float[Array, "B T1 F"] | None = None,
-) -> tuple[Array, Array]:
-    """EAGLE's loss over every row ``j`` with a known next token, and the top-1 agreement with the target;
-    ``noise`` is added to the features the head reads (not to those it predicts)."""
+    logits: Float[Array, "B T V"], features: Float[Array, "B T F"], noise: Float[Array, "B T1 F"] | None = None, *, steps: int = 1,
+) -> tuple[Array, Float[Array, " steps"]]:
+    """EAGLE's loss over every row ``j`` with a known next token, and the top-1 agreement with the
+    target at each of ``steps`` chained steps (:func:`chained_outputs`; a row ``j`` counts from step
+    ``j + 1`` on, where a chain could reach it); step ``s``'s loss weighs ``0.8 ** (s - 1)`` (EAGLE-3)."""
     b, t = tokens.shape
     rows = jnp.broadcast_to(jnp.arange(t - 1)[None, :], (b, t - 1))
     valid = rows < (lengths - 1)[:, None]  # row j reads the token at j + 1
-    positions = jnp.where(valid, rows, -1)
-    # einsum attention and float32 buffers: differentiable everywhere (CPU keeps bfloat16 buffers as integers)
-    kv = head.new_kv(b, t - 1, attention="einsum", dtype=jnp.dtype(jnp.float32))
-    read = features[:, :-1] if noise is None else features[:, :-1] + noise.astype(features.dtype)
-    inputs = fuse(params, read).astype(head.model.dtype)
-    predicted, head_logits, _ = draft_step(head.graph, head.joined(params, target_params), kv, inputs, tokens[:, 1:], positions, rows)
     target_next = jax.lax.stop_gradient(fuse(params, features[:, 1:]).astype(jnp.float32))
-    regression = jnp.mean(optax.huber_loss(predicted.astype(jnp.float32), target_next, delta=1.0), axis=-1)
     target_probs = jax.nn.softmax(logits[:, 1:], axis=-1)
-    cross_entropy = -jnp.sum(target_probs * jax.nn.log_softmax(head_logits, axis=-1), axis=-1)
-    weight = valid.astype(jnp.float32)
-    total = jnp.maximum(jnp.sum(weight), 1.0)
-    loss = jnp.sum((regression + CLASSIFICATION_WEIGHT * cross_entropy) * weight) / total
-    agree = (jnp.argmax(head_logits, axis=-1) == jnp.argmax(logits[:, 1:], axis=-1)).astype(jnp.float32)
-    return loss, jnp.sum(agree * weight) / total
+    target_top = jnp.argmax(logits[:, 1:], axis=-1)
+    loss = jnp.zeros((), jnp.float32)
+    agreements = []
+    for step, (predicted, head_logits) in enumerate(chained_outputs(head, params, target_params, tokens, lengths, features, noise, steps=steps), 1):
+        weight = (valid & (rows >= step - 1)).astype(jnp.float32)
+        total = jnp.maximum(jnp.sum(weight), 1.0)
+        regression = jnp.mean(optax.huber_loss(predicted.astype(jnp.float32), target_next, delta=1.0), axis=-1)
+        cross_entropy = -jnp.sum(target_probs * jax.nn.log_softmax(head_logits, axis=-1), axis=-1)
+        loss = loss + CHAIN_DECAY ** (step - 1) * jnp.sum((regression + CLASSIFICATION_WEIGHT * cross_entropy) * weight) / total
+        agreements.append(jnp.sum((jnp.argmax(head_logits, axis=-1) == target_top).astype(jnp.float32) * weight) / total)
+    return loss, jnp.stack(agreements)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -303,7 +351,7 @@ def train(
         noise = jax.random.uniform(key, features[:, 1:].shape, jnp.float32, -amplitude, amplitude)
 
         def loss_fn(params: Any) -> tuple[Array, Array]:
-            return head_loss(head, params, target_params, tokens, lengths, logits, features, noise)
+            return head_loss(head, params, target_params, tokens, lengths, logits, features, noise, steps=config.chain_steps)
 
         (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -312,13 +360,13 @@ def train(
     @jax.jit
     def evaluate(params: Any, target_params: Any, tokens: Array, lengths: Array) -> Array:
         logits, features = targets(target_params, tokens, lengths)
-        return head_loss(head, params, target_params, tokens, lengths, logits, features)[1]
+        return head_loss(head, params, target_params, tokens, lengths, logits, features, steps=EVAL_STEPS)[1]
 
     eval_picks = np.arange(min(len(held_out), config.batch_size))
     eval_tokens, eval_lengths = _batch(held_out, eval_picks, config.seq_len)
 
-    def acceptance(params: Any) -> float:
-        return float(evaluate(params, target_params, eval_tokens, eval_lengths))
+    def chain_acceptance(params: Any) -> tuple[float, ...]:
+        return tuple(float(a) for a in np.asarray(evaluate(params, target_params, eval_tokens, eval_lengths)))
 
     record = checkpoint.HeadMeta(fingerprint(model), str(model.source or "a model built in memory"), layers, first)
     started = time.perf_counter()
@@ -334,9 +382,10 @@ def train(
         evaluating = step % config.eval_every == 0 or step == config.steps
         loss = float(loss_value)
         if on_progress is not None:
-            on_progress(StepReport(step, config.steps, loss, acceptance(params) if evaluating else None))
+            on_progress(StepReport(step, config.steps, loss, chain_acceptance(params)[0] if evaluating else None))
         if step % config.save_every == 0 or step == config.steps:
             record = checkpoint.HeadMeta(record.fingerprint, record.target, layers, step)
             checkpoint.save(out, record, params, opt_state)
     seconds = time.perf_counter() - started
-    return TrainReport(first, config.steps, tokens_seen, seconds, loss, acceptance(params), generation_seconds)
+    chain = chain_acceptance(params)
+    return TrainReport(first, config.steps, tokens_seen, seconds, loss, chain[0], generation_seconds, chain)
