@@ -3,13 +3,16 @@
 1. Training: the target's greedy answers to ``--self-distill`` chat prompts (built here from topic ×
    task templates, none of them among the measured prompts) are the data; the head trains
    ``--train-steps`` steps on them. Reported: the generation and training wall time in GPU minutes,
-   the tokens trained on, the final loss and the held-out top-1 acceptance. The head is saved in
-   ``--out``; running again with the same ``--out`` continues training from its last step (pass more
-   ``--train-steps``) or, already trained that far, only measures.
-2. Speed: tokens/s of plain greedy decoding vs EAGLE chains and EAGLE-2 trees (``--trees``) at each
-   ``--batch`` on the chat / code / summary prompts of ``benchmarks/speculative.py`` (median of
-   ``--runs`` after a warm-up that compiles), the acceptance figures (for a tree: accepted over the
-   depth drafted), and ``same``: the greedy tokens equal plain decoding's, token for token.
+   the tokens trained on, the final loss and the held-out top-1 acceptance (at the first drafted
+   token and along a chain of 4). ``--chain-steps N`` adds EAGLE-3's training-time test. The head is
+   saved in ``--out``; running again with the same ``--out`` continues training from its last step
+   (pass more ``--train-steps``) or, already trained that far, only measures.
+2. Speed (``--batch`` with no sizes: none): tokens/s of plain greedy decoding vs EAGLE chains and
+   EAGLE-2 trees (``--trees``) at each ``--batch`` on the chat / code / summary prompts of
+   ``benchmarks/speculative.py``, timed as there (interleaved rounds after a warm-up that compiles;
+   the speedup is the median of the rounds' ratios), the acceptance figures (for a tree: accepted over
+   the depth drafted), and ``same``: the greedy tokens equal plain decoding's, token for token.
+   ``speculative.py --speculators eagle:DIR eagle:DIR2`` compares heads side by side.
 
 With random weights (the default: SmolLM2's shape) the timings are real but acceptance means nothing
 (a random model's answers are noise). For the real model pass the GGUF::
@@ -29,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from speculative import figures, load, print_rows, prompts, timed  # noqa: E402 - the shared prompt set, timing and figures
+from speculative import figures, interleaved, load, median, print_rows, prompts, speedup  # noqa: E402 - the shared prompt set, timing and figures
 
 TOPICS = (
     "the water cycle", "black holes", "photosynthesis", "the French revolution", "compound interest", "vaccines",
@@ -81,7 +84,7 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=None, help="the prompts (.jsonl chats or .txt lines) instead of the built-in ones")
     parser.add_argument("--fused", action="store_true", help="EAGLE-3's low/middle/high feature fusion")
     parser.add_argument("--chain-steps", type=int, default=1, help="EAGLE-3's training-time test over this many chained steps (1: off)")
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--batch", type=int, nargs="*", default=[1, 8], help="batch sizes measured (none: train only)")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--num-draft-tokens", type=int, default=4)
@@ -126,14 +129,18 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for batch in args.batch:
         requests = [Request(p, sampling) for p in prompts(model, batch, real=args.model is not None)]
-        base_s, base, _ = timed(Generator(model, max_batch_size=batch), requests, args.runs)
+        drafting = {name: Generator(model, max_batch_size=batch, speculative=eagle) for name, eagle in speculators.items()}
+        timed = interleaved({"plain": Generator(model, max_batch_size=batch), **drafting}, requests, args.runs)
+        base, base_s = timed["plain"]["results"], timed["plain"]["seconds"]
         tokens = sum(len(r.token_ids) for r in base)
-        rows.append(dict(batch=batch, prompts="mix", speculator="plain", tokens_per_s=tokens / base_s, speedup=1.0, same=True))
-        for name, eagle in speculators.items():
-            spec_s, spec, _ = timed(Generator(model, max_batch_size=batch, speculative=eagle), requests, args.runs)
+        rows.append(dict(batch=batch, prompts="mix", speculator="plain", tokens_per_s=tokens / median(base_s), speedup=1.0, same=True))
+        for name in speculators:
+            side = timed[name]
+            ratio, least, most = speedup(base_s, side["seconds"])
             rows.append(dict(
-                batch=batch, prompts="mix", speculator=name, tokens_per_s=tokens / spec_s, speedup=base_s / spec_s,
-                same=[r.token_ids for r in spec] == [r.token_ids for r in base], **figures(spec),
+                batch=batch, prompts="mix", speculator=name, tokens_per_s=tokens / median(side["seconds"]), speedup=ratio,
+                speedup_range=[round(least, 3), round(most, 3)], same=[r.token_ids for r in side["results"]] == [r.token_ids for r in base],
+                fallback_steps=drafting[name].engine.stats.fallback_steps, **figures(side["results"]),
             ))
     result = dict(device=str(jax.devices()[0]), model=args.model or "random smollm2 shape", dtype=args.dtype, fused=args.fused,
                   num_draft_tokens=args.num_draft_tokens, new_tokens=args.new_tokens, training=training, rows=rows)
