@@ -65,6 +65,24 @@ def test_triton_matches_the_graphs_norm_and_projection() -> None:
     check()
 
 
+@pytest.mark.parametrize("residual", [True, False], ids=["add", "plain-norm"])
+def test_the_kernels_gradient_is_the_graphs(residual: bool) -> None:
+    """Training through the graph (an EAGLE head) differentiates the kernel: with :func:`reference`'s gradient."""
+    rng = np.random.default_rng(4)
+    x, delta = (jnp.asarray(rng.standard_normal((2, 1, 64)), jnp.float32) for _ in range(2))
+    norm_weight, weight = jnp.asarray(rng.standard_normal(64), jnp.float32), jnp.asarray(rng.standard_normal((16, 64)) / 8, jnp.float32)
+
+    def grads(implementation: str) -> tuple[jax.Array, ...]:
+        def loss(x: jax.Array, delta: jax.Array, norm_weight: jax.Array, weight: jax.Array) -> jax.Array:
+            total, projected = add_rms_norm_linear(x, delta if residual else None, norm_weight, 1e-5, weight, implementation=implementation)
+            return jnp.sum(projected**2) + (jnp.sum(total * x) if total is not None else 0.0)
+
+        return jax.grad(loss, argnums=(0, 1, 2, 3))(x, delta, norm_weight, weight)
+
+    for got, want in zip(grads("triton"), grads("xla"), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
+
+
 def test_shapes_the_kernel_does_not_take_are_refused_or_left_to_xla() -> None:
     x = jnp.zeros((5, 1, 64), jnp.float32)
     weight = jnp.zeros((32, 64), jnp.float32)

@@ -45,6 +45,23 @@ def test_triton_matches_the_graphs_norm() -> None:
     check()
 
 
+def test_the_kernels_gradient_is_the_graphs() -> None:
+    """Training through the graph (an EAGLE head) differentiates the kernel: with the XLA form's gradient."""
+    rng = np.random.default_rng(3)
+    x, delta = (jnp.asarray(rng.standard_normal((2, 3, 64)), jnp.float32) for _ in range(2))
+    weight, eps = jnp.asarray(rng.standard_normal(64), jnp.float32), 1e-5
+
+    def grads(implementation: str) -> tuple[jax.Array, ...]:
+        def loss(*args: jax.Array) -> jax.Array:
+            total, normed = add_rms_norm(*args, eps, implementation=implementation)
+            return jnp.sum(total * normed[::-1]) + jnp.sum(normed**2)
+
+        return jax.grad(loss, argnums=(0, 1, 2))(x, delta, weight)
+
+    for got, want in zip(grads("triton"), grads("xla"), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
 def test_mismatched_operands_are_refused() -> None:
     x = jnp.zeros((1, 2, 8), jnp.float32)
     with pytest.raises(ConfigError, match="one shape and dtype"):

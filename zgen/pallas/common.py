@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar, get_args
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +27,29 @@ def platform() -> str:
 def hopper() -> bool:
     """Whether the default device is a Hopper GPU (compute capability 9.x): WGMMA and TMA kernels."""
     return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
+
+
+Out = TypeVar("Out")
+
+
+def with_reference_gradient(kernel: Callable[..., Out], reference: Callable[..., Out]) -> Callable[..., Out]:
+    """``kernel`` (a Pallas call, which JAX cannot differentiate) with the gradient of ``reference``,
+    the same function in XLA ops: what a caller that trains through the graph (an EAGLE head reading
+    the target's norms and LM head) differentiates. Both take the same array arguments (pytrees; bind
+    the rest first) and return the same structure."""
+
+    @jax.custom_vjp
+    def run(*arrays: Any) -> Out:
+        return kernel(*arrays)
+
+    def forward(*arrays: Any) -> tuple[Out, tuple[Any, ...]]:
+        return kernel(*arrays), arrays
+
+    def backward(arrays: tuple[Any, ...], cotangent: Out) -> tuple[Any, ...]:
+        return jax.vjp(reference, *arrays)[1](cotangent)
+
+    run.defvjp(forward, backward)
+    return run
 
 
 def check_implementation(implementation: str) -> Implementation:

@@ -13,7 +13,7 @@ from jaxtyping import Array, Float
 from zgen import numerics
 from zgen.errors import ConfigError
 from zgen.graph.core import linear
-from zgen.pallas.common import interpret_pallas, platform
+from zgen.pallas.common import interpret_pallas, platform, with_reference_gradient
 from zgen.pallas.norm_linear.triton import MAX_ROWS, MAX_WIDTH
 
 # Output columns per program: with 4 warps, the best or within 8 % of it in the launch sweep (BENCHMARKS.md).
@@ -67,7 +67,8 @@ def add_rms_norm_linear(
     layout): ``rms_norm(x + delta) @ weight.T``, rounded as the graph rounds it.
 
     ``implementation``: None (Triton on GPUs for the few rows of a decode step, XLA elsewhere),
-    "reference" / "xla" (:func:`reference`) or "triton". ``block_n`` overrides the kernel's output
+    "reference" / "xla" (:func:`reference`) or "triton" (differentiable: its gradient is
+    :func:`reference`'s). ``block_n`` overrides the kernel's output
     columns per program (a power of two dividing ``out``).
     """
     size = x.shape[-1]
@@ -93,9 +94,14 @@ def add_rms_norm_linear(
         )
     from zgen.pallas.norm_linear import triton
 
-    flat_delta = None if delta is None else delta.reshape(rows, size)
-    total, projected = triton.add_rms_norm_linear(
-        x.reshape(rows, size), flat_delta, norm_weight, eps, weight, block_n=block, interpret=interpret_pallas()
-    )
-    out = projected.reshape(*x.shape[:-1], weight.shape[0])
-    return (None if total is None else total.reshape(x.shape)), out
+    def kernel(
+        x: Float[Array, "*rows size"], delta: Float[Array, "*rows size"] | None, norm_weight: Float[Array, " size"], weight: Float[Array, "out size"]
+    ) -> tuple[Float[Array, "*rows size"] | None, Float[Array, "*rows out"]]:
+        flat_delta = None if delta is None else delta.reshape(rows, size)
+        total, projected = triton.add_rms_norm_linear(
+            x.reshape(rows, size), flat_delta, norm_weight, eps, weight, block_n=block, interpret=interpret_pallas()
+        )
+        return (None if total is None else total.reshape(x.shape)), projected.reshape(*x.shape[:-1], weight.shape[0])
+
+    same = lambda x, delta, norm_weight, weight: reference(x, delta, norm_weight, eps, weight)  # noqa: E731 - eps bound
+    return with_reference_gradient(kernel, same)(x, delta, norm_weight, weight)

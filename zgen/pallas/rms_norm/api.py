@@ -6,11 +6,13 @@ step, where every launch costs more than its bytes, the Triton kernel does it in
 
 from __future__ import annotations
 
+import functools
+
 from jaxtyping import Array, Float
 
 from zgen import numerics
 from zgen.errors import ConfigError
-from zgen.pallas.common import interpret_pallas, platform
+from zgen.pallas.common import interpret_pallas, platform, with_reference_gradient
 
 
 def add_rms_norm(
@@ -25,7 +27,7 @@ def add_rms_norm(
     norm times ``weight`` (normalised in float32, rounded, then scaled: :func:`zgen.numerics.rms_norm`).
 
     ``implementation``: None (Triton on GPUs, XLA elsewhere), "reference" / "xla" (the same XLA ops)
-    or "triton".
+    or "triton" (differentiable: its gradient is the XLA ops').
     """
     if x.shape != delta.shape or x.dtype != delta.dtype or weight.shape != x.shape[-1:]:
         raise ConfigError(
@@ -38,5 +40,6 @@ def add_rms_norm(
     if chosen == "triton":
         from zgen.pallas.rms_norm import triton
 
-        return triton.add_rms_norm(x, delta, weight, eps, interpret=interpret_pallas())
+        kernel = functools.partial(triton.add_rms_norm, eps=eps, interpret=interpret_pallas())
+        return with_reference_gradient(kernel, functools.partial(numerics.add_rms_norm, eps=eps))(x, delta, weight)
     raise ConfigError(f"unknown add_rms_norm implementation {chosen!r}; choose reference, xla, triton or None")
