@@ -32,7 +32,7 @@ from zgen.runtime.step import ModelSpec, forward_features
 from zgen.runtime.stop import StopCondition
 from zgen.speculative import DraftModel, Eagle, EagleHead, TreeShape
 from zgen.speculative.eagle.head import draft_step, fuse
-from zgen.speculative.eagle.train import TrainConfig, chained_outputs, train
+from zgen.speculative.eagle.train import TrainConfig, chained_outputs, head_loss, target_outputs, train
 
 GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=20, ignore_eos=True)
 PROMPTS = ["w5 w9 w12 w5 w9 w12 w5 w9 w3", "w7 w8 w7 w8 w7", "w20 w21 w22 w23 w24 w25 w20 w21 w22 w30 w31"]
@@ -257,6 +257,25 @@ def test_the_training_time_test_sees_what_a_drafted_chain_sees(tiny: Model) -> N
                 at = jnp.asarray([[row]], jnp.int32)
                 feature, logits, kv = draft_step(head.graph, joined, kv, feature, tokens[:, row + 1 : row + 2], at, jnp.zeros((1, 1), jnp.int32))
             np.testing.assert_allclose(chained[step - 1][1][0, j], logits[0, 0], rtol=1e-4, atol=1e-4, err_msg=f"step {step}, row {j}")
+
+
+def test_the_loss_mask_scores_the_drafted_continuation_only(tiny: Model) -> None:
+    """With ``drafted_from`` (a self-distilled sequence's second generated token), the agreement counts
+    the rows that predict tokens from there on, nothing of the prompt before it."""
+    head = EagleHead.init(tiny, 2)
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, tiny.config.vocab_size, (2, 12)), jnp.int32)
+    lengths, drafted_from = jnp.asarray([12, 10], jnp.int32), jnp.asarray([5, 8], jnp.int32)
+    spec = ModelSpec(tiny.graph, None)
+    features = target_outputs(spec, tiny, tiny.params, head.feature_layers, tokens, lengths)[1]
+    head_logits = chained_outputs(head, head.params, tiny.params, tokens, lengths, features)[0][1]
+    # "Target" logits the head agrees with at rows 0, 3, 6, ... only (negated elsewhere: another argmax).
+    hits = np.arange(11)[None, :] % 3 == 0
+    target = jnp.concatenate([jnp.zeros_like(head_logits[:, :1]), jnp.where(jnp.asarray(hits)[..., None], head_logits, -head_logits)], axis=1)
+    _, agreement = head_loss(head, head.params, tiny.params, tokens, lengths, target, features, drafted_from=drafted_from)
+    scored = [hits[0, 3:11], hits[0, 6:9]]  # rows j with drafted_from <= j + 2 and j + 1 < length
+    np.testing.assert_allclose(float(agreement[0]), np.concatenate(scored).mean(), rtol=1e-6)
+    _, everything = head_loss(head, head.params, tiny.params, tokens, lengths, target, features)
+    np.testing.assert_allclose(float(everything[0]), np.concatenate([hits[0, :11], hits[0, :9]]).mean(), rtol=1e-6)
 
 
 def test_training_learns_resumes_and_records_its_target(tiny: Model, tmp_path: Path) -> None:

@@ -4,7 +4,8 @@ Data: a ``.txt`` file (its tokens cut into ``seq_len`` pieces) or a ``.jsonl`` f
 line: ``{"messages": [...]}`` or a bare list of messages, rendered with the chat template; or
 ``{"text": ...}``). With ``self_distill=N``, the first N items become prompts (a chat without its last
 assistant turn, or a line of text as a user message) and the sequences are the target's own greedy
-continuations: the head then learns what the target says, which is what it will draft.
+continuations: the head then learns what the target says, which is what it will draft, and is scored
+on those continuations only (EAGLE's loss mask; text and chats are scored on every token).
 
 Each step runs the frozen target over a batch to get its features and next-token distributions, and
 the head over the same positions; the loss is EAGLE's: a smooth-L1 regression of the predicted feature
@@ -106,6 +107,15 @@ class TrainReport:
 # ---------------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class TrainingSequence:
+    """Token ids the head trains on; ``drafted_from``: the first token scored (a self-distilled
+    sequence's prompt is never drafted, only its continuation after the first generated token)."""
+
+    ids: list[int]
+    drafted_from: int = 0
+
+
 def _read_items(path: Path) -> list[Any]:
     """The file's items: lines of text (.txt) or parsed JSON lines (.jsonl)."""
     if not path.is_file():
@@ -147,8 +157,8 @@ def _chat_ids(model: Model, messages: list[dict[str, str]], *, prompt: bool) -> 
     return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=prompt), add_special_tokens=False)
 
 
-def training_sequences(model: Model, path: Path, seq_len: int) -> list[list[int]]:
-    """Token sequences of at most ``seq_len`` ids from ``path`` (see the module docstring)."""
+def training_sequences(model: Model, path: Path, seq_len: int) -> list[TrainingSequence]:
+    """Token sequences of at most ``seq_len`` ids from ``path`` (see the module docstring), every token scored."""
     tok = model.tokenizer
     sequences: list[list[int]] = []
     for n, item in enumerate(_read_items(path)):
@@ -159,10 +169,10 @@ def training_sequences(model: Model, path: Path, seq_len: int) -> list[list[int]
         messages = _messages(item, f"{path}:{n + 1}")
         ids = tok.encode(item["text"]) if messages is None else _chat_ids(model, messages, prompt=False)
         sequences.append(ids[:seq_len])
-    sequences = [s for s in sequences if len(s) >= 3]
-    if not sequences:
+    kept = [TrainingSequence(ids) for ids in sequences if len(ids) >= 3]
+    if not kept:
         raise InputError(f"{path} holds no text of 3 tokens or more to train on")
-    return sequences
+    return kept
 
 
 def distill_prompts(model: Model, path: Path, count: int) -> list[list[int]]:
@@ -187,8 +197,9 @@ def distill_prompts(model: Model, path: Path, count: int) -> list[list[int]]:
     return prompts
 
 
-def self_distilled(model: Model, prompts: Sequence[list[int]], seq_len: int) -> list[list[int]]:
-    """Each prompt followed by the target's greedy continuation, ``seq_len`` tokens at most."""
+def self_distilled(model: Model, prompts: Sequence[list[int]], seq_len: int) -> list[TrainingSequence]:
+    """Each prompt followed by the target's greedy continuation, ``seq_len`` tokens at most, scored
+    from the second generated token on: the first is the prefill's, the rest what a head drafts."""
     engine = Engine(model, config=EngineConfig(max_batch=min(len(prompts), 32)), default_kind="tensor")
     jobs = []
     try:
@@ -198,19 +209,23 @@ def self_distilled(model: Model, prompts: Sequence[list[int]], seq_len: int) -> 
             stop = StopCondition.from_sampling(config, model.eos_token_ids)
             request = ForwardRequest(end=len(ids), sample_at=(len(ids) - 1,), sampling=config, generate=stop)
             jobs.append((ids, engine.submit(engine.new_sequence(ids), request)))
-        return [ids + engine.wait(job).tokens for ids, job in jobs]
+        return [TrainingSequence(ids + engine.wait(job).tokens, len(ids) + 1) for ids, job in jobs]
     finally:
         engine.close()
 
 
-def _batch(sequences: Sequence[list[int]], picks: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+def _batch(sequences: Sequence[TrainingSequence], picks: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Tokens, lengths and the first scored token of the picked sequences."""
     tokens = np.zeros((len(picks), seq_len), np.int32)
     lengths = np.zeros(len(picks), np.int32)
+    drafted_from = np.zeros(len(picks), np.int32)
     for row, i in enumerate(picks):
-        ids = sequences[int(i)][:seq_len]
+        sequence = sequences[int(i)]
+        ids = sequence.ids[:seq_len]
         tokens[row, : len(ids)] = ids
         lengths[row] = len(ids)
-    return tokens, lengths
+        drafted_from[row] = sequence.drafted_from
+    return tokens, lengths, drafted_from
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -275,13 +290,18 @@ def chained_outputs(
 def head_loss(
     head: EagleHead, params: dict[str, Array], target_params: Any, tokens: Int[Array, "B T"], lengths: Int[Array, " B"],
     logits: Float[Array, "B T V"], features: Float[Array, "B T F"], noise: Float[Array, "B T1 F"] | None = None, *, steps: int = 1,
+    drafted_from: Int[Array, " B"] | None = None,
 ) -> tuple[Array, Float[Array, " steps"]]:
     """EAGLE's loss over every row ``j`` with a known next token, and the top-1 agreement with the
     target at each of ``steps`` chained steps (:func:`chained_outputs`; a row ``j`` counts from step
-    ``j + 1`` on, where a chain could reach it); step ``s``'s loss weighs ``0.8 ** (s - 1)`` (EAGLE-3)."""
+    ``j + 1`` on, where a chain could reach it); step ``s``'s loss weighs ``0.8 ** (s - 1)`` (EAGLE-3).
+    With ``drafted_from``, only rows predicting a token at or past it count (EAGLE's loss mask: a
+    self-distilled sequence's continuation, not its prompt)."""
     b, t = tokens.shape
     rows = jnp.broadcast_to(jnp.arange(t - 1)[None, :], (b, t - 1))
     valid = rows < (lengths - 1)[:, None]  # row j reads the token at j + 1
+    if drafted_from is not None:
+        valid &= rows + 2 >= drafted_from[:, None]  # row j predicts the token at j + 2
     target_next = jax.lax.stop_gradient(fuse(params, features[:, 1:]).astype(jnp.float32))
     target_probs = jax.nn.softmax(logits[:, 1:], axis=-1)
     target_top = jnp.argmax(logits[:, 1:], axis=-1)
@@ -345,28 +365,32 @@ def train(
         return target_outputs(spec, model, target_params, layers, tokens, lengths)
 
     @jax.jit
-    def update(params: Any, opt_state: Any, target_params: Any, tokens: Array, lengths: Array, key: Array) -> tuple[Any, Any, Array]:
+    def update(
+        params: Any, opt_state: Any, target_params: Any, tokens: Array, lengths: Array, drafted_from: Array, key: Array
+    ) -> tuple[Any, Any, Array]:
         logits, features = targets(target_params, tokens, lengths)
         amplitude = config.feature_noise
         noise = jax.random.uniform(key, features[:, 1:].shape, jnp.float32, -amplitude, amplitude)
 
         def loss_fn(params: Any) -> tuple[Array, Array]:
-            return head_loss(head, params, target_params, tokens, lengths, logits, features, noise, steps=config.chain_steps)
+            return head_loss(
+                head, params, target_params, tokens, lengths, logits, features, noise, steps=config.chain_steps, drafted_from=drafted_from
+            )
 
         (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
     @jax.jit
-    def evaluate(params: Any, target_params: Any, tokens: Array, lengths: Array) -> Array:
+    def evaluate(params: Any, target_params: Any, tokens: Array, lengths: Array, drafted_from: Array) -> Array:
         logits, features = targets(target_params, tokens, lengths)
-        return head_loss(head, params, target_params, tokens, lengths, logits, features, steps=EVAL_STEPS)[1]
+        return head_loss(head, params, target_params, tokens, lengths, logits, features, steps=EVAL_STEPS, drafted_from=drafted_from)[1]
 
     eval_picks = np.arange(min(len(held_out), config.batch_size))
-    eval_tokens, eval_lengths = _batch(held_out, eval_picks, config.seq_len)
+    held_batch = _batch(held_out, eval_picks, config.seq_len)
 
     def chain_acceptance(params: Any) -> tuple[float, ...]:
-        return tuple(float(a) for a in np.asarray(evaluate(params, target_params, eval_tokens, eval_lengths)))
+        return tuple(float(a) for a in np.asarray(evaluate(params, target_params, *held_batch)))
 
     record = checkpoint.HeadMeta(fingerprint(model), str(model.source or "a model built in memory"), layers, first)
     started = time.perf_counter()
@@ -375,9 +399,9 @@ def train(
     pool = train_set or held_out
     for step in range(first + 1, config.steps + 1):
         picks = np.random.default_rng((config.seed, step)).integers(0, len(pool), config.batch_size)
-        tokens, lengths = _batch(pool, picks, config.seq_len)
+        tokens, lengths, drafted_from = _batch(pool, picks, config.seq_len)
         key = jax.random.fold_in(jax.random.PRNGKey(config.seed), step)
-        params, opt_state, loss_value = update(params, opt_state, target_params, tokens, lengths, key)
+        params, opt_state, loss_value = update(params, opt_state, target_params, tokens, lengths, drafted_from, key)
         tokens_seen += int(lengths.sum())
         evaluating = step % config.eval_every == 0 or step == config.steps
         loss = float(loss_value)
