@@ -32,7 +32,7 @@ from zgen.runtime.step import ModelSpec, forward_features
 from zgen.runtime.stop import StopCondition
 from zgen.speculative import DraftModel, Eagle, EagleHead, TreeShape
 from zgen.speculative.eagle.head import draft_step, fuse
-from zgen.speculative.eagle.train import TrainConfig, chained_outputs, head_loss, target_outputs, train
+from zgen.speculative.eagle.train import TrainConfig, chained_outputs, head_loss, target_outputs, train, training_sequences
 
 GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=20, ignore_eos=True)
 PROMPTS = ["w5 w9 w12 w5 w9 w12 w5 w9 w3", "w7 w8 w7 w8 w7", "w20 w21 w22 w23 w24 w25 w20 w21 w22 w30 w31"]
@@ -276,6 +276,20 @@ def test_the_loss_mask_scores_the_drafted_continuation_only(tiny: Model) -> None
     np.testing.assert_allclose(float(agreement[0]), np.concatenate(scored).mean(), rtol=1e-6)
     _, everything = head_loss(head, head.params, tiny.params, tokens, lengths, target, features)
     np.testing.assert_allclose(float(everything[0]), np.concatenate([hits[0, :11], hits[0, :9]]).mean(), rtol=1e-6)
+
+
+def test_chats_are_scored_on_their_final_reply(tiny: Model, tmp_path: Path) -> None:
+    """A chat ending in an assistant turn is scored from the reply's second token (its prompt through the
+    template is never drafted); other chats and text on every token."""
+    template = "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant> {% endif %}"
+    model = dataclasses.replace(tiny, tokenizer=dataclasses.replace(tiny.tokenizer, chat_template=template))
+    chats = tmp_path / "chats.jsonl"
+    ask = {"role": "user", "content": "w3 w4 w5"}
+    chats.write_text("\n".join(json.dumps(c) for c in ({"messages": [ask, {"role": "assistant", "content": "w6 w7 w8 w9"}]}, [ask, ask])), encoding="utf-8")
+    replied, asked = training_sequences(model, chats, 64)
+    prompt = model.tokenizer.encode(model.tokenizer.apply_chat_template([ask], add_generation_prompt=True), add_special_tokens=False)
+    assert replied.ids[: len(prompt)] == prompt and len(replied.ids) > len(prompt) + 1
+    assert replied.drafted_from == len(prompt) + 1 and asked.drafted_from == 0
 
 
 def test_training_learns_resumes_and_records_its_target(tiny: Model, tmp_path: Path) -> None:

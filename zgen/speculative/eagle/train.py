@@ -4,8 +4,9 @@ Data: a ``.txt`` file (its tokens cut into ``seq_len`` pieces) or a ``.jsonl`` f
 line: ``{"messages": [...]}`` or a bare list of messages, rendered with the chat template; or
 ``{"text": ...}``). With ``self_distill=N``, the first N items become prompts (a chat without its last
 assistant turn, or a line of text as a user message) and the sequences are the target's own greedy
-continuations: the head then learns what the target says, which is what it will draft, and is scored
-on those continuations only (EAGLE's loss mask; text and chats are scored on every token).
+continuations: the head then learns what the target says, which is what it will draft. As EAGLE's
+loss mask, a self-distilled continuation or a chat's final assistant reply is scored, not the prompt
+before it (text is scored on every token).
 
 Each step runs the frozen target over a batch to get its features and next-token distributions, and
 the head over the same positions; the loss is EAGLE's: a smooth-L1 regression of the predicted feature
@@ -158,21 +159,35 @@ def _chat_ids(model: Model, messages: list[dict[str, str]], *, prompt: bool) -> 
 
 
 def training_sequences(model: Model, path: Path, seq_len: int) -> list[TrainingSequence]:
-    """Token sequences of at most ``seq_len`` ids from ``path`` (see the module docstring), every token scored."""
+    """Token sequences of at most ``seq_len`` ids from ``path`` (see the module docstring): text scored
+    on every token, a chat ending in an assistant turn on that reply (from its second token)."""
     tok = model.tokenizer
-    sequences: list[list[int]] = []
+    sequences: list[TrainingSequence] = []
     for n, item in enumerate(_read_items(path)):
         if isinstance(item, str):  # a .txt file: its tokens in pieces
             ids = tok.encode(item)
-            sequences += [ids[i : i + seq_len] for i in range(0, len(ids), seq_len)]
+            sequences += [TrainingSequence(ids[i : i + seq_len]) for i in range(0, len(ids), seq_len)]
             continue
         messages = _messages(item, f"{path}:{n + 1}")
-        ids = tok.encode(item["text"]) if messages is None else _chat_ids(model, messages, prompt=False)
-        sequences.append(ids[:seq_len])
-    kept = [TrainingSequence(ids) for ids in sequences if len(ids) >= 3]
+        if messages is None:
+            sequences.append(TrainingSequence(tok.encode(item["text"])[:seq_len]))
+            continue
+        ids = _chat_ids(model, messages, prompt=False)[:seq_len]
+        sequences.append(TrainingSequence(ids, _reply_start(model, messages, ids)))
+    kept = [sequence for sequence in sequences if len(sequence.ids) >= 3]
     if not kept:
         raise InputError(f"{path} holds no text of 3 tokens or more to train on")
     return kept
+
+
+def _reply_start(model: Model, messages: list[dict[str, str]], ids: list[int]) -> int:
+    """The first token a head would draft of a chat's last turn, the assistant's reply (the one after
+    its first token, which the target's prefill gives); 0 (every token) for a chat ending otherwise or
+    a template whose prompt is not a prefix of the whole chat."""
+    if not messages or messages[-1].get("role") != "assistant" or model.tokenizer.chat_template is None:
+        return 0
+    prompt = _chat_ids(model, messages[:-1], prompt=True)
+    return len(prompt) + 1 if ids[: len(prompt)] == prompt else 0
 
 
 def distill_prompts(model: Model, path: Path, count: int) -> list[list[int]]:
