@@ -98,9 +98,13 @@ class TrainReport:
     tokens: int  # target tokens this run trained on
     seconds: float  # wall time of the training steps, compilation included
     loss: float
-    acceptance: float  # held-out top-1 agreement at the end
     generation_seconds: float  # producing the self-distilled sequences
-    chain_acceptance: tuple[float, ...]  # the same at each of EVAL_STEPS chained steps (the first is acceptance)
+    chain_acceptance: tuple[float, ...]  # held-out top-1 agreement at the end, at each of EVAL_STEPS chained steps
+
+    @property
+    def acceptance(self) -> float:
+        """The held-out top-1 agreement at the first drafted token."""
+        return self.chain_acceptance[0]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -308,8 +312,8 @@ def head_loss(
     drafted_from: Int[Array, " B"] | None = None,
 ) -> tuple[Array, Float[Array, " steps"]]:
     """EAGLE's loss over every row ``j`` with a known next token, and the top-1 agreement with the
-    target at each of ``steps`` chained steps (:func:`chained_outputs`; a row ``j`` counts from step
-    ``j + 1`` on, where a chain could reach it); step ``s``'s loss weighs ``0.8 ** (s - 1)`` (EAGLE-3).
+    target at each of ``steps`` chained steps (:func:`chained_outputs`; row ``j`` counts at steps up to
+    ``j + 1``, where a chain from a true row can reach it); step ``s``'s loss weighs ``0.8 ** (s - 1)`` (EAGLE-3).
     With ``drafted_from``, only rows predicting a token at or past it count (EAGLE's loss mask: a
     self-distilled sequence's continuation, not its prompt)."""
     b, t = tokens.shape
@@ -426,5 +430,4 @@ def train(
             record = checkpoint.HeadMeta(record.fingerprint, record.target, layers, step)
             checkpoint.save(out, record, params, opt_state)
     seconds = time.perf_counter() - started
-    chain = chain_acceptance(params)
-    return TrainReport(first, config.steps, tokens_seen, seconds, loss, chain[0], generation_seconds, chain)
+    return TrainReport(first, config.steps, tokens_seen, seconds, loss, generation_seconds, chain_acceptance(params))
