@@ -27,11 +27,11 @@ from zgen.generator import Request
 from zgen.model import Model
 from zgen.runtime.engine import Engine
 from zgen.runtime.sampling import SamplingFlags, SamplingParams
-from zgen.runtime.speculation import DraftInput, Proposal
+from zgen.runtime.speculation import DraftInput, Proposal, observe_missing_features
 from zgen.runtime.step import ModelSpec, forward_features
 from zgen.runtime.stop import StopCondition
 from zgen.speculative import DraftModel, Eagle, EagleHead, TreeShape
-from zgen.speculative.eagle.head import draft_step, fuse
+from zgen.speculative.eagle.head import HEAD_WINDOW, draft_step, fuse
 from zgen.speculative.eagle.train import TrainConfig, chained_outputs, head_loss, target_outputs, train, training_sequences
 
 GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=20, ignore_eos=True)
@@ -153,13 +153,52 @@ def test_contexts_take_an_eagle_head(tiny: Model) -> None:
     assert ctx.kv_len == ctx.num_tokens - 1
 
 
-def _target_features(model: Model, eagle: Eagle, history: np.ndarray | jax.Array) -> jax.Array:
+def _prefilled(model: Model, eagle: Eagle, history: np.ndarray | jax.Array) -> tuple[jax.Array, DenseKVState]:
+    """The target's features at every position of ``history``, and the cache holding its K/V."""
     c = model.config
     b, width = history.shape
     kv = DenseKVState.zeros(c.num_layers, b, width, c.num_kv_heads, c.head_dim, model.dtype)
     positions = jnp.broadcast_to(jnp.arange(width)[None, :], (b, width))
     spec = ModelSpec(model.graph, None)
-    return forward_features(spec, model.params, kv, jnp.asarray(history), positions, jnp.zeros((b, 1), jnp.int32), eagle.feature_layers)[1]
+    _, features, kv = forward_features(spec, model.params, kv, jnp.asarray(history), positions, jnp.zeros((b, 1), jnp.int32), eagle.feature_layers)
+    return features, kv
+
+
+def _target_features(model: Model, eagle: Eagle, history: np.ndarray | jax.Array) -> jax.Array:
+    return _prefilled(model, eagle, history)[0]
+
+
+def test_features_a_plain_stretch_left_out_are_read_back_before_drafting(tiny: Model) -> None:
+    """After plain steps that observed nothing, the loop reads the missing features from the cache:
+    a short gap in one chunk, a long one as the head's whole window (nothing earlier), none where
+    nothing is missing; an inactive row is left as it was. They are the target's."""
+    eagle = Eagle(EagleHead.init(tiny, 3), 3)
+    params = eagle.device_params()
+    history = jnp.asarray(np.random.default_rng(2).integers(3, 96, size=(3, 320)), jnp.int32)
+    features, kv = _prefilled(tiny, eagle, history)
+    spec = ModelSpec(tiny.graph, None)
+    read = jax.jit(lambda state, length, active: observe_missing_features(spec, tiny.params, kv, eagle, state, history, length, active))
+    window = HEAD_WINDOW
+    # (lengths, where each row's features stop, active rows): a chunk's gap, a window's gap, none.
+    for length, observed, active in (([40, 30, 50], [20, 29, 10], [True, True, False]), ([300, 30, 50], [0, 25, 10], [True, True, False])):
+        state = eagle.start(params, history, jnp.asarray(length))
+        start = state.observed
+        known = jnp.where(jnp.arange(320)[None, :] < jnp.asarray(observed)[:, None], jnp.arange(320)[None, :], -1)
+        known = jnp.where(known >= start[:, None], known, -1)
+        state = eagle.observe_features(state, features, known)
+        assert np.asarray(state.observed).tolist() == [max(o, s) for o, s in zip(observed, np.asarray(start).tolist(), strict=True)]
+        after = read(state, jnp.asarray(length), jnp.asarray(active))
+        for row, (n, on) in enumerate(zip(length, active, strict=True)):
+            p = n - 1
+            if not on:
+                assert int(after.observed[row]) == observed[row]
+                np.testing.assert_array_equal(np.asarray(after.features[row]), np.asarray(state.features[row]))
+                continue
+            assert int(after.observed[row]) == p
+            needed = slice(max(p - window, 0), p)
+            np.testing.assert_allclose(np.asarray(after.features[row, needed]), np.asarray(features[row, needed]), rtol=1e-4, atol=1e-4)
+        again = read(after, jnp.asarray(length), jnp.asarray(active))
+        np.testing.assert_array_equal(np.asarray(again.features), np.asarray(after.features))
 
 
 def test_the_head_state_after_passes_and_plain_steps_is_a_fresh_start(tiny: Model) -> None:

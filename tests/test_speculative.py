@@ -551,6 +551,8 @@ def test_loop_times_take_out_the_fixed_cost_of_a_call() -> None:
     assert times.call_seconds(4) == pytest.approx(0.010) and times.call_seconds(2) is None
     times.record_plain(4, 0.018, 8)
     times.record_loop(4, speculator, 0.028, 10, 6)
+    assert times.pass_cost(4, speculator) == 0.0  # the first to run passes and plain steps: its branches ran cold
+    times.record_loop(4, speculator, 0.028, 10, 6)
     assert times.per_iteration(("plain", 4)) == pytest.approx(0.001)
     assert times.pass_cost(4, speculator) == pytest.approx(3.0)
 
@@ -565,6 +567,8 @@ def test_a_cold_loop_is_timed_only_until_a_warm_one_is() -> None:
     assert times.pass_cost(2, speculator) == 0.0  # not measured: passes run, and are timed next call
     times.record_loop(2, speculator, 0.04, 8, 0)
     assert times.pass_cost(2, speculator) == 1.0  # 5 ms a pass against the cold 10 ms step: the floor
+    times.record_loop(2, speculator, 1.0, 16, 8)  # its first plain steps (a branch run cold): not taken
+    assert times.pass_cost(2, speculator) == 1.0
     times.record_plain(2, 0.008, 8)
     times.record_plain(2, 0.5, 8, warm=False)  # a cold loop after a warm one: ignored
     assert times.warm(("plain", 2)) and times.per_iteration(("plain", 2)) == pytest.approx(0.001)

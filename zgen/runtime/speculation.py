@@ -34,8 +34,10 @@ every checked position, the ones past a rejection included (Jacobi decoding take
 from them); it only changes what is drafted, never what is accepted. One that is a
 :class:`FeatureObserver` (EAGLE) gets the target's features (hidden states) at every position each
 forward pass writes (after a tree pass: the pending token's and the accepted path's, at the positions
-they hold once the path is committed), and when the loop starts those of the tokens before each row's pending one (a
-pass over them that reads the cache without writing it).
+they hold once the path is committed). Plain decode steps leave them out (a stretch in fallback is the
+plain decode loop's and costs what it costs, so :class:`LoopTimes` measures passes against it
+truly): before a pass drafts, the loop reads those it lacks before each row's pending token, at loop
+start a whole window, from the cache without writing it (:func:`observe_missing_features`).
 
 Acceptance rules, per row:
 
@@ -117,7 +119,7 @@ from zgen.runtime.step import DecodeLoop, ModelSpec, Params, decode_loop, draw, 
 from zgen.runtime.tree import ancestors, commit_path, forward_tree, forward_tree_features, tree_attention_mask
 
 __all__ = [
-    "DraftControl", "DraftInput", "LoopTimes", "loop_key", "ResumableSpeculator", "draft_cost", "pass_pays", "probes", "FeatureObserver", "Observer", "Proposal", "SpeculativeLoop", "SpeculativeStats", "Speculator", "speculative_loop",
+    "DraftControl", "DraftInput", "LoopTimes", "loop_key", "ResumableSpeculator", "draft_cost", "pass_pays", "probes", "FeatureObserver", "observe_missing_features", "Observer", "Proposal", "SpeculativeLoop", "SpeculativeStats", "Speculator", "speculative_loop",
     "target_draws", "verify",
     "TreeSpeculator", "draft_room", "draws_at", "verify_tree",
 ]
@@ -275,13 +277,59 @@ class FeatureObserver(Protocol):
 
     @property
     def feature_window(self) -> int:
-        """How many tokens before each row's pending one it wants features of when the loop starts
-        (read from the cache, which is not written)."""
+        """How many tokens before each row's pending one it drafts from."""
+        ...
+
+    def observed(self, state: Any) -> Int[Array, " B"]:
+        """Each row's first position whose features it lacks (it holds those its window needs below)."""
         ...
 
     def observe_features(self, state: Any, features: Float[Array, "B T F"], positions: Int[Array, "B T"]) -> Any:
         """After a forward pass: ``features[:, j]`` belong to the token at ``positions[:, j]`` (-1: none)."""
         ...
+
+
+#: The fewest positions a read of missing features covers; reads double from it up to the window.
+FEATURE_CHUNK = 32
+
+
+def observe_missing_features(
+    model: ModelSpec,
+    params: Params,
+    kv: KVState,
+    speculator: FeatureObserver,
+    state: Any,
+    history: Int[Array, "B L"],
+    length: Int[Array, " B"],
+    active: Bool[Array, " B"],
+) -> Any:
+    """``state`` given the target's features of each active row's tokens that it lacks before the
+    pending one (``length - 1``), within its window: one forward pass over the last
+    :data:`FEATURE_CHUNK` times a power of two tokens (or the window), the fewest that hold them, so
+    a short prompt or stretch of plain steps costs a CPU what its tokens do; the tokens' K/V are in
+    ``kv``, which is read, not written."""
+    p = length - 1
+    window = speculator.feature_window
+    first = jnp.maximum(speculator.observed(state), p - window)
+    missing = jnp.max(jnp.where(active, p - first, 0))
+    sizes, size = [], min(FEATURE_CHUNK, window)
+    while size < window:
+        sizes.append(size)
+        size *= 2
+    sizes.append(window)
+
+    def read(size: int) -> Callable[[Any], Any]:
+        def observe(state: Any) -> Any:
+            at = p[:, None] - size + jnp.arange(size)[None, :]
+            positions = jnp.where(active[:, None] & (at >= 0), at, -1)
+            tokens = jnp.take_along_axis(history, jnp.maximum(at, 0), axis=1)
+            features = read_features(model, params, kv, tokens, positions, speculator.feature_layers)
+            return speculator.observe_features(state, features, positions)
+
+        return observe
+
+    branch = jnp.where(missing <= 0, 0, 1 + jnp.searchsorted(jnp.asarray(sizes), missing))
+    return jax.lax.switch(branch, [lambda state: state, *(read(size) for size in sizes)], state)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -327,12 +375,17 @@ class LoopTimes:
     take it out. A call that compiled its loop ran it cold (kernels loaded, library plans made on first
     use): on an H200 the first passes of SmolLM2's prompt lookup took 16 ms each against 0.66 ms for a
     plain step, which held every row in fallback for good. So a cold speculative loop is not recorded,
-    and a cold plain loop only until a warm one replaces it (:meth:`warm`)."""
+    and a cold plain loop only until a warm one replaces it (:meth:`warm`). A branch of a compiled loop
+    also runs cold the first time it is taken: on a 2-core CPU, SmolLM2's EAGLE loop that first went
+    from passes to a stretch of plain steps took 0.5 s more than its 45 steps and one pass (a pass is
+    3.3 plain steps there), which made the pass cost 16 steps. So a speculative loop is recorded only
+    once an earlier loop at its key ran each kind of iteration it ran (passes, plain steps)."""
 
     def __init__(self) -> None:
         self._totals: dict[Hashable, tuple[float, int]] = {}
         self._calls: dict[int, float] = {}
         self._cold: set[Hashable] = set()  # keys whose only record is a cold loop's
+        self._ran: dict[Hashable, set[str]] = {}  # the kinds of iteration each speculative loop has run
 
     def record_call(self, width: int, seconds: float) -> None:
         """A loop call at ``width`` rows that ran no iteration took ``seconds`` (the least seen is kept)."""
@@ -376,8 +429,14 @@ class LoopTimes:
     ) -> None:
         """A speculative loop of ``iterations`` at ``width`` rows, ``plain_steps`` of them plain decode
         steps (every row in fallback), each taken at the plain decode loop's time: the rest is its passes'
-        (not recorded while the plain step is not timed, nor from a cold loop: not ``warm``)."""
-        if not warm:
+        (not recorded while the plain step is not timed, nor from a cold loop: not ``warm``, or the
+        first to run passes or plain steps at its key)."""
+        key = ("speculative", width, loop_key(speculator))
+        kinds = {kind for kind, count in (("passes", iterations - plain_steps), ("plain steps", plain_steps)) if count > 0}
+        ran = self._ran.setdefault(key, set())
+        first = not kinds <= ran
+        ran |= kinds
+        if not warm or first:
             return
         seconds -= self._calls.get(width, 0.0)
         if plain_steps:
@@ -385,7 +444,7 @@ class LoopTimes:
             if plain is None:
                 return
             seconds -= plain * plain_steps
-        self.record(("speculative", width, loop_key(speculator)), max(seconds, 0.0), iterations - plain_steps)
+        self.record(key, max(seconds, 0.0), iterations - plain_steps)
 
     def pass_cost(self, width: int, speculator: Speculator) -> float:
         """A pass of ``speculator``'s loop at ``width`` rows in plain decode steps at that width (at
@@ -797,9 +856,10 @@ def speculative_loop(
 
     def rest(carry: tuple[SpeculativeLoop, KVState, Any]) -> tuple[SpeculativeLoop, KVState, Any]:
         """Every row left in fallback: plain decode steps, one position a row, until a row probes (one
-        branch taken per stretch of them, not per step). Speculators that see each step (observers)
-        and grammar rows take them one at a time; the others' stretch is the plain decode loop."""
-        if grammar is None and not isinstance(speculator, (Observer, FeatureObserver)):
+        branch taken per stretch of them, not per step). Speculators that see each step's draws
+        (observers) and grammar rows take them one at a time; the others' stretch is the plain decode
+        loop (a feature observer's features of it are read when it drafts again)."""
+        if grammar is None and not isinstance(speculator, Observer):
             return plain_stretch(carry)
         step = (lambda c: iteration(c, 0)) if grammar is not None else plain_step
         return jax.lax.while_loop(lambda c: cond(c) & resting(c[0]), step, carry)
@@ -916,6 +976,8 @@ def speculative_loop(
             return jnp.where(s.exit_on_finish, refilled[0], last[0]), jnp.where(s.exit_on_finish, refilled[1], last[1])
 
         def drafted_pass(state: Any) -> tuple[SpeculativeLoop, KVState, Any]:
+            if isinstance(speculator, FeatureObserver):
+                state = observe_missing_features(model, params, kv, speculator, state, s.history, s.length, active)
             proposal, state = speculator.propose(draft_params, state, draft)
             if proposal.parents is not None:
                 return finish(s, kv, state, draft, proposal, width)
@@ -1050,11 +1112,5 @@ def speculative_loop(
             lambda: speculator.start(draft_params, loop.history, loop.length),
             lambda: speculator.resume(carried, loop.history, loop.length),
         )
-    if isinstance(speculator, FeatureObserver):  # the features of the tokens before the loop
-        at = (loop.length - 1)[:, None] - speculator.feature_window + jnp.arange(speculator.feature_window)[None, :]
-        positions = jnp.where(~loop.done[:, None] & (at >= 0), at, -1)
-        tokens = jnp.take_along_axis(loop.history, jnp.maximum(at, 0), axis=1)
-        features = read_features(model, params, kv, tokens, positions, speculator.feature_layers)
-        state = speculator.observe_features(state, features, positions)
     loop, kv, state = jax.lax.while_loop(cond, body, (loop, kv, state))
     return loop, kv, (None if carried is None else state)

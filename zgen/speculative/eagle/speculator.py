@@ -13,9 +13,12 @@ features; a row's K/V depend on that row's input only, so feeding a row again is
 target's tokens (the row's key and draw index); at temperature > 0 they carry their distribution, so
 the loop's rejection sampling keeps the target's distribution whatever the head's quality.
 
-When the loop starts, it hands over the target's features of the last :data:`~.head.HEAD_WINDOW`
-tokens of each row (a pass of the target over them that reads its cache without writing it: no
-prefill, no scratch cache); the head attends to that many rows, so earlier ones are never needed.
+Plain decode steps hand over no features (a stretch in fallback runs the plain decode loop):
+``observed`` marks where each row's true features stop, and before a pass drafts the loop reads the
+missing ones, at most the last :data:`~.head.HEAD_WINDOW` tokens (a pass of the target over them that
+reads its cache without writing it: no prefill, no scratch cache); the head attends to that many rows,
+so earlier ones are never needed. The next loop over the same rows goes on from the state the last one
+left (:class:`~zgen.runtime.speculation.ResumableSpeculator`), reading only what was decoded since.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from zgen.speculative.tree import Expansion, TreeShape, build_tree, checked_tree
 class EagleState:
     kv: DenseKVState  # the head's K/V, one layer
     features: Float[Array, "B L F"]  # the target's (unfused) features at each position
+    observed: Int[Array, " B"]  # the features below it are the target's (those the head window needs)
     fed: Int[Array, " B"]  # head rows below it hold K/V from true features
 
 
@@ -135,15 +139,34 @@ class Eagle:
         # The loop hands over the features of the HEAD_WINDOW tokens before the pending one (observe_features);
         # the head rows before them are outside its attention window and never fed.
         scratch = 0 if self.tree is None else self.tree.expansions(self._num_tokens)  # the tree nodes' head rows
-        return EagleState(self.head.new_kv(b, width + scratch), features, jnp.maximum(length - 1 - HEAD_WINDOW, 0))
+        outside = jnp.maximum(length - 1 - HEAD_WINDOW, 0)
+        return EagleState(self.head.new_kv(b, width + scratch), features, outside, outside)
+
+    def observed(self, state: EagleState) -> Int[Array, " B"]:
+        return state.observed
 
     def observe_features(self, state: EagleState, features: Float[Array, "B T F"], positions: Int[Array, "B T"]) -> EagleState:
         rows = jnp.arange(positions.shape[0])[:, None]
         slots = jnp.where(positions >= 0, positions, state.features.shape[1])
-        return replace(state, features=state.features.at[rows, slots].set(features.astype(state.features.dtype), mode="drop"))
+        # A contiguous run of positions (every pass writes one) extends what is held if it starts
+        # within it, or covers a whole window by itself.
+        written = positions >= 0
+        low = jnp.min(jnp.where(written, positions, jnp.iinfo(jnp.int32).max), axis=1)
+        top = jnp.max(jnp.where(written, positions + 1, 0), axis=1)
+        extends = jnp.any(written, axis=1) & (low <= jnp.maximum(state.observed, top - HEAD_WINDOW))
+        return replace(
+            state,
+            features=state.features.at[rows, slots].set(features.astype(state.features.dtype), mode="drop"),
+            observed=jnp.where(extends, jnp.maximum(state.observed, top), state.observed),
+        )
+
+    def resume(self, state: EagleState, history: Int[Array, "B L"], length: Int[Array, " B"]) -> EagleState:
+        del history  # the same tokens as the state's up to the shorter length: its features and head rows hold below it
+        return self.advance(state, length - 1)
 
     def advance(self, state: EagleState, kept: Int[Array, " B"]) -> EagleState:
-        return replace(state, fed=jnp.minimum(state.fed, kept))
+        # Features from the pending token on are a rejected draft's, or not written yet.
+        return replace(state, observed=jnp.minimum(state.observed, kept), fed=jnp.minimum(state.fed, kept))
 
     def _feed(
         self, head_params: Any, shared: Any, state: EagleState, rows: Int[Array, "B T"], after: Int[Array, "B T"],
@@ -186,7 +209,7 @@ class Eagle:
         predicted, logits, kv = self._feed(head_params, shared, state, rows, token_after(rows), positions, kv)
         if self.tree is not None:
             proposal, kv = self._propose_tree(joined, kv, draft, predicted[:, -1:], logits[:, 0])
-            return proposal, EagleState(kv, state.features, jnp.where(active, p, state.fed))
+            return proposal, replace(state, kv=kv, fed=jnp.where(active, p, state.fed))
 
         def draw(logits: Array, position: Array) -> tuple[Array, Array | None]:
             token = sample(logits, sampling, None, draft.keys, position, flags)
@@ -219,7 +242,7 @@ class Eagle:
         start = (jnp.asarray(1, jnp.int32), kv, predicted[:, -1:], tokens, probs)
         _, kv, _, tokens, probs = jax.lax.while_loop(more, step, start)
         count = jnp.where(active, draft.num_tokens, 0)
-        return Proposal(tokens, count, probs), EagleState(kv, state.features, jnp.where(active, p, state.fed))
+        return Proposal(tokens, count, probs), replace(state, kv=kv, fed=jnp.where(active, p, state.fed))
 
     def _propose_tree(
         self, joined: Any, kv: DenseKVState, draft: DraftInput, root: Float[Array, "B 1 H"], logits: Float[Array, "B V"]
