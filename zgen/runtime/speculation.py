@@ -850,7 +850,7 @@ def speculative_loop(
         return jnp.all(s.done | (s.control.length == 0))
 
     def body(carry: tuple[SpeculativeLoop, KVState, Any]) -> tuple[SpeculativeLoop, KVState, Any]:
-        if not speculator.adaptive:
+        if not speculator.adaptive or cost > 0:  # drafts that cost choose their branch in the pass (one a pass)
             return iteration(carry, k)
         return jax.lax.cond(resting(carry[0]), rest, lambda c: iteration(c, k), carry)
 
@@ -979,20 +979,31 @@ def speculative_loop(
             if isinstance(speculator, FeatureObserver):
                 state = observe_missing_features(model, params, kv, speculator, state, s.history, s.length, active)
             proposal, state = speculator.propose(draft_params, state, draft)
-            if proposal.parents is not None:
+            if proposal.parents is not None or cost > 0:
+                # Drafts that cost were asked only of rows that want them (none drafting: a pass not
+                # taken): verified as they come, without a branch of their own (on a GPU each branch
+                # and loop predicate is a round trip through the host).
                 return finish(s, kv, state, draft, proposal, width)
             count = jnp.minimum(proposal.count, want)
             drafted, falls = jnp.any(count > 0), None
-            if speculator.adaptive and cost == 0:  # free drafts, dropped where the batch's pass would not pay
+            if speculator.adaptive:  # free drafts, dropped where the batch's pass would not pay
                 taken, short = pays(count)
                 drafted, falls = drafted & taken, short & ~taken
             return jax.lax.cond(
                 drafted, lambda st: finish(s, kv, st, draft, proposal, width), lambda st: finish(s, kv, st, draft, plain, 0, falls), state
             )
 
-        if speculator.adaptive and cost > 0:  # drafts that cost are not drafted where the batch's pass would not pay
+        if speculator.adaptive and cost > 0:
+            # One branch a pass: every row in fallback (a stretch of plain steps), a pass that would not
+            # pay or where no row drafts (a plain step), or the drafted pass.
             taken, short = pays(want)
-            return jax.lax.cond(taken, drafted_pass, lambda st: finish(s, kv, st, draft, plain, 0, short), state)
+            branch = jnp.where(resting(s), 0, jnp.where(taken & jnp.any(want > 0), 2, 1))
+            branches = (
+                lambda st: rest((s, kv, st)),
+                lambda st: finish(s, kv, st, draft, plain, 0, short),
+                drafted_pass,
+            )
+            return jax.lax.switch(branch, branches, state)
         return drafted_pass(state)
 
     def finish(
