@@ -5,6 +5,7 @@ through passes equal to a fresh start, drafts drawn from the distribution they r
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -276,8 +277,9 @@ def test_sampled_drafts_follow_the_distribution_they_report(tiny: Model) -> None
 def test_draft_steps_traced_out_equal_the_loop(tiny: Model, monkeypatch: pytest.MonkeyPatch) -> None:
     """A GPU traces a chain's draft steps out, all ``k`` of them, where a CPU loops over the longest
     draft asked for: rows that ask fewer than ``k`` (one asks none) get the same drafts, distributions
-    and head state either way, greedy and sampled, and so does a whole adaptive generation."""
-    from zgen.speculative.eagle import speculator as module
+    and head state either way, greedy and sampled, and whole adaptive generations (EAGLE and an early
+    exit) the plain tokens."""
+    from zgen.speculative import draft_model as module
 
     eagle = Eagle(EagleHead.init(tiny, 4), 4)
     params = eagle.device_params()
@@ -287,16 +289,16 @@ def test_draft_steps_traced_out_equal_the_loop(tiny: Model, monkeypatch: pytest.
     known = jnp.where(jnp.arange(64)[None, :] < (length - 1)[:, None], jnp.arange(64)[None, :], -1)
     state = eagle.observe_features(eagle.start(params, history, length), features, known)
     keys = jnp.asarray(np.random.default_rng(4).integers(0, 2**32, size=(3, 2), dtype=np.uint32))
-    for config in (SamplingConfig(temperature=0.0), SamplingConfig(temperature=0.9, top_k=8)):
+    for config, asked in itertools.product((SamplingConfig(temperature=0.0), SamplingConfig(temperature=0.9, top_k=8)), ([2, 1, 0], [4, 3, 0])):
         sampling, flags = SamplingParams.from_configs([config] * 3, 96), SamplingFlags.from_configs([config] * 3, 96)
-        given = DraftInput(history, length, jnp.asarray([2, 1, 0]), jnp.ones(3, bool), keys, sampling, flags)
+        given = DraftInput(history, length, jnp.asarray(asked), jnp.ones(3, bool), keys, sampling, flags)
         outputs = []
         for unrolled in (False, True):
             monkeypatch.setattr(module, "unrolled_drafts", lambda unrolled=unrolled: unrolled)
             outputs.append(jax.jit(lambda state, given=given: eagle.propose(params, state, given))(state))
         (looped, looped_state), (traced, traced_state) = outputs
-        assert np.asarray(traced.count).tolist() == np.asarray(looped.count).tolist() == [2, 1, 0]
-        for row, n in enumerate([2, 1, 0]):
+        assert np.asarray(traced.count).tolist() == np.asarray(looped.count).tolist() == asked
+        for row, n in enumerate(asked):
             assert np.asarray(traced.tokens[row, :n]).tolist() == np.asarray(looped.tokens[row, :n]).tolist()
             if looped.probs is not None and traced.probs is not None:
                 np.testing.assert_allclose(np.asarray(traced.probs[row, :n]), np.asarray(looped.probs[row, :n]), atol=1e-6)
@@ -305,8 +307,9 @@ def test_draft_steps_traced_out_equal_the_loop(tiny: Model, monkeypatch: pytest.
     requests = [Request(p, GREEDY) for p in PROMPTS]
     monkeypatch.setattr(module, "unrolled_drafts", lambda: True)
     plain = Generator(tiny).batch_generate(requests)
-    spec = Generator(tiny, speculative=Eagle(EagleHead.init(tiny, 3), num_tokens=3)).batch_generate(requests)
-    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    for drafting in (Eagle(EagleHead.init(tiny, 3), num_tokens=3), DraftModel.early_exit(tiny, layers=1, num_tokens=3)):
+        spec = Generator(tiny, speculative=drafting).batch_generate(requests)
+        assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
 
 
 def test_the_training_time_test_sees_what_a_drafted_chain_sees(tiny: Model) -> None:

@@ -35,23 +35,13 @@ from jaxtyping import Array, Float, Int
 from zgen.cache.tensor import DenseKVState
 from zgen.errors import ConfigError
 from zgen.model import Model
-from zgen.pallas.common import platform
 from zgen.runtime.sampling import filter_logits, sample
 from zgen.runtime.speculation import DraftInput, Proposal
-from zgen.speculative.draft_model import CATCH_UP
+from zgen.speculative.draft_model import CATCH_UP, draft_chain
 from zgen.runtime.tree import tree_attention_mask
 from zgen.speculative.eagle.head import HEAD_WINDOW, EagleHead, draft_step, draft_tree_step, fingerprint, fuse
 from zgen.speculative.prompt_lookup import check_num_tokens
 from zgen.speculative.tree import Expansion, TreeShape, build_tree, checked_tree
-
-
-def unrolled_drafts() -> bool:
-    """Whether a chain's draft steps are traced out, all ``k`` of them, rather than looped over the
-    longest draft asked for: on a GPU, XLA brings every loop predicate to the host and the GPU waits
-    for the steps after it to be launched (a non-adaptive pass of SmolLM2 on an NVIDIA H200 spent
-    2.95 ms, 1.18 of them in kernels); on a CPU a predicate costs nothing and a step past the longest
-    draft about a quarter of a plain decode step (the LM head)."""
-    return platform() == "gpu"
 
 
 @jax.tree_util.register_dataclass
@@ -250,13 +240,7 @@ class Eagle:
             return i + 1, kv, feature, tokens, probs
 
         start = (jnp.asarray(1, jnp.int32), kv, predicted[:, -1:], tokens, probs)
-        if unrolled_drafts():
-            carry = start
-            for _ in range(1, k):
-                carry = step(carry)
-            _, kv, _, tokens, probs = carry
-        else:
-            _, kv, _, tokens, probs = jax.lax.while_loop(more, step, start)
+        _, kv, _, tokens, probs = draft_chain(step, start, more, k)
         count = jnp.where(active, draft.num_tokens, 0)
         return Proposal(tokens, count, probs), replace(state, kv=kv, fed=jnp.where(active, p, state.fed))
 
