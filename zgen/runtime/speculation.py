@@ -980,9 +980,9 @@ def speculative_loop(
                 state = observe_missing_features(model, params, kv, speculator, state, s.history, s.length, active)
             proposal, state = speculator.propose(draft_params, state, draft)
             if proposal.parents is not None or cost > 0:
-                # Drafts that cost were asked only of rows that want them (none drafting: a pass not
-                # taken): verified as they come, without a branch of their own (on a GPU each branch
-                # and loop predicate is a round trip through the host).
+                # Drafts that cost are drafted as asked (where no row asks, an adaptive pass took the
+                # plain branch): verified as they come, without a branch of their own (on a GPU each
+                # branch and loop predicate is a round trip through the host).
                 return finish(s, kv, state, draft, proposal, width)
             count = jnp.minimum(proposal.count, want)
             drafted, falls = jnp.any(count > 0), None

@@ -136,8 +136,8 @@ class Eagle:
         c = self.head.model.config
         b, width = history.shape
         features = jnp.zeros((b, width, len(self.feature_layers) * c.hidden_size), self.head.model.dtype)
-        # The loop hands over the features of the HEAD_WINDOW tokens before the pending one (observe_features);
-        # the head rows before them are outside its attention window and never fed.
+        # Before it drafts, the loop reads the features of the HEAD_WINDOW tokens before the pending one
+        # (observe_missing_features); the head rows before them are outside its attention window and never fed.
         scratch = 0 if self.tree is None else self.tree.expansions(self._num_tokens)  # the tree nodes' head rows
         outside = jnp.maximum(length - 1 - HEAD_WINDOW, 0)
         return EagleState(self.head.new_kv(b, width + scratch), features, outside, outside)
