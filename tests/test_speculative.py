@@ -543,8 +543,8 @@ def test_loop_times_give_a_pass_in_plain_steps() -> None:
 
 
 def test_loop_times_take_out_the_fixed_cost_of_a_call() -> None:
-    """A call costs 10 ms whatever it runs: a plain loop of 8 steps of 1 ms (18 ms) is 1 ms a step, and a
-    speculative loop of 4 passes of 3 ms and 6 plain steps (28 ms) gives passes of 3 steps."""
+    """A plain call costs 10 ms whatever it runs: a plain loop of 8 steps of 1 ms (18 ms) is 1 ms a step,
+    and a speculative loop of 4 passes of 3 ms and 6 plain steps (28 ms) gives passes of 3 steps."""
     times, speculator = LoopTimes(), PromptLookup(3, 4, adaptive=True)
     for seconds in (0.012, 0.010, 0.011):  # calls that ran no iteration: the least is kept
         times.record_call(4, seconds)
@@ -555,6 +555,13 @@ def test_loop_times_take_out_the_fixed_cost_of_a_call() -> None:
     times.record_loop(4, speculator, 0.028, 10, 6)
     assert times.per_iteration(("plain", 4)) == pytest.approx(0.001)
     assert times.pass_cost(4, speculator) == pytest.approx(3.0)
+    # A speculative call's own fixed cost (16 ms: it moves more state) is taken out where it was timed.
+    other = PromptLookup(2, 4, adaptive=True)
+    times.record_call(4, 0.016, other)
+    assert times.call_seconds(4, other) == pytest.approx(0.016) and times.call_seconds(4, speculator) is None
+    for _ in range(2):  # the first ran cold
+        times.record_loop(4, other, 0.034, 10, 6)
+    assert times.pass_cost(4, other) == pytest.approx(3.0)
 
 
 def test_a_cold_loop_is_timed_only_until_a_warm_one_is() -> None:
@@ -593,6 +600,7 @@ def test_adaptive_prompt_lookup_times_plain_steps_first_and_equals_plain(tiny_ll
     assert times.pass_cost(width, speculator) >= 1.0 and times.warm(("plain", width))
     # The call's fixed cost is timed where a speculator's plain step is, not by engines that never speculate.
     assert times.call_seconds(width) is not None and plain_generator.engine.loop_times.call_seconds(width) is None
+    assert times.call_seconds(width, speculator) is not None  # and its own loop's, taken out of its passes
     for result in spec:
         assert result.speculative is not None and result.speculative.steps <= len(result.token_ids) - TIMING_DRAWS
     with pytest.raises(ConfigError, match="adaptive"):

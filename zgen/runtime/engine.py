@@ -37,10 +37,10 @@ import itertools
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Sequence as Seq
+from collections.abc import Callable, Iterator, Sequence as Seq
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import jax
 import numpy as np
@@ -71,6 +71,7 @@ from zgen.shapes import next_pow2
 from zgen.tokenizer import plain_token_ids
 
 GREEDY = SamplingConfig(temperature=0.0)
+_Carry = TypeVar("_Carry")  # what an idle timing call hands back to the call it stands before
 #: Most grammar-constrained rows a decode loop takes (a host worker advances them beside each forward
 #: pass, :class:`~zgen.runtime.grammar.GrammarLoop`); more rows step the engine token by token. On an
 #: NVIDIA H200 (SmolLM2 shape, JSON schema, ``benchmarks/grammar.py``) 32 constrained rows take
@@ -683,7 +684,7 @@ class Engine:
         if not speculator.adaptive or not _timed(rows):
             return False
         width = self._width([row.job for row in rows])[0]
-        plain = ("plain", width)
+        plain = LoopTimes.key(width)
         if self.loop_times.per_iteration(plain) is None:
             return True
         return not self.loop_times.warm(plain) and self.loop_times.pass_cost(width, speculator) > 0
@@ -691,7 +692,7 @@ class Engine:
     def _times_passes_first(self, rows: list[_Row], speculator: Speculator) -> bool:
         """Whether the plain step at this width is timed and ``speculator``'s pass not yet."""
         width = self._width([row.job for row in rows])[0]
-        return speculator.adaptive and self.loop_times.per_iteration(("plain", width)) is not None and not self.loop_times.pass_cost(width, speculator)
+        return speculator.adaptive and self.loop_times.per_iteration(LoopTimes.key(width)) is not None and not self.loop_times.pass_cost(width, speculator)
 
     def _step_rows(self, rows: list[_Row], tokens: int) -> tuple[int, list[int], KVState]:
         width, index = self._width([row.job for row in rows])
@@ -859,7 +860,14 @@ class Engine:
         timed = _timed(rows) and bank is None and penalties is None  # the steps a speculative pass competes with
         try:
             if timing and timed and self.loop_times.call_seconds(width) is None:
-                state = self._time_call(width, state, loop, params, flags)
+                idle = replace(loop, max_steps=np.int32(0))
+
+                def idle_call(state: KVState) -> KVState:
+                    out, state = self.runner.decode(state, idle, params, flags=flags)
+                    jax.device_get((out.out_tokens, out.out_logprobs, out.step))
+                    return state
+
+                state = self._time_call(width, None, idle_call, state)
             started, compiling = time.perf_counter(), self.runner.compile_seconds
             loop, state = self.runner.decode(state, loop, params, flags=flags, adapters=bank, grammar=grammar)
             self.kv.absorb(state)
@@ -896,16 +904,15 @@ class Engine:
         else:
             self._after_generation_step(job)
 
-    def _time_call(self, width: int, state: KVState, loop: DecodeLoop, params: SamplingParams, flags: SamplingFlags) -> KVState:
-        """Time the fixed cost of a decode loop call at ``width`` rows: the same call with no step to run
-        (the least of three, compiling first if it must); returns the KV state, which it leaves as it was."""
-        idle = replace(loop, max_steps=np.int32(0))
+    def _time_call(self, width: int, speculator: Speculator | None, idle_call: Callable[[_Carry], _Carry], carry: _Carry) -> _Carry:
+        """Time the fixed cost of a loop call at ``width`` rows (plain, or ``speculator``'s loop):
+        ``idle_call``, the same call with no iteration to run, which returns ``carry`` (the donated
+        state it goes on with) as it was; the least of three, compiling first if it must."""
         for _ in range(3):
             started, compiling = time.perf_counter(), self.runner.compile_seconds
-            out, state = self.runner.decode(state, idle, params, flags=flags)
-            jax.device_get((out.out_tokens, out.out_logprobs, out.step))
-            self.loop_times.record_call(width, self.runner.run_seconds(started, compiling))
-        return state
+            carry = idle_call(carry)
+            self.loop_times.record_call(width, self.runner.run_seconds(started, compiling), speculator)
+        return carry
 
     def _run_speculative(
         self, rows: list[_Row], steps: int, iterations: int, passes: int, speculator: Speculator, *, exit_on_finish: bool
@@ -949,6 +956,22 @@ class Engine:
         self._draft_grammars.start(constrained)
         seqs = tuple((i, row.job.seq) for row, i in zip(rows, index, strict=True))
         carried, self._draft_carry = _carried(self._draft_carry, seqs, speculator, history, lengths), None
+
+        def results(loop: SpeculativeLoop) -> tuple[Any, ...]:
+            return jax.device_get((
+                loop.out_tokens, loop.out_logprobs, loop.emitted, loop.drafted, loop.accepted, loop.verified, loop.step,
+                loop.plain_steps, loop.control, loop.history, loop.length,
+            ))
+
+        if speculator.adaptive and _timed(rows) and self.loop_times.call_seconds(width, speculator) is None:
+            idle = replace(loop, max_steps=np.int32(0))
+
+            def idle_call(carry: tuple[KVState, Any]) -> tuple[KVState, Any]:
+                out, state, final = self.runner.speculate(carry[0], idle, params, speculator, flags=flags, carried=carry[1])
+                results(out)
+                return state, final  # a resumable speculator's state, started or resumed: the real call goes on from it
+
+            state, carried = self._time_call(width, speculator, idle_call, (state, carried))
         started, compiling = time.perf_counter(), self.runner.compile_seconds
         try:
             grammar = self._draft_grammars if constrained else None
@@ -956,10 +979,7 @@ class Engine:
         finally:
             failures = self._draft_grammars.finish()
         self.kv.absorb(state)
-        out, logprobs, emitted, drafted, accepted, verified, iterations, plain_steps, ctl, history, lengths = jax.device_get((
-            loop.out_tokens, loop.out_logprobs, loop.emitted, loop.drafted, loop.accepted, loop.verified, loop.step, loop.plain_steps,
-            loop.control, loop.history, loop.length,
-        ))
+        out, logprobs, emitted, drafted, accepted, verified, iterations, plain_steps, ctl, history, lengths = results(loop)
         if final is not None:
             self._draft_carry = _DraftCarry(seqs, speculator, final, history, lengths)
         if _timed(rows):
