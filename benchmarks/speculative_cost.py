@@ -8,10 +8,13 @@ fallback's cost (its probes, its plain stretches, the loop call's start and end)
 (median of ``--runs``), with the engine's loop calls, plain steps and passes per generation and what
 it measured a pass to cost in plain steps. ``--trace N`` adds, on a GPU, the N kernels that take
 most of a non-adaptive pass (``benchmarks/kernel_trace.py``: launches and microseconds a pass; the
-``MemcpyD2H`` row counts the loop predicates a pass brings to the host).
+``MemcpyD2H`` row counts the loop predicates a pass brings to the host); ``--trace-sides`` picks the
+sides traced (``plain adaptive``: what a token of the fallback's plain stretches costs on the device
+beside a plain decode loop's).
 
     python benchmarks/speculative_cost.py                           # random SmolLM2 shape, batch 1 and 8
     python benchmarks/speculative_cost.py --batch 1 --lengths 128 --trace 30
+    python benchmarks/speculative_cost.py --batch 1 --lengths 128 --runs 0 --trace 12 --trace-sides plain adaptive
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ from kernel_trace import decode_step_kernels  # noqa: E402 - the benchmarks' sha
 from speculative import load, prompts  # noqa: E402 - the shared model loader and prompt set
 
 
+SIDES = ("plain", "adaptive", "every pass")  # plain decoding; the head with its fallback; every pass drafting
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="built-in name, .gguf or HF directory (default: random SmolLM2 shape)")
@@ -37,6 +43,7 @@ def main() -> None:
     parser.add_argument("--num-draft-tokens", type=int, default=4)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--trace", type=int, default=0, help="the top N kernels of a non-adaptive pass (GPU only)")
+    parser.add_argument("--trace-sides", nargs="+", default=["every pass"], choices=SIDES, help="the sides --trace traces")
     args = parser.parse_args()
 
     from zgen import Generator, Request, SamplingConfig
@@ -45,16 +52,17 @@ def main() -> None:
 
     model = load(args)
     head = EagleHead.init(model, 1)
+
+    def side(name: str, batch: int) -> Generator:
+        speculative = None if name == "plain" else Eagle(head, args.num_draft_tokens, adaptive=name == "adaptive")
+        return Generator(model, max_batch_size=batch, speculative=speculative)
+
     print(f"{'batch':>5} {'new':>5} {'side':<14} {'ms':>9} {'vs plain':>8} {'extra ms':>9} {'calls':>6} {'plain steps':>11} {'passes':>7} {'pass (steps)':>12}")
     for batch in args.batch:
         for new in args.lengths:
             sampling = SamplingConfig(temperature=0.0, max_new_tokens=new, ignore_eos=True)
             requests = [Request(p, sampling) for p in prompts(model, batch, real=args.model is not None)]
-            sides = {
-                "plain": Generator(model, max_batch_size=batch),
-                "adaptive": Generator(model, max_batch_size=batch, speculative=Eagle(head, args.num_draft_tokens)),
-                "every pass": Generator(model, max_batch_size=batch, speculative=Eagle(head, args.num_draft_tokens, adaptive=False)),
-            }
+            sides = {name: side(name, batch) for name in SIDES}
             for generator in sides.values():
                 for _ in range(3):  # compiles, then times the plain step and a pass (the adaptive side)
                     generator.batch_generate(requests)
@@ -79,16 +87,17 @@ def main() -> None:
                     f"{statistics.mean(passes) if passes else 0.0:>7.1f} {cost:>12.2f}",
                     flush=True,
                 )
-        if args.trace:
-            drafting = Generator(model, max_batch_size=batch, speculative=Eagle(head, args.num_draft_tokens, adaptive=False))
+        for name in args.trace_sides if args.trace else ():
+            traced = side(name, batch)
             ids = prompts(model, batch, real=args.model is not None)
 
             def generate(new: int) -> Any:
                 config = SamplingConfig(temperature=0.0, max_new_tokens=new, ignore_eos=True)
-                return drafting.batch_generate([Request(p, config) for p in ids])
+                return traced.batch_generate([Request(p, config) for p in ids])
 
-            generate(128), generate(1)  # compiled before the traces
-            print(f"batch {batch}: the kernels of a non-adaptive pass (launches and microseconds a pass)")
+            for _ in range(3):  # compiled, and (adaptive) the plain step and a pass timed, before the traces
+                generate(128), generate(1)
+            print(f"batch {batch}, {name}: the kernels of a step (launches and microseconds a generated token)")
             for row in decode_step_kernels(generate, 128, args.trace):
                 print(f"   {row['us_per_step']:>9.1f} us {row['per_step']:>6.2f}x  {row['kernel']}")
 

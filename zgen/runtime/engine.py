@@ -37,7 +37,7 @@ import itertools
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence as Seq
+from collections.abc import Callable, Hashable, Iterator, Sequence as Seq
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeVar
@@ -63,7 +63,7 @@ from zgen.runtime.runner import runner_for
 from zgen.runtime.sampling import PenaltyState, SamplingConfig, SamplingFlags, SamplingParams, penalty_state, row_key_data
 from zgen.runtime.sequence import Sequence
 from zgen.runtime.speculation import (
-    TIMING_DRAWS, WINDOW, DraftControl, LoopTimes, SpeculativeLoop, SpeculativeStats, Speculator, TreeSpeculator, draft_room, loop_key,
+    TIMING_DRAWS, TIMING_WINDOWS, WINDOW, DraftControl, LoopTimes, SpeculativeLoop, SpeculativeStats, Speculator, TreeSpeculator, draft_room, loop_key,
 )
 from zgen.runtime.step import DecodeLoop, MixedBatch, Packing
 from zgen.runtime.stop import StopCondition, TextStream
@@ -288,6 +288,7 @@ class Engine:
         self.runner = runner_for(model)
         self.stats = EngineStats()
         self.loop_times = LoopTimes()  # what a speculative pass costs in plain steps, measured here
+        self._timing_windows: dict[Hashable, int] = {}  # loops that timed a pass, by LoopTimes.key
         self._draft_carry: _DraftCarry | None = None  # a resumable speculator's state after the last loop
         self.collector = MetricsCollector(self.config.max_batch)
         self._step_started = time.perf_counter()
@@ -550,8 +551,10 @@ class Engine:
                     iterations = min(steps, self.config.steps_per_sync) if host else steps
                     iterations = 1 if any(row.job.request.per_token for row in rows) else iterations
                     # Return once a window's passes are timed: the rest weigh their cost.
-                    passes = WINDOW if self._times_passes_first(rows, speculator) else iterations
-                    self._run_speculative(rows, steps, iterations, passes, speculator, exit_on_finish=waiting)
+                    timing = _timed(rows) and self._times_passes_first(rows, speculator)
+                    passes = WINDOW if timing else iterations
+                    fresh = timing and self._timing_window(rows, speculator)
+                    self._run_speculative(rows, steps, iterations, passes, speculator, exit_on_finish=waiting, fresh_windows=fresh)
                 else:
                     self._run_decode(rows, steps, exit_on_finish=waiting, finishes=finishes)
             else:
@@ -693,6 +696,14 @@ class Engine:
         """Whether the plain step at this width is timed and ``speculator``'s pass not yet."""
         width = self._width([row.job for row in rows])[0]
         return speculator.adaptive and self.loop_times.per_iteration(LoopTimes.key(width)) is not None and not self.loop_times.pass_cost(width, speculator)
+
+    def _timing_window(self, rows: list[_Row], speculator: Speculator) -> bool:
+        """Whether a loop that times ``speculator``'s pass starts every row on a fresh window (rows in
+        fallback would make it a loop of plain steps, which :meth:`LoopTimes.record_loop` does not
+        take): in the first :data:`TIMING_WINDOWS` such loops at this width."""
+        key = LoopTimes.key(self._width([row.job for row in rows])[0], speculator)
+        self._timing_windows[key] = count = self._timing_windows.get(key, 0) + 1
+        return count <= TIMING_WINDOWS
 
     def _step_rows(self, rows: list[_Row], tokens: int) -> tuple[int, list[int], KVState]:
         width, index = self._width([row.job for row in rows])
@@ -915,11 +926,13 @@ class Engine:
         return carry
 
     def _run_speculative(
-        self, rows: list[_Row], steps: int, iterations: int, passes: int, speculator: Speculator, *, exit_on_finish: bool
+        self, rows: list[_Row], steps: int, iterations: int, passes: int, speculator: Speculator, *, exit_on_finish: bool,
+        fresh_windows: bool = False,
     ) -> None:
         """Decode ``rows`` with ``speculator`` in one on-device loop of at most ``iterations`` (passes or
         plain steps), ``passes`` of them verifying drafts, each row up to its reserved draws (at most
-        ``steps``) (:mod:`zgen.runtime.speculation`)."""
+        ``steps``) (:mod:`zgen.runtime.speculation`); ``fresh_windows``: every row starts on a fresh
+        acceptance window, out of fallback (:meth:`_timing_window`)."""
         k = speculator.num_tokens
         width, index, state = self._step_rows(rows, k + 1)
         length = next_pow2(max(row.start + row.count + k + 2 for row in rows), 16)
@@ -936,7 +949,7 @@ class Engine:
             history[i, : row.start + 1] = seq.tokens[: row.start + 1]
             lengths[i], limit[i], budget[i], done[i] = row.start + 1, seq.kv_len, row.count, row.count <= 0
             stop_ids[i, : len(ids)] = ids
-            for name, value in (row.job.control or DraftControl.initial(1, k)).items():
+            for name, value in ((None if fresh_windows else row.job.control) or DraftControl.initial(1, k)).items():
                 control[name][i] = value[0]
         params, flags, keys, _ = self._sampling(rows, index, width)
         zeros = lambda: np.zeros(width, np.int32)  # noqa: E731

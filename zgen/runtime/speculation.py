@@ -139,6 +139,10 @@ RECENT_ITERATIONS = 256
 #: Plain draws an engine decodes first to time its plain step, before an adaptive speculator's first
 #: pass at a batch width.
 TIMING_DRAWS = 8
+#: Loops at a batch width whose rows all draft from a fresh window while the pass is not timed: the
+#: first runs cold (not timed), the second times it; past them (every loop compiled something) the
+#: rows' fallback is left alone, since each such window drafts whatever it costs.
+TIMING_WINDOWS = 2
 
 # Salts that give the acceptance coins and the residual draws noise of their own.
 SALT_ACCEPT, SALT_RESIDUAL = 0xACCE97, 0x4E51D
@@ -369,19 +373,25 @@ class LoopTimes:
     took 2.5 plain steps on a 2-core CPU (XLA:CPU multiplies 2 to 16 rows at half its one-row rate),
     and prompt lookup's 1.01x at 0.52 accepted tokens a pass on an H200 puts it near 1.5 there.
 
-    A loop call also costs a fixed time (dispatch, transfers, the host's wait), which a plain loop
-    timed over 8 draws would count as an eighth of each step: the engine times a call that runs no
-    iteration at each width, plain and for each adaptive speculator's loop (:meth:`record_call`; a
-    speculative call starts its speculator and moves more state, which charged to its passes made an
-    EAGLE pass of SmolLM2's shape on an H200 cost 2.6-3.5 plain steps at batch 1 against 2.4 timed
-    alone), and :meth:`record_plain` and :meth:`record_loop` take it out. A call that compiled its loop ran it cold (kernels loaded, library plans made on first
-    use): on an H200 the first passes of SmolLM2's prompt lookup took 16 ms each against 0.66 ms for a
-    plain step, which held every row in fallback for good. So a cold speculative loop is not recorded,
-    and a cold plain loop only until a warm one replaces it (:meth:`warm`). A branch of a compiled loop
-    also runs cold the first time it is taken: on a 2-core CPU, SmolLM2's EAGLE loop that first went
-    from passes to a stretch of plain steps took 0.5 s more than its 45 steps and one pass (a pass is
-    3.3 plain steps there), which made the pass cost 16 steps. So a speculative loop is recorded only
-    once an earlier loop at its key ran each kind of iteration it ran (passes, plain steps)."""
+    A loop call also costs a fixed time (dispatch, transfers, the host's wait), which a plain loop timed
+    over 8 draws would count as an eighth of each step: the engine times a call that runs no iteration
+    at each width, plain and for each adaptive speculator's loop (:meth:`record_call`: a speculative
+    call starts its speculator and moves more state than a plain one), and :meth:`record_plain` and
+    :meth:`record_loop` take it out. A call that compiled its loop ran it cold (kernels loaded, library
+    plans made on first use): on an H200 the first passes of SmolLM2's prompt lookup took 16 ms each
+    against 0.66 ms for a plain step, which held every row in fallback for good. So a cold speculative
+    loop is not recorded, and a cold plain loop only until a warm one replaces it (:meth:`warm`). A
+    branch of a compiled loop also runs cold the first time it is taken: on a 2-core CPU, SmolLM2's
+    EAGLE loop that first went from passes to a stretch of plain steps took 0.5 s more than its 45 steps
+    and one pass (a pass is 3.3 plain steps there), which made the pass cost 16 steps. So a speculative
+    loop is recorded only once an earlier loop at its key ran each kind of iteration it ran (passes,
+    plain steps).
+
+    A loop's passes are timed as what is left once its plain steps are taken at the plain loop's
+    time, so an error of a few percent in that time, over a loop of 60 plain steps and 2 probing
+    passes, is most of a pass: on an H200 the engine put early-exit passes of SmolLM2 at 7 plain steps
+    and an EAGLE pass at 1.2 (2.3 timed alone). So only loops with at least as many passes as plain
+    steps are recorded (the engine's first loops at a width time a window of passes)."""
 
     def __init__(self) -> None:
         self._totals: dict[Hashable, tuple[float, int]] = {}
@@ -440,14 +450,14 @@ class LoopTimes:
         """A speculative loop of ``iterations`` at ``width`` rows, ``plain_steps`` of them plain decode
         steps (every row in fallback), each taken at the plain decode loop's time: the rest, less the
         call's fixed time (its own where timed, else a plain call's), is its passes' (not recorded while
-        the plain step is not timed, nor from a cold loop: not ``warm``, or the first to run passes or
-        plain steps at its key)."""
+        the plain step is not timed, nor where plain steps outnumber passes, nor from a cold loop: not
+        ``warm``, or the first to run passes or plain steps at its key)."""
         key, plain_key = self.key(width, speculator), self.key(width)
         kinds = {kind for kind, count in (("passes", iterations - plain_steps), ("plain steps", plain_steps)) if count > 0}
         ran = self._ran.setdefault(key, set())
         first = not kinds <= ran
         ran |= kinds
-        if not warm or first:
+        if not warm or first or plain_steps > iterations - plain_steps:
             return
         seconds -= self._calls.get(key, self._calls.get(plain_key, 0.0))
         if plain_steps:
