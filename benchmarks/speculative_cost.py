@@ -59,7 +59,7 @@ def main() -> None:
 
     print(f"{'batch':>5} {'new':>5} {'side':<14} {'ms':>9} {'vs plain':>8} {'extra ms':>9} {'calls':>6} {'plain steps':>11} {'passes':>7} {'pass (steps)':>12}")
     for batch in args.batch:
-        for new in args.lengths:
+        for new in args.lengths if args.runs else ():  # --runs 0: the traces alone
             sampling = SamplingConfig(temperature=0.0, max_new_tokens=new, ignore_eos=True)
             requests = [Request(p, sampling) for p in prompts(model, batch, real=args.model is not None)]
             sides = {name: side(name, batch) for name in SIDES}

@@ -25,7 +25,7 @@ from zgen.runtime.engine import Engine
 from zgen.runtime.runner import runner_for
 from zgen.runtime.sampling import SamplingFlags, SamplingParams, filter_logits
 from zgen.runtime.speculation import (
-    PROBE_AFTER, TIMING_DRAWS, TIMING_WINDOWS, WINDOW, DraftControl, DraftInput, LoopTimes, Proposal, draft_cost, loop_key, pass_pays, probes, update_control,
+    PROBE_AFTER, TIMING_DRAWS, WINDOW, DraftControl, DraftInput, LoopTimes, Proposal, draft_cost, loop_key, pass_pays, probes, update_control,
     verify,
 )
 from zgen.runtime.stop import StopCondition
@@ -121,9 +121,8 @@ def test_a_bad_draft_falls_back_to_plain_decoding(tiny_llama: Model) -> None:
     assert result.token_ids == plain.token_ids
     stats = result.speculative
     assert stats is not None and stats.acceptance_rate < 0.4
-    # Windows of poor passes (shrinking drafts: the first runs cold, the second times the pass), then
-    # plain steps with a one-token probe every PROBE_AFTER.
-    assert stats.steps <= TIMING_WINDOWS * WINDOW + 64 // PROBE_AFTER and stats.draft_tokens <= 4 * TIMING_WINDOWS * WINDOW
+    # A window of poor passes (shrinking drafts), then plain steps with a one-token probe every PROBE_AFTER.
+    assert stats.steps <= WINDOW + 64 // PROBE_AFTER and stats.draft_tokens <= 4 * WINDOW
 
 
 def test_a_draft_model_goes_on_from_its_last_loop(tiny_llama: Model, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -222,9 +221,8 @@ def test_a_batch_in_fallback_takes_plain_steps(tiny_llama: Model, monkeypatch: p
         assert stats.fallback_steps >= 16 + 32  # after the first window, and again after a failed probe
         for result in spec:
             assert result.speculative is not None and result.speculative.accepted_tokens == 0
-            # Windows of drafting passes (the pass never timed: at most TIMING_WINDOWS), then one-token
-            # probes after 16, 32, 64 ... plain draws.
-            assert TIMING_WINDOWS * WINDOW + 1 <= result.speculative.steps <= TIMING_WINDOWS * WINDOW + 3
+            # A window of drafting passes, then one-token probes after 16, 32, 64 ... plain draws.
+            assert WINDOW + 1 <= result.speculative.steps <= WINDOW + 3
 
 
 def test_a_draft_that_cannot_pay_is_never_run(tiny_llama: Model, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -545,29 +543,18 @@ def test_loop_times_give_a_pass_in_plain_steps() -> None:
 
 
 def test_loop_times_take_out_the_fixed_cost_of_a_call() -> None:
-    """A plain call costs 10 ms whatever it runs: a plain loop of 8 steps of 1 ms (18 ms) is 1 ms a step,
-    and a speculative loop of 6 passes of 3 ms and 4 plain steps (32 ms) gives passes of 3 steps."""
+    """A call costs 10 ms whatever it runs: a plain loop of 8 steps of 1 ms (18 ms) is 1 ms a step, and a
+    speculative loop of 4 passes of 3 ms and 6 plain steps (28 ms) gives passes of 3 steps."""
     times, speculator = LoopTimes(), PromptLookup(3, 4, adaptive=True)
     for seconds in (0.012, 0.010, 0.011):  # calls that ran no iteration: the least is kept
         times.record_call(4, seconds)
     assert times.call_seconds(4) == pytest.approx(0.010) and times.call_seconds(2) is None
     times.record_plain(4, 0.018, 8)
-    times.record_loop(4, speculator, 0.032, 10, 4)
+    times.record_loop(4, speculator, 0.028, 10, 6)
     assert times.pass_cost(4, speculator) == 0.0  # the first to run passes and plain steps: its branches ran cold
-    times.record_loop(4, speculator, 0.032, 10, 4)
+    times.record_loop(4, speculator, 0.028, 10, 6)
     assert times.per_iteration(("plain", 4)) == pytest.approx(0.001)
     assert times.pass_cost(4, speculator) == pytest.approx(3.0)
-    # A loop of more plain steps than passes is not taken: its 60 plain steps ran 2 % slower than the
-    # plain loop's, and its 3 passes would have come out at 3.4 steps.
-    times.record_loop(4, speculator, 0.0802, 63, 60)
-    assert times.pass_cost(4, speculator) == pytest.approx(3.0)
-    # A speculative call's own fixed cost (16 ms: it moves more state) is taken out where it was timed.
-    other = PromptLookup(2, 4, adaptive=True)
-    times.record_call(4, 0.016, other)
-    assert times.call_seconds(4, other) == pytest.approx(0.016) and times.call_seconds(4, speculator) is None
-    for _ in range(2):  # the first ran cold
-        times.record_loop(4, other, 0.038, 10, 4)
-    assert times.pass_cost(4, other) == pytest.approx(3.0)
 
 
 def test_a_cold_loop_is_timed_only_until_a_warm_one_is() -> None:
@@ -606,7 +593,6 @@ def test_adaptive_prompt_lookup_times_plain_steps_first_and_equals_plain(tiny_ll
     assert times.pass_cost(width, speculator) >= 1.0 and times.warm(("plain", width))
     # The call's fixed cost is timed where a speculator's plain step is, not by engines that never speculate.
     assert times.call_seconds(width) is not None and plain_generator.engine.loop_times.call_seconds(width) is None
-    assert times.call_seconds(width, speculator) is not None  # and its own loop's, taken out of its passes
     for result in spec:
         assert result.speculative is not None and result.speculative.steps <= len(result.token_ids) - TIMING_DRAWS
     with pytest.raises(ConfigError, match="adaptive"):

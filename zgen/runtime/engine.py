@@ -37,10 +37,10 @@ import itertools
 import threading
 import time
 import weakref
-from collections.abc import Callable, Hashable, Iterator, Sequence as Seq
+from collections.abc import Iterator, Sequence as Seq
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import jax
 import numpy as np
@@ -63,7 +63,7 @@ from zgen.runtime.runner import runner_for
 from zgen.runtime.sampling import PenaltyState, SamplingConfig, SamplingFlags, SamplingParams, penalty_state, row_key_data
 from zgen.runtime.sequence import Sequence
 from zgen.runtime.speculation import (
-    TIMING_DRAWS, TIMING_WINDOWS, WINDOW, DraftControl, LoopTimes, SpeculativeLoop, SpeculativeStats, Speculator, TreeSpeculator, draft_room, loop_key,
+    TIMING_DRAWS, WINDOW, DraftControl, LoopTimes, SpeculativeLoop, SpeculativeStats, Speculator, TreeSpeculator, draft_room, loop_key,
 )
 from zgen.runtime.step import DecodeLoop, MixedBatch, Packing
 from zgen.runtime.stop import StopCondition, TextStream
@@ -71,7 +71,6 @@ from zgen.shapes import next_pow2
 from zgen.tokenizer import plain_token_ids
 
 GREEDY = SamplingConfig(temperature=0.0)
-_Carry = TypeVar("_Carry")  # what an idle timing call hands back to the call it stands before
 #: Most grammar-constrained rows a decode loop takes (a host worker advances them beside each forward
 #: pass, :class:`~zgen.runtime.grammar.GrammarLoop`); more rows step the engine token by token. On an
 #: NVIDIA H200 (SmolLM2 shape, JSON schema, ``benchmarks/grammar.py``) 32 constrained rows take
@@ -288,7 +287,6 @@ class Engine:
         self.runner = runner_for(model)
         self.stats = EngineStats()
         self.loop_times = LoopTimes()  # what a speculative pass costs in plain steps, measured here
-        self._timing_windows: dict[Hashable, int] = {}  # loops that timed a pass, by LoopTimes.key
         self._draft_carry: _DraftCarry | None = None  # a resumable speculator's state after the last loop
         self.collector = MetricsCollector(self.config.max_batch)
         self._step_started = time.perf_counter()
@@ -551,10 +549,8 @@ class Engine:
                     iterations = min(steps, self.config.steps_per_sync) if host else steps
                     iterations = 1 if any(row.job.request.per_token for row in rows) else iterations
                     # Return once a window's passes are timed: the rest weigh their cost.
-                    timing = _timed(rows) and self._times_passes_first(rows, speculator)
-                    passes = WINDOW if timing else iterations
-                    fresh = timing and self._timing_window(rows, speculator)
-                    self._run_speculative(rows, steps, iterations, passes, speculator, exit_on_finish=waiting, fresh_windows=fresh)
+                    passes = WINDOW if self._times_passes_first(rows, speculator) else iterations
+                    self._run_speculative(rows, steps, iterations, passes, speculator, exit_on_finish=waiting)
                 else:
                     self._run_decode(rows, steps, exit_on_finish=waiting, finishes=finishes)
             else:
@@ -687,7 +683,7 @@ class Engine:
         if not speculator.adaptive or not _timed(rows):
             return False
         width = self._width([row.job for row in rows])[0]
-        plain = LoopTimes.key(width)
+        plain = ("plain", width)
         if self.loop_times.per_iteration(plain) is None:
             return True
         return not self.loop_times.warm(plain) and self.loop_times.pass_cost(width, speculator) > 0
@@ -695,15 +691,7 @@ class Engine:
     def _times_passes_first(self, rows: list[_Row], speculator: Speculator) -> bool:
         """Whether the plain step at this width is timed and ``speculator``'s pass not yet."""
         width = self._width([row.job for row in rows])[0]
-        return speculator.adaptive and self.loop_times.per_iteration(LoopTimes.key(width)) is not None and not self.loop_times.pass_cost(width, speculator)
-
-    def _timing_window(self, rows: list[_Row], speculator: Speculator) -> bool:
-        """Whether a loop that times ``speculator``'s pass starts every row on a fresh window (rows in
-        fallback would make it a loop of plain steps, which :meth:`LoopTimes.record_loop` does not
-        take): in the first :data:`TIMING_WINDOWS` such loops at this width."""
-        key = LoopTimes.key(self._width([row.job for row in rows])[0], speculator)
-        self._timing_windows[key] = count = self._timing_windows.get(key, 0) + 1
-        return count <= TIMING_WINDOWS
+        return speculator.adaptive and self.loop_times.per_iteration(("plain", width)) is not None and not self.loop_times.pass_cost(width, speculator)
 
     def _step_rows(self, rows: list[_Row], tokens: int) -> tuple[int, list[int], KVState]:
         width, index = self._width([row.job for row in rows])
@@ -871,14 +859,7 @@ class Engine:
         timed = _timed(rows) and bank is None and penalties is None  # the steps a speculative pass competes with
         try:
             if timing and timed and self.loop_times.call_seconds(width) is None:
-                idle = replace(loop, max_steps=np.int32(0))
-
-                def idle_call(state: KVState) -> KVState:
-                    out, state = self.runner.decode(state, idle, params, flags=flags)
-                    jax.device_get((out.out_tokens, out.out_logprobs, out.step))
-                    return state
-
-                state = self._time_call(width, None, idle_call, state)
+                state = self._time_call(width, state, loop, params, flags)
             started, compiling = time.perf_counter(), self.runner.compile_seconds
             loop, state = self.runner.decode(state, loop, params, flags=flags, adapters=bank, grammar=grammar)
             self.kv.absorb(state)
@@ -915,24 +896,23 @@ class Engine:
         else:
             self._after_generation_step(job)
 
-    def _time_call(self, width: int, speculator: Speculator | None, idle_call: Callable[[_Carry], _Carry], carry: _Carry) -> _Carry:
-        """Time the fixed cost of a loop call at ``width`` rows (plain, or ``speculator``'s loop):
-        ``idle_call``, the same call with no iteration to run, which returns ``carry`` (the donated
-        state it goes on with) as it was; the least of three, compiling first if it must."""
+    def _time_call(self, width: int, state: KVState, loop: DecodeLoop, params: SamplingParams, flags: SamplingFlags) -> KVState:
+        """Time the fixed cost of a decode loop call at ``width`` rows: the same call with no step to run
+        (the least of three, compiling first if it must); returns the KV state, which it leaves as it was."""
+        idle = replace(loop, max_steps=np.int32(0))
         for _ in range(3):
             started, compiling = time.perf_counter(), self.runner.compile_seconds
-            carry = idle_call(carry)
-            self.loop_times.record_call(width, self.runner.run_seconds(started, compiling), speculator)
-        return carry
+            out, state = self.runner.decode(state, idle, params, flags=flags)
+            jax.device_get((out.out_tokens, out.out_logprobs, out.step))
+            self.loop_times.record_call(width, self.runner.run_seconds(started, compiling))
+        return state
 
     def _run_speculative(
-        self, rows: list[_Row], steps: int, iterations: int, passes: int, speculator: Speculator, *, exit_on_finish: bool,
-        fresh_windows: bool = False,
+        self, rows: list[_Row], steps: int, iterations: int, passes: int, speculator: Speculator, *, exit_on_finish: bool
     ) -> None:
         """Decode ``rows`` with ``speculator`` in one on-device loop of at most ``iterations`` (passes or
         plain steps), ``passes`` of them verifying drafts, each row up to its reserved draws (at most
-        ``steps``) (:mod:`zgen.runtime.speculation`); ``fresh_windows``: every row starts on a fresh
-        acceptance window, out of fallback (:meth:`_timing_window`)."""
+        ``steps``) (:mod:`zgen.runtime.speculation`)."""
         k = speculator.num_tokens
         width, index, state = self._step_rows(rows, k + 1)
         length = next_pow2(max(row.start + row.count + k + 2 for row in rows), 16)
@@ -949,7 +929,7 @@ class Engine:
             history[i, : row.start + 1] = seq.tokens[: row.start + 1]
             lengths[i], limit[i], budget[i], done[i] = row.start + 1, seq.kv_len, row.count, row.count <= 0
             stop_ids[i, : len(ids)] = ids
-            for name, value in ((None if fresh_windows else row.job.control) or DraftControl.initial(1, k)).items():
+            for name, value in (row.job.control or DraftControl.initial(1, k)).items():
                 control[name][i] = value[0]
         params, flags, keys, _ = self._sampling(rows, index, width)
         zeros = lambda: np.zeros(width, np.int32)  # noqa: E731
@@ -969,22 +949,6 @@ class Engine:
         self._draft_grammars.start(constrained)
         seqs = tuple((i, row.job.seq) for row, i in zip(rows, index, strict=True))
         carried, self._draft_carry = _carried(self._draft_carry, seqs, speculator, history, lengths), None
-
-        def results(loop: SpeculativeLoop) -> tuple[Any, ...]:
-            return jax.device_get((
-                loop.out_tokens, loop.out_logprobs, loop.emitted, loop.drafted, loop.accepted, loop.verified, loop.step,
-                loop.plain_steps, loop.control, loop.history, loop.length,
-            ))
-
-        if speculator.adaptive and _timed(rows) and self.loop_times.call_seconds(width, speculator) is None:
-            idle = replace(loop, max_steps=np.int32(0))
-
-            def idle_call(carry: tuple[KVState, Any]) -> tuple[KVState, Any]:
-                out, state, final = self.runner.speculate(carry[0], idle, params, speculator, flags=flags, carried=carry[1])
-                results(out)
-                return state, final  # a resumable speculator's state, started or resumed: the real call goes on from it
-
-            state, carried = self._time_call(width, speculator, idle_call, (state, carried))
         started, compiling = time.perf_counter(), self.runner.compile_seconds
         try:
             grammar = self._draft_grammars if constrained else None
@@ -992,7 +956,10 @@ class Engine:
         finally:
             failures = self._draft_grammars.finish()
         self.kv.absorb(state)
-        out, logprobs, emitted, drafted, accepted, verified, iterations, plain_steps, ctl, history, lengths = results(loop)
+        out, logprobs, emitted, drafted, accepted, verified, iterations, plain_steps, ctl, history, lengths = jax.device_get((
+            loop.out_tokens, loop.out_logprobs, loop.emitted, loop.drafted, loop.accepted, loop.verified, loop.step, loop.plain_steps,
+            loop.control, loop.history, loop.length,
+        ))
         if final is not None:
             self._draft_carry = _DraftCarry(seqs, speculator, final, history, lengths)
         if _timed(rows):

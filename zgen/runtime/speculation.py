@@ -139,10 +139,6 @@ RECENT_ITERATIONS = 256
 #: Plain draws an engine decodes first to time its plain step, before an adaptive speculator's first
 #: pass at a batch width.
 TIMING_DRAWS = 8
-#: Loops at a batch width whose rows all draft from a fresh window while the pass is not timed: the
-#: first runs cold (not timed), the second times it; past them (every loop compiled something) the
-#: rows' fallback is left alone, since each such window drafts whatever it costs.
-TIMING_WINDOWS = 2
 
 # Salts that give the acceptance coins and the residual draws noise of their own.
 SALT_ACCEPT, SALT_RESIDUAL = 0xACCE97, 0x4E51D
@@ -373,52 +369,36 @@ class LoopTimes:
     took 2.5 plain steps on a 2-core CPU (XLA:CPU multiplies 2 to 16 rows at half its one-row rate),
     and prompt lookup's 1.01x at 0.52 accepted tokens a pass on an H200 puts it near 1.5 there.
 
-    A loop call also costs a fixed time (dispatch, transfers, the host's wait), which a plain loop timed
-    over 8 draws would count as an eighth of each step: the engine times a call that runs no iteration
-    at each width, plain and for each adaptive speculator's loop (:meth:`record_call`: a speculative
-    call starts its speculator and moves more state than a plain one), and :meth:`record_plain` and
-    :meth:`record_loop` take it out. A call that compiled its loop ran it cold (kernels loaded, library
-    plans made on first use): on an H200 the first passes of SmolLM2's prompt lookup took 16 ms each
-    against 0.66 ms for a plain step, which held every row in fallback for good. So a cold speculative
-    loop is not recorded, and a cold plain loop only until a warm one replaces it (:meth:`warm`). A
-    branch of a compiled loop also runs cold the first time it is taken: on a 2-core CPU, SmolLM2's
-    EAGLE loop that first went from passes to a stretch of plain steps took 0.5 s more than its 45 steps
-    and one pass (a pass is 3.3 plain steps there), which made the pass cost 16 steps. So a speculative
-    loop is recorded only once an earlier loop at its key ran each kind of iteration it ran (passes,
-    plain steps).
-
-    A loop's passes are timed as what is left once its plain steps are taken at the plain loop's
-    time, so an error of a few percent in that time, over a loop of 60 plain steps and 2 probing
-    passes, is most of a pass: on an H200 the engine put early-exit passes of SmolLM2 at 7 plain steps
-    and an EAGLE pass at 1.2 (2.3 timed alone). So only loops with at least as many passes as plain
-    steps are recorded (the engine's first loops at a width time a window of passes)."""
+    A loop call also costs a fixed time (dispatch, transfers, the host's wait), which a plain loop
+    timed over 8 draws would count as an eighth of each step: the engine times a call that runs no
+    iteration at each width (:meth:`record_call`), and :meth:`record_plain` and :meth:`record_loop`
+    take it out. A call that compiled its loop ran it cold (kernels loaded, library plans made on first
+    use): on an H200 the first passes of SmolLM2's prompt lookup took 16 ms each against 0.66 ms for a
+    plain step, which held every row in fallback for good. So a cold speculative loop is not recorded,
+    and a cold plain loop only until a warm one replaces it (:meth:`warm`). A branch of a compiled loop
+    also runs cold the first time it is taken: on a 2-core CPU, SmolLM2's EAGLE loop that first went
+    from passes to a stretch of plain steps took 0.5 s more than its 45 steps and one pass (a pass is
+    3.3 plain steps there), which made the pass cost 16 steps. So a speculative loop is recorded only
+    once an earlier loop at its key ran each kind of iteration it ran (passes, plain steps)."""
 
     def __init__(self) -> None:
         self._totals: dict[Hashable, tuple[float, int]] = {}
-        self._calls: dict[Hashable, float] = {}
+        self._calls: dict[int, float] = {}
         self._cold: set[Hashable] = set()  # keys whose only record is a cold loop's
         self._ran: dict[Hashable, set[str]] = {}  # the kinds of iteration each speculative loop has run
 
-    @staticmethod
-    def key(width: int, speculator: Speculator | None = None) -> Hashable:
-        """The key of the plain decode loop at ``width`` rows, or of ``speculator``'s loop."""
-        return ("plain", width) if speculator is None else ("speculative", width, loop_key(speculator))
+    def record_call(self, width: int, seconds: float) -> None:
+        """A loop call at ``width`` rows that ran no iteration took ``seconds`` (the least seen is kept)."""
+        self._calls[width] = min(seconds, self._calls.get(width, seconds))
 
-    def record_call(self, width: int, seconds: float, speculator: Speculator | None = None) -> None:
-        """A loop call at ``width`` rows (plain, or ``speculator``'s loop) that ran no iteration took
-        ``seconds`` (the least seen is kept)."""
-        key = self.key(width, speculator)
-        self._calls[key] = min(seconds, self._calls.get(key, seconds))
-
-    def call_seconds(self, width: int, speculator: Speculator | None = None) -> float | None:
-        """The fixed time of a loop call at ``width`` rows, plain or ``speculator``'s (``None``: not
-        timed yet)."""
-        return self._calls.get(self.key(width, speculator))
+    def call_seconds(self, width: int) -> float | None:
+        """The fixed time of a loop call at ``width`` rows (``None``: not timed yet)."""
+        return self._calls.get(width)
 
     def record_plain(self, width: int, seconds: float, iterations: int, *, warm: bool = True) -> None:
         """A plain decode loop of ``iterations`` steps at ``width`` rows took ``seconds`` (``warm``: its
         call compiled nothing; a cold loop's time stands only until a warm one's replaces it)."""
-        key = self.key(width)
+        key = ("plain", width)
         if iterations <= 0 or (not warm and key in self._totals):
             return
         if key in self._cold:
@@ -426,7 +406,7 @@ class LoopTimes:
             self._cold.discard(key)
         if not warm:
             self._cold.add(key)
-        self.record(key, max(seconds - self._calls.get(key, 0.0), 0.0), iterations)
+        self.record(key, max(seconds - self._calls.get(width, 0.0), 0.0), iterations)
 
     def warm(self, key: Hashable) -> bool:
         """Whether ``key``'s time comes from loops that ran warm."""
@@ -448,20 +428,19 @@ class LoopTimes:
         self, width: int, speculator: Speculator, seconds: float, iterations: int, plain_steps: int, *, warm: bool = True
     ) -> None:
         """A speculative loop of ``iterations`` at ``width`` rows, ``plain_steps`` of them plain decode
-        steps (every row in fallback), each taken at the plain decode loop's time: the rest, less the
-        call's fixed time (its own where timed, else a plain call's), is its passes' (not recorded while
-        the plain step is not timed, nor where plain steps outnumber passes, nor from a cold loop: not
-        ``warm``, or the first to run passes or plain steps at its key)."""
-        key, plain_key = self.key(width, speculator), self.key(width)
+        steps (every row in fallback), each taken at the plain decode loop's time: the rest is its passes'
+        (not recorded while the plain step is not timed, nor from a cold loop: not ``warm``, or the
+        first to run passes or plain steps at its key)."""
+        key = ("speculative", width, loop_key(speculator))
         kinds = {kind for kind, count in (("passes", iterations - plain_steps), ("plain steps", plain_steps)) if count > 0}
         ran = self._ran.setdefault(key, set())
         first = not kinds <= ran
         ran |= kinds
-        if not warm or first or plain_steps > iterations - plain_steps:
+        if not warm or first:
             return
-        seconds -= self._calls.get(key, self._calls.get(plain_key, 0.0))
+        seconds -= self._calls.get(width, 0.0)
         if plain_steps:
-            plain = self.per_iteration(plain_key)
+            plain = self.per_iteration(("plain", width))
             if plain is None:
                 return
             seconds -= plain * plain_steps
@@ -470,8 +449,8 @@ class LoopTimes:
     def pass_cost(self, width: int, speculator: Speculator) -> float:
         """A pass of ``speculator``'s loop at ``width`` rows in plain decode steps at that width (at
         least 1: a pass does a plain step's work); 0.0 until both have been timed."""
-        plain = self.per_iteration(self.key(width))
-        spec = self.per_iteration(self.key(width, speculator))
+        plain = self.per_iteration(("plain", width))
+        spec = self.per_iteration(("speculative", width, loop_key(speculator)))
         return 0.0 if plain is None or spec is None else max(spec / plain, 1.0)
 
 
