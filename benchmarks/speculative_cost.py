@@ -42,7 +42,7 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[32, 128, 512], help="new tokens per answer")
     parser.add_argument("--num-draft-tokens", type=int, default=4)
     parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--trace", type=int, default=0, help="the top N kernels of a non-adaptive pass (GPU only)")
+    parser.add_argument("--trace", type=int, default=0, help="the top N kernels a generated token of each --trace-sides side (GPU only)")
     parser.add_argument("--trace-sides", nargs="+", default=["every pass"], choices=SIDES, help="the sides --trace traces")
     args = parser.parse_args()
 
