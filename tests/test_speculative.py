@@ -196,8 +196,9 @@ def test_a_carried_draft_state_needs_the_same_rows_and_tokens() -> None:
 
 def test_a_batch_in_fallback_takes_plain_steps(tiny_llama: Model, monkeypatch: pytest.MonkeyPatch) -> None:
     """Drafts that are always wrong: once every row is in fallback the speculative loop takes plain
-    decode steps (greedy and sampled tokens unchanged), then probes. The pass cost is left unmeasured,
-    so the decisions (full windows, probes that always run) do not depend on this machine's timings."""
+    decode steps (greedy and sampled tokens unchanged), then probes; the next requests start in
+    fallback. The pass cost is left unmeasured, so the decisions (full windows, probes that always run)
+    do not depend on this machine's timings."""
     monkeypatch.setattr(LoopTimes, "pass_cost", lambda self, width, speculator: 0.0)
     class Wrong(PromptLookup):
         def propose(self, params: Any, state: Any, draft: DraftInput) -> tuple[Proposal, Any]:
@@ -223,6 +224,16 @@ def test_a_batch_in_fallback_takes_plain_steps(tiny_llama: Model, monkeypatch: p
             assert result.speculative is not None and result.speculative.accepted_tokens == 0
             # A window of drafting passes, then one-token probes after 16, 32, 64 ... plain draws.
             assert WINDOW + 1 <= result.speculative.steps <= WINDOW + 3
+        # New requests start where the last ones left off: in fallback, their first probe after the
+        # wait those misses give, and once that wait outlasts an answer, the plain decode loop alone.
+        again = generator.batch_generate(requests)
+        assert _ids(again) == _ids(plain)
+        assert all(r.speculative is not None and 0 < r.speculative.steps <= 2 for r in again)
+        with monkeypatch.context() as patch:
+            patch.setattr(Engine, "_run_speculative", lambda *args, **kwargs: pytest.fail("no probe falls due: plain decoding"))
+            third = generator.batch_generate(requests)
+        assert _ids(third) == _ids(plain)
+        assert all(r.speculative is not None and r.speculative.steps == 0 for r in third)
 
 
 def test_a_draft_that_cannot_pay_is_never_run(tiny_llama: Model, monkeypatch: pytest.MonkeyPatch) -> None:

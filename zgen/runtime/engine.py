@@ -37,7 +37,7 @@ import itertools
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Sequence as Seq
+from collections.abc import Hashable, Iterator, Sequence as Seq
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -138,7 +138,7 @@ class EngineStats:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     preemptions: int = 0  # sequences whose KV was freed for an earlier job (recomputed when they run again)
-    fallback_steps: int = 0  # plain decode steps speculative loops took (every row in fallback, or none drafted)
+    fallback_steps: int = 0  # plain decode steps of speculative jobs: in fallback, or none drafted (in a loop or as one)
 
 
 @dataclass(frozen=True)
@@ -288,6 +288,9 @@ class Engine:
         self.stats = EngineStats()
         self.loop_times = LoopTimes()  # what a speculative pass costs in plain steps, measured here
         self._draft_carry: _DraftCarry | None = None  # a resumable speculator's state after the last loop
+        # Each adaptive speculator's falls and failed probes in a row, the fewest of its last loop's rows:
+        # a new request starts there (a speculator that does not pay here is not tried afresh on each).
+        self._misses: dict[Hashable, int] = {}
         self.collector = MetricsCollector(self.config.max_batch)
         self._step_started = time.perf_counter()
         self._queue: list[Job] = []
@@ -544,6 +547,8 @@ class Engine:
                     for row in rows:  # a few plain draws time the plain step (the rows' drafting is untouched)
                         row.count = min(row.count, TIMING_DRAWS)
                     self._run_decode(rows, min(steps, _draw_bucket(TIMING_DRAWS)), exit_on_finish=waiting, finishes=finishes, timing=True)
+                elif speculator is not None and self._rests_through(rows, speculator):
+                    self._run_fallback(rows, steps, speculator, exit_on_finish=waiting, finishes=finishes)
                 elif speculator is not None:
                     host = waiting or any(row.job.needs_host() for row in rows)
                     iterations = min(steps, self.config.steps_per_sync) if host else steps
@@ -693,6 +698,32 @@ class Engine:
         width = self._width([row.job for row in rows])[0]
         return speculator.adaptive and self.loop_times.per_iteration(("plain", width)) is not None and not self.loop_times.pass_cost(width, speculator)
 
+    def _control(self, job: Job, speculator: Speculator) -> dict[str, np.ndarray]:
+        """``job``'s draft-length control (one row); a new request's starts where the speculator's last
+        loop left off on this engine (see ``_misses``)."""
+        if job.control is None:
+            job.control = DraftControl.initial(1, speculator.num_tokens, self._misses.get(loop_key(speculator), 0))
+        return job.control
+
+    def _rests_through(self, rows: list[_Row], speculator: Speculator) -> bool:
+        """Whether every row of a decode step with an adaptive ``speculator`` stays in fallback through
+        all its draws (no probe falls due): the step is then the plain decode loop itself."""
+        if not speculator.adaptive:
+            return False
+        controls = [self._control(row.job, speculator) for row in rows]
+        return all(int(c["length"][0]) == 0 and int(c["wait"][0]) >= row.count for row, c in zip(rows, controls, strict=True))
+
+    def _run_fallback(self, rows: list[_Row], steps: int, speculator: Speculator, *, exit_on_finish: bool, finishes: int) -> None:
+        """A decode step whose rows all stay in fallback: the plain decode loop (a speculative loop's
+        stretch of plain steps costs a GPU more, in its own arguments and loop predicates: about 3
+        plain steps a SmolLM2 generation at batch 1), each row's wait counted down by its draws."""
+        before = [row.job.seq.num_tokens for row in rows]
+        self.stats.fallback_steps += self._run_decode(rows, steps, exit_on_finish=exit_on_finish, finishes=finishes)
+        for row, tokens in zip(rows, before, strict=True):
+            control, job = self._control(row.job, speculator), row.job
+            control["wait"] = control["wait"] - (job.seq.num_tokens - tokens)
+            job.result.speculative = job.result.speculative or SpeculativeStats(0, 0, 0)
+
     def _step_rows(self, rows: list[_Row], tokens: int) -> tuple[int, list[int], KVState]:
         width, index = self._width([row.job for row in rows])
         step_rows = []
@@ -828,9 +859,9 @@ class Engine:
         row = raw.astype(np.float64)
         return int(token), float(row[int(token)] - np.logaddexp.reduce(row))
 
-    def _run_decode(self, rows: list[_Row], steps: int, *, exit_on_finish: bool, finishes: int = 1, timing: bool = False) -> None:
+    def _run_decode(self, rows: list[_Row], steps: int, *, exit_on_finish: bool, finishes: int = 1, timing: bool = False) -> int:
         """A plain decode loop over ``rows``; ``timing``: it times the plain step for an adaptive speculator
-        (and, the first time at this width, a loop call's fixed cost)."""
+        (and, the first time at this width, a loop call's fixed cost). Returns the steps it took."""
         width, index, state = self._step_rows(rows, 1)
         token = np.zeros(width, np.int32)
         position = np.full(width, -1, np.int32)
@@ -878,6 +909,7 @@ class Engine:
                 continue
             drawn = _row_draws(out[i, : min(row.count, int(iterations))].tolist(), ids)
             self._take_loop_draws(row, drawn, logprobs[i], grammar_taken=row.job.grammar is not None)
+        return int(iterations)
 
     def _take_loop_draws(self, row: _Row, drawn: list[int], logprobs: np.ndarray, *, grammar_taken: bool = False) -> None:
         """A loop row's draws: keep their K/V (the input and all but the last draw), roll back the rest.
@@ -929,7 +961,7 @@ class Engine:
             history[i, : row.start + 1] = seq.tokens[: row.start + 1]
             lengths[i], limit[i], budget[i], done[i] = row.start + 1, seq.kv_len, row.count, row.count <= 0
             stop_ids[i, : len(ids)] = ids
-            for name, value in (row.job.control or DraftControl.initial(1, k)).items():
+            for name, value in self._control(row.job, speculator).items():
                 control[name][i] = value[0]
         params, flags, keys, _ = self._sampling(rows, index, width)
         zeros = lambda: np.zeros(width, np.int32)  # noqa: E731
@@ -966,6 +998,8 @@ class Engine:
             warm = self.runner.compile_seconds == compiling
             seconds = self.runner.run_seconds(started, compiling)
             self.loop_times.record_loop(width, speculator, seconds, int(iterations), int(plain_steps), warm=warm)
+        if speculator.adaptive:
+            self._misses[loop_key(speculator)] = int(min(ctl.misses[i] for i in index))
         self.stats.fallback_steps += int(plain_steps)
         self.stats.steps += 1
         self.stats.forward_passes += int(iterations)

@@ -87,7 +87,12 @@ decode steps instead (one position a row, no draft: an inner loop, entered by a 
 row probes: a batch in fallback costs about what plain decoding costs, without leaving the loop (each
 return to the host and new loop cost a GPU more than a decode step of a small model). The plain step
 draws with the same (row key, position) noise as the plain decode loop, so the tokens are the same
-either way.
+either way. A new request starts where the speculator's last loop on the engine left its rows (the
+fewest falls and failed probes in a row among them): a speculator that does not pay on this
+workload starts each request in fallback, with the wait those misses give. A decode step whose rows
+all stay in fallback through its draws is the plain decode loop itself, not a speculative loop
+(whose stretch of plain steps costs a GPU its own arguments and predicates: about 3 plain steps a
+128-token SmolLM2 generation at batch 1).
 
 Rows under a grammar (:class:`~zgen.runtime.grammar.GrammarDrafts`) draft as if unconstrained; two host
 callbacks per pass keep them exact. After drafting, the first gives each row's token mask at every
@@ -350,16 +355,24 @@ class DraftControl:
     misses: Int[Array, " B"]  # falls and failed probes in a row (each doubles the wait)
 
     @staticmethod
-    def initial(rows: int, num_tokens: int) -> dict[str, np.ndarray]:
-        """Host arrays of a fresh control for ``rows`` rows (numpy, one entry per field)."""
+    def initial(rows: int, num_tokens: int, misses: int = 0) -> dict[str, np.ndarray]:
+        """Host arrays of a fresh control for ``rows`` rows (numpy, one entry per field). ``misses``:
+        falls and failed probes in a row to start from (a request that starts where the speculator's
+        last ones on the engine left off): in fallback, probing after the wait they give."""
         return {
-            "length": np.full(rows, num_tokens, np.int32),
+            "length": np.full(rows, 0 if misses else num_tokens, np.int32),
             "drafted": np.zeros((rows, WINDOW), np.int32),
             "accepted": np.zeros((rows, WINDOW), np.int32),
             "slot": np.zeros(rows, np.int32),
-            "wait": np.zeros(rows, np.int32),
-            "misses": np.zeros(rows, np.int32),
+            "wait": np.full(rows, probe_wait(np.int32(misses), np) if misses else 0, np.int32),
+            "misses": np.full(rows, misses, np.int32),
         }
+
+
+def probe_wait(misses: Any, xp: Any = jnp) -> Any:
+    """The plain steps a row in fallback waits before it probes, after ``misses`` falls and failed
+    probes in a row (``xp``: ``jnp`` traced, ``np`` on the host)."""
+    return xp.minimum(PROBE_AFTER * 2 ** xp.clip(misses - 1, 0, 16), MAX_PROBE_AFTER)
 
 
 class LoopTimes:
@@ -510,8 +523,7 @@ def update_control(
     resume = probing & probe_pays
     plain = active & ~drafting & (control.length == 0)
     misses = jnp.where(fall, control.misses + 1, jnp.where(judged, 0, control.misses))
-    backoff = jnp.minimum(PROBE_AFTER * 2 ** jnp.clip(misses - 1, 0, 16), MAX_PROBE_AFTER)
-    wait = jnp.where(fall, backoff, jnp.where(plain, control.wait - 1, jnp.where(resume, 0, control.wait)))
+    wait = jnp.where(fall, probe_wait(misses), jnp.where(plain, control.wait - 1, jnp.where(resume, 0, control.wait)))
     probe = probes(plain, wait)
     clear = (fall | resume)[:, None]
     return DraftControl(
