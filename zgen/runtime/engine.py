@@ -715,8 +715,8 @@ class Engine:
 
     def _run_fallback(self, rows: list[_Row], steps: int, speculator: Speculator, *, exit_on_finish: bool, finishes: int) -> None:
         """A decode step whose rows all stay in fallback: the plain decode loop (a speculative loop's
-        stretch of plain steps costs a GPU more, in its own arguments and loop predicates: about 3
-        plain steps a SmolLM2 generation at batch 1), each row's wait counted down by its draws."""
+        stretch of plain steps costs a GPU more, in its own arguments and loop predicates: 3 to 5 plain
+        steps a SmolLM2 generation at batch 1), each row's wait counted down by its draws."""
         before = [row.job.seq.num_tokens for row in rows]
         self.stats.fallback_steps += self._run_decode(rows, steps, exit_on_finish=exit_on_finish, finishes=finishes)
         for row, tokens in zip(rows, before, strict=True):
