@@ -232,7 +232,10 @@ def test_a_batch_in_fallback_takes_plain_steps(tiny_llama: Model, monkeypatch: p
         with monkeypatch.context() as patch:
             patch.setattr(Engine, "_run_speculative", lambda *args, **kwargs: pytest.fail("no probe falls due: plain decoding"))
             third = generator.batch_generate(requests)
+            steps = generator.engine.stats.steps
+            streamed = "".join(generator.generate_stream(PROMPTS[0], sampling, per_token=True))
         assert _ids(third) == _ids(plain)
+        assert streamed == plain[0].text and generator.engine.stats.steps - steps >= sampling.max_new_tokens  # a step a token
         assert all(r.speculative is not None and r.speculative.steps == 0 for r in third)
 
 

@@ -717,10 +717,15 @@ class Engine:
         """A decode step whose rows all stay in fallback: the plain decode loop (a speculative loop's
         stretch of plain steps costs a GPU more, in its own arguments and loop predicates: 3 to 5 plain
         steps a SmolLM2 generation at batch 1), each row's wait counted down by its draws."""
+        if any(row.job.request.per_token for row in rows):  # one draw a host round trip, as a plain batch's
+            steps = 1
+            for row in rows:
+                row.count = min(row.count, 1)
         before = [row.job.seq.num_tokens for row in rows]
         self.stats.fallback_steps += self._run_decode(rows, steps, exit_on_finish=exit_on_finish, finishes=finishes)
         for row, tokens in zip(rows, before, strict=True):
-            control, job = self._control(row.job, speculator), row.job
+            job = row.job
+            control = self._control(job, speculator)
             control["wait"] = control["wait"] - (job.seq.num_tokens - tokens)
             job.result.speculative = job.result.speculative or SpeculativeStats(0, 0, 0)
 
