@@ -24,14 +24,14 @@ smollm2``, a .gguf path or an HF directory) for real acceptance. ``--runs 0`` sk
     python benchmarks/speculative.py --model smollm2 --dtype float32 --batch 1 --runs 0 --prompts summary \\
         --speculators prompt-lookup:3-1 prompt-lookup:4-2                # acceptance of two n-gram ranges
     python benchmarks/speculative.py --speculators draft:smollm2 --kv-dtype fp8 --json
-    python benchmarks/speculative.py --model smollm2 --speculators prompt-lookup jacobi jacobi:adaptive
+    python benchmarks/speculative.py --model smollm2 --speculators prompt-lookup prompt-lookup:fixed jacobi jacobi:fixed
 
 ``prompt-lookup:MAX-MIN`` tries n-grams of MAX down to MIN tokens (default 3-1); ``prompt-lookup:MAX-MINxR``
-verifies what followed the R best matches as one token tree (``PromptLookup(branches=R)``); a ``+adaptive``
-suffix (``prompt-lookup:adaptive`` alone for the defaults) adds the fallback to plain decoding.
-``jacobi`` is Jacobi (lookahead) decoding with its default fixed draft width (every pass verifies
-``--num-draft-tokens`` guesses, default 8); ``jacobi:adaptive`` adds the fallback to plain
-decoding. ``eagle:DIR`` drafts with the EAGLE head in DIR (trained for the same
+verifies what followed the R best matches as one token tree (``PromptLookup(branches=R)``). ``jacobi`` is
+Jacobi (lookahead) decoding verifying up to ``--num-draft-tokens`` guesses a pass (default 8). Both take
+the adaptive fallback to plain decoding, as by default; a ``+fixed`` suffix (``prompt-lookup:fixed`` or
+``jacobi:fixed`` alone for the defaults) makes every step a pass (``adaptive=False``); ``+adaptive``
+(``:adaptive``), the default, is still taken for the commands recorded in BENCHMARKS.md. ``eagle:DIR`` drafts with the EAGLE head in DIR (trained for the same
 model and weights, e.g. by ``benchmarks/eagle.py --out DIR``).
 """
 
@@ -162,9 +162,9 @@ def speculator(spec: str, model: Model, args: argparse.Namespace) -> Speculator:
     from zgen.speculative import DraftModel, Eagle, Jacobi, PromptLookup
 
     kind, _, value = spec.partition(":")
+    value, adaptive = fallback_mode(value) if kind in ("prompt-lookup", "jacobi") else (value, True)
     if kind == "prompt-lookup":
-        value, adaptive = value.removesuffix("+adaptive"), value.endswith("+adaptive") or value == "adaptive"
-        ngrams, _, branches = ("3-1" if value in ("", "adaptive") else value).partition("x")
+        ngrams, _, branches = (value or "3-1").partition("x")
         longest, _, shortest = ngrams.partition("-")
         return PromptLookup(
             int(longest), args.num_draft_tokens or 8, min_ngram=int(shortest or longest), branches=int(branches or 1), adaptive=adaptive
@@ -175,11 +175,20 @@ def speculator(spec: str, model: Model, args: argparse.Namespace) -> Speculator:
         return DraftModel(load_model(value, dtype=args.dtype), args.num_draft_tokens or 4)
     if kind == "eagle" and value:
         return Eagle.load(value, model, args.num_draft_tokens or 4)
-    if kind == "jacobi" and value in ("", "adaptive"):
-        return Jacobi(args.num_draft_tokens or 8, adaptive=value == "adaptive")
+    if kind == "jacobi" and not value:
+        return Jacobi(args.num_draft_tokens or 8, adaptive=adaptive)
     raise SystemExit(
-        f"unknown speculator {spec!r}: prompt-lookup[:MAX-MIN[xR]][+adaptive], early-exit:N, draft:MODEL, eagle:DIR, jacobi or jacobi:adaptive"
+        f"unknown speculator {spec!r}: prompt-lookup[:MAX-MIN[xR]][+fixed], early-exit:N, draft:MODEL, eagle:DIR, jacobi or jacobi:fixed"
     )
+
+
+def fallback_mode(value: str) -> tuple[str, bool]:
+    """A prompt-lookup or jacobi spec's value without its ``+fixed`` / ``+adaptive`` suffix, and whether
+    the speculator takes the adaptive fallback (the default)."""
+    for mode, adaptive in (("fixed", False), ("adaptive", True)):
+        if value == mode or value.endswith(f"+{mode}"):
+            return value.removesuffix(mode).removesuffix("+"), adaptive
+    return value, True
 
 
 def warm_up(generator: Generator, requests: list[Any], timing: bool) -> list[GenerationResult]:

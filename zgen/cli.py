@@ -194,7 +194,7 @@ PromptLookupOption = Annotated[
     typer.Option(
         "--prompt-lookup",
         help="Speculative decoding with n-gram drafts from the prompt and the text so far (same output; faster when "
-        "the reply repeats its context, e.g. summaries and code edits).",
+        "the reply repeats its context, e.g. summaries and code edits; drafting pauses while its passes do not pay).",
     ),
 ]
 DraftModelOption = Annotated[
@@ -221,7 +221,7 @@ JacobiOption = Annotated[
     typer.Option(
         "--jacobi",
         help="Speculative decoding with Jacobi (lookahead) drafts: the model's own predictions from earlier "
-        "passes and the n-grams they form, no draft model (same output).",
+        "passes and the n-grams they form, no draft model (same output; drafting pauses while its passes do not pay).",
     ),
 ]
 EagleOption = Annotated[

@@ -125,7 +125,7 @@ def test_cli_batch_on_ray_speculates_in_each_actor(model_dir: Path, tmp_path: Pa
     source.write_text("\n".join(lines) + "\n")
     local = run(str(model_dir), source, tmp_path / "local.jsonl", max_batch_size=2, progress=False)
     args = ["batch", "--model", str(model_dir), "--input", str(source), "--output", str(tmp_path / "ray.jsonl"), "--quiet"]
-    result = CliRunner().invoke(app, [*args, "--ray", "--ray-actors", "1", "--prompt-lookup", "--num-draft-tokens", "3", "--summary", str(tmp_path / "s.json")])
+    result = CliRunner().invoke(app, [*args, "--ray", "--ray-actors", "1", "--max-batch-size", "2", "--prompt-lookup", "--num-draft-tokens", "3", "--summary", str(tmp_path / "s.json")])
     assert result.exit_code == 0, result.output
     summary = json.loads((tmp_path / "s.json").read_text())
     assert summary["succeeded"] == local.succeeded == 4 and summary["speculative"]["draft_tokens"] > 0

@@ -63,13 +63,14 @@ class Jacobi:
     tokens (``ngram - 1`` of context, then the token that followed) per row.
 
     Every pass verifies ``num_tokens`` guesses, which costs little more than one token where decoding
-    is bound by memory bandwidth (small batches on a GPU). ``adaptive`` (for compute-bound decoding:
-    large batches, the CPU) adds the fallback of :mod:`zgen.runtime.speculation`: a row decodes plainly
-    while its passes yield no more tokens than plain steps would in the time they take (the engine
-    times both).
+    is bound by memory bandwidth (small batches on a GPU), and several where it is bound by compute
+    (large batches, the CPU). ``adaptive`` (the default) takes the fallback of
+    :mod:`zgen.runtime.speculation`: a row decodes plainly while its passes yield no more tokens than
+    plain steps would in the time they take (the engine times both), probing again later; with
+    ``adaptive=False`` every step is a pass.
     """
 
-    def __init__(self, num_tokens: int = 8, *, ngram: int = 4, pool_size: int = 256, adaptive: bool = False) -> None:
+    def __init__(self, num_tokens: int = 8, *, ngram: int = 4, pool_size: int = 256, adaptive: bool = True) -> None:
         self._num_tokens = check_num_tokens("Jacobi", num_tokens)
         if isinstance(ngram, bool) or not isinstance(ngram, int) or not 2 <= ngram <= 8:
             raise ConfigError(f"Jacobi ngram must be an integer in [2, 8] (context tokens + 1), got {ngram!r}")

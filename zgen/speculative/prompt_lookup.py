@@ -34,13 +34,14 @@ class PromptLookup:
     (:mod:`zgen.runtime.tree`): a paraphrase that leaves the latest match still finds a quote that goes
     on elsewhere. Trees are refused on the coded KV formats, and rows under a grammar decode plainly.
 
-    ``adaptive``: a row decodes plainly while its passes yield no more tokens than plain steps would in
-    the time they take (the engine times both; :mod:`zgen.runtime.speculation`), probing again later.
-    Without it every step is a pass, which costs more than a plain step where matches are rare.
+    ``adaptive`` (the default): a row decodes plainly while its passes yield no more tokens than plain
+    steps would in the time they take (the engine times both; :mod:`zgen.runtime.speculation`), probing
+    again later. With ``adaptive=False`` every step is a pass, which costs more than a plain step where
+    matches are rare (0.74x of plain decoding at batch 8 on an H200, real SmolLM2, mixed prompts).
     """
 
     def __init__(
-        self, max_ngram: int = 3, num_tokens: int = 8, *, min_ngram: int = 1, branches: int = 1, adaptive: bool = False
+        self, max_ngram: int = 3, num_tokens: int = 8, *, min_ngram: int = 1, branches: int = 1, adaptive: bool = True
     ) -> None:
         for name, value in (("max_ngram", max_ngram), ("min_ngram", min_ngram)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -62,7 +63,7 @@ class PromptLookup:
 
     def __repr__(self) -> str:
         branches = "" if self.branches == 1 else f", branches={self.branches}"
-        adaptive = ", adaptive=True" if self._adaptive else ""
+        adaptive = "" if self._adaptive else ", adaptive=False"
         return f"PromptLookup(max_ngram={self.max_ngram}, num_tokens={self._num_tokens}, min_ngram={self.min_ngram}{branches}{adaptive})"
 
     @property
