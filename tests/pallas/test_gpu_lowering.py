@@ -1,7 +1,7 @@
 """The GPU kernels lower for CUDA on this CPU-only machine (jax.export cross-lowering).
 
 This catches Pallas-to-Triton lowering errors (unsupported ops, block shapes) without a GPU; the
-Triton-to-PTX compile and the numbers are checked on the GPU by ``benchmarks/kernels.py --check-only``.
+Triton-to-PTX compile and the numbers are checked on the GPU by ``benchmarks/attention_kernels.py --check-only``.
 """
 
 from __future__ import annotations

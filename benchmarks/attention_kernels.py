@@ -1,7 +1,7 @@
 """GPU benchmark of zgen's attention kernels against jax's bundled kernels and the XLA path, in one run.
 
-    python benchmarks/kernels.py               # correctness checks, then timings; table at the end
-    python benchmarks/kernels.py --check-only  # only the correctness checks (small shapes, quick)
+    python benchmarks/attention_kernels.py               # correctness checks, then timings; table at the end
+    python benchmarks/attention_kernels.py --check-only  # only the correctness checks (small shapes, quick)
 
 Measures the device's copy bandwidth and bf16 matmul rate in the same run, then:
 - paged decode (B=8 or --decode-batch, 32 q / 8 kv heads, head_dim 128, bf16 queries, contexts 4k and 32k; bf16, fp8,
