@@ -3,7 +3,7 @@
 Every row asks for a record of one schema (long property names, which the grammar forces; every
 value bounded, so a record always ends) after a prompt that shows such a record, so prompt lookup has something to draft. For every batch size and
 speculator: tokens/s of the whole constrained generation (wall time of ``batch_generate``, median of
-``--runs`` after a warm-up that compiles), the speedup over plain constrained decoding of the same
+``--runs`` rounds that time every side in turn, after warm-ups that compile), the speedup over plain constrained decoding of the same
 requests, the acceptance figures, whether every output validates, and (greedy) whether the tokens
 equal plain constrained decoding's. Batches of more than 8 constrained rows step the engine per token
 (GRAMMAR_LOOP_ROWS) and do not speculate.
@@ -29,7 +29,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from grammar import tokenizer  # noqa: E402 - a real byte-level vocabulary for random weights
-from speculative import load, speculator, timed  # noqa: E402 - the speculative benchmark's helpers
+from speculative import interleaved, load, median, speculator, speedup  # noqa: E402 - the speculative benchmark's helpers
 
 SCHEMA = {
     "type": "object",
@@ -99,17 +99,20 @@ def main() -> None:
             Request(question, SamplingConfig(temperature=args.temperature, seed=i, max_new_tokens=args.new_tokens, grammar=grammar))
             for i in range(batch)
         ]
-        base_s, base, _ = timed(Generator(model, max_batch_size=batch), requests, args.runs)
+        drafting = {name: Generator(model, max_batch_size=batch, speculative=spec) for name, spec in speculators.items()}
+        timed = interleaved({"plain": Generator(model, max_batch_size=batch), **drafting}, requests, args.runs)
+        base, base_s = timed["plain"]["results"], timed["plain"]["seconds"]
         tokens, example = sum(len(r.token_ids) for r in base), base[0].text
-        rows.append(dict(batch=batch, speculator="plain", tokens_per_s=tokens / base_s, speedup=1.0, same=True,
+        rows.append(dict(batch=batch, speculator="plain", tokens_per_s=tokens / median(base_s), speedup=1.0, same=True,
                          valid=all(valid(r.text) for r in base)))
-        for name, spec in speculators.items():
-            seconds, results, _ = timed(Generator(model, max_batch_size=batch, speculative=spec), requests, args.runs)
+        for name in speculators:
+            seconds, results = timed[name]["seconds"], timed[name]["results"]
             stats = [r.speculative for r in results if r.speculative is not None]
             drafted, accepted, passes = (sum(getattr(s, f) for s in stats) for f in ("draft_tokens", "accepted_tokens", "steps"))
+            generated = sum(len(r.token_ids) for r in results)  # sampled sides may stop at other lengths
             rows.append(dict(
-                batch=batch, speculator=name, tokens_per_s=sum(len(r.token_ids) for r in results) / seconds,
-                speedup=base_s / seconds * sum(len(r.token_ids) for r in results) / tokens,
+                batch=batch, speculator=name, tokens_per_s=generated / median(seconds),
+                speedup=speedup(base_s, seconds)[0] * generated / tokens,
                 same=[r.token_ids for r in results] == [r.token_ids for r in base] if args.temperature == 0 else None,
                 valid=all(valid(r.text) for r in results), draft_tokens=drafted, accepted_tokens=accepted,
                 acceptance_rate=accepted / drafted if drafted else 0.0, mean_accepted_per_step=accepted / passes if passes else 0.0,

@@ -1,7 +1,8 @@
 """Token-tree speculation: plain greedy decode vs an early-exit draft's chains vs its EAGLE-2 trees.
 
 For every batch size: tokens/s of the whole generation (wall time of ``batch_generate``, median of
-``--runs`` after a warm-up that compiles), the speedup over plain decoding of the same requests, the
+``--runs`` rounds that time every side in turn, after warm-ups that compile), the speedup over plain
+decoding of the same requests (the median of the rounds' ratios, with their range), the
 mean accepted length (tokens accepted per verification pass; each pass also produces one token of the
 target's own) and the acceptance rate (for a tree: accepted over the depth it drafted), and a check
 that the greedy tokens equal plain decoding's token for token (``same``: False marks a bug, or a
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from speculative import common_arguments, figures, load, print_rows, prompts, timed  # noqa: E402 - shared with the speculative benchmark
+from speculative import common_arguments, figures, interleaved, load, median, print_rows, prompts, speedup  # noqa: E402 - shared with the speculative benchmark
 
 
 def main() -> None:
@@ -58,13 +59,17 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for batch in args.batch:
         requests = [Request(p, sampling) for p in prompts(model, batch, real=args.model is not None)]
-        base_s, base, _ = timed(Generator(model, *options, max_batch_size=max(batch, 1)), requests, args.runs)
+        drafting = {name: Generator(model, *options, max_batch_size=max(batch, 1), speculative=spec) for name, spec in speculators.items()}
+        timed = interleaved({"plain": Generator(model, *options, max_batch_size=max(batch, 1)), **drafting}, requests, args.runs)
+        base, base_s = timed["plain"]["results"], timed["plain"]["seconds"]
         tokens = sum(len(r.token_ids) for r in base)
-        rows.append(dict(batch=batch, speculator="plain", tokens_per_s=tokens / base_s, speedup=1.0, same=True))
-        for name, spec in speculators.items():
-            seconds, results, _ = timed(Generator(model, *options, max_batch_size=max(batch, 1), speculative=spec), requests, args.runs)
+        rows.append(dict(batch=batch, speculator="plain", tokens_per_s=tokens / median(base_s), speedup=1.0, same=True))
+        for name in speculators:
+            seconds, results = timed[name]["seconds"], timed[name]["results"]
+            ratio, least, most = speedup(base_s, seconds)
             rows.append(dict(
-                batch=batch, speculator=name, tokens_per_s=tokens / seconds, speedup=base_s / seconds,
+                batch=batch, speculator=name, tokens_per_s=tokens / median(seconds), speedup=ratio,
+                speedup_range=[round(least, 3), round(most, 3)],
                 same=[r.token_ids for r in results] == [r.token_ids for r in base], **figures(results),
             ))
     report = dict(device=str(jax.devices()[0]), model=args.model or "random smollm2 shape", dtype=args.dtype, layers=args.layers,
