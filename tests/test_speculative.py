@@ -29,7 +29,7 @@ from zgen.runtime.speculation import (
     verify,
 )
 from zgen.runtime.stop import StopCondition
-from zgen.speculative import DraftModel, PromptLookup
+from zgen.speculative import DraftModel, Jacobi, PromptLookup
 
 GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=24, ignore_eos=True)
 # Repetitive prompts (prompt lookup finds matches) of different lengths (rows of a batch differ).
@@ -343,6 +343,17 @@ def test_typed_refusals(tiny_llama: Model) -> None:
         Generator(tiny_llama, compressed_kv(), speculative=PromptLookup())
     with pytest.raises(ConfigError, match="min_ngram"):
         PromptLookup(max_ngram=2, min_ngram=3)
+
+
+def test_every_speculator_takes_the_fallback_by_default(tiny_llama: Model) -> None:
+    """Prompt lookup and Jacobi (and so --prompt-lookup and --jacobi) fall back to plain decoding where
+    their passes do not pay, as the model drafters do; ``adaptive=False`` keeps every step a pass, in
+    a loop of its own."""
+    defaults = (PromptLookup(), Jacobi(), DraftModel(tiny_llama), DraftModel.early_exit(tiny_llama, layers=1))
+    assert all(s.adaptive for s in defaults)
+    for fixed, default in ((PromptLookup(adaptive=False), PromptLookup()), (Jacobi(adaptive=False), Jacobi())):
+        assert not fixed.adaptive and loop_key(fixed) != loop_key(default)
+    assert repr(PromptLookup(adaptive=False)).endswith("adaptive=False)") and "adaptive" not in repr(PromptLookup())
 
 
 @pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 4)])
