@@ -29,10 +29,10 @@ smollm2``, a .gguf path or an HF directory) for real acceptance. ``--runs 0`` sk
 ``prompt-lookup:MAX-MIN`` tries n-grams of MAX down to MIN tokens (default 3-1); ``prompt-lookup:MAX-MINxR``
 verifies what followed the R best matches as one token tree (``PromptLookup(branches=R)``). ``jacobi`` is
 Jacobi (lookahead) decoding verifying up to ``--num-draft-tokens`` guesses a pass (default 8). Both take
-the adaptive fallback to plain decoding, as by default; a ``+fixed`` suffix (``prompt-lookup:fixed`` or
-``jacobi:fixed`` alone for the defaults) makes every step a pass (``adaptive=False``); ``+adaptive``
-(``:adaptive``), the default, is still taken for the commands recorded in BENCHMARKS.md. ``eagle:DIR`` drafts with the EAGLE head in DIR (trained for the same
-model and weights, e.g. by ``benchmarks/eagle.py --out DIR``).
+the adaptive fallback to plain decoding (their default); a ``+fixed`` suffix (``prompt-lookup:fixed`` or
+``jacobi:fixed`` alone for the defaults) makes every step a pass (``adaptive=False``), and ``+adaptive``
+names the default (older commands in BENCHMARKS.md use it). ``eagle:DIR`` drafts with the EAGLE head in
+DIR (trained for the same model and weights, e.g. by ``benchmarks/eagle.py --out DIR``).
 """
 
 from __future__ import annotations
