@@ -128,7 +128,7 @@ def main() -> None:
     sampling = SamplingConfig(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True)
     rows: list[dict[str, Any]] = []
     for batch in args.batch:
-        requests = [Request(p, sampling) for p in prompts(model, batch, real=args.model is not None)]
+        requests = [Request(p, sampling) for p in prompts(model, batch, real=args.model is not None, every=True)]
         drafting = {name: Generator(model, max_batch_size=batch, speculative=eagle) for name, eagle in speculators.items()}
         timed = interleaved({"plain": Generator(model, max_batch_size=batch), **drafting}, requests, args.runs)
         base, base_s = timed["plain"]["results"], timed["plain"]["seconds"]

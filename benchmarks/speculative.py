@@ -13,7 +13,10 @@ longer verification pass; run ``--dtype float32`` to tell them apart).
 
 The prompts are chat questions, code, and summaries of two given passages of about 300 tokens
 (where prompt lookup should pay); ``--prompts`` picks the groups measured apart (``summary``, ``mix``:
-all of them in turn, ``chat``, ``code``). With random weights (the default: SmolLM2's shape, no
+all of them in turn, ``chat``, ``code``). A timed generation is every prompt of the group, or
+``batch`` of them cycling over it where the batch is wider: at batch 1 the mix is its 6 prompts one
+after another (until 2026-12-07 a batch-1 row timed the group's first prompt alone: the chat
+question for ``mix``). With random weights (the default: SmolLM2's shape, no
 checkpoint needed) the timings of the loop are real but acceptance is not meaningful (a random model's
 early layers predict nothing and its text does not quote the prompt); pass a model (``--model
 smollm2``, a .gguf path or an HF directory) for real acceptance. ``--runs 0`` skips the timing
@@ -108,12 +111,14 @@ def load(args: argparse.Namespace) -> Model:
     return load_model(args.model, dtype=args.dtype)
 
 
-def prompts(model: Model, batch: int, real: bool, group: str = "mix") -> list[Any]:
-    """``batch`` prompts cycling over ``group`` (a kind of :data:`PROMPTS`, or ``mix``: every prompt):
-    chat messages with real weights (text where the model has no chat template); with random weights,
-    token ids of the same lengths whose text repeats (the random tokenizer knows no words)."""
+def prompts(model: Model, batch: int, real: bool, group: str = "mix", *, every: bool = False) -> list[Any]:
+    """``batch`` prompts cycling over ``group`` (a kind of :data:`PROMPTS`, or ``mix``: every prompt),
+    or with ``every`` at least each of the group's once (a batch narrower than the group then runs its
+    prompts a batch after another, as a server would): chat messages with real weights (text where the
+    model has no chat template); with random weights, token ids of the same lengths whose text repeats
+    (the random tokenizer knows no words)."""
     texts = [text for kind, texts in PROMPTS.items() if group in (kind, "mix") for text in texts]
-    chosen = [texts[i % len(texts)] for i in range(batch)]
+    chosen = [texts[i % len(texts)] for i in range(max(batch, len(texts)) if every else batch)]
     if real:
         if model.tokenizer.chat_template is None:
             return chosen
@@ -251,7 +256,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for batch in args.batch:
         for group in args.prompts:
-            requests = [Request(p, sampling) for p in prompts(model, batch, real=args.model is not None, group=group)]
+            requests = [Request(p, sampling) for p in prompts(model, batch, real=args.model is not None, group=group, every=True)]
             plain = Generator(model, *options, max_batch_size=max(batch, 1))
             drafting = {name: Generator(model, *options, max_batch_size=max(batch, 1), speculative=spec) for name, spec in speculators.items()}
             timed = interleaved({"plain": plain, **drafting}, requests, args.runs)

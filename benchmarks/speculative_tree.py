@@ -58,7 +58,7 @@ def main() -> None:
         speculators[f"tree:{k}x{width}:{size}"] = DraftModel.early_exit(model, args.layers, k, adaptive=args.adaptive, tree=tree)
     rows: list[dict[str, Any]] = []
     for batch in args.batch:
-        requests = [Request(p, sampling) for p in prompts(model, batch, real=args.model is not None)]
+        requests = [Request(p, sampling) for p in prompts(model, batch, real=args.model is not None, every=True)]
         drafting = {name: Generator(model, *options, max_batch_size=max(batch, 1), speculative=spec) for name, spec in speculators.items()}
         timed = interleaved({"plain": Generator(model, *options, max_batch_size=max(batch, 1)), **drafting}, requests, args.runs)
         base, base_s = timed["plain"]["results"], timed["plain"]["seconds"]
