@@ -89,10 +89,7 @@ return to the host and new loop cost a GPU more than a decode step of a small mo
 draws with the same (row key, position) noise as the plain decode loop, so the tokens are the same
 either way. A new request starts where the speculator's last loop on the engine left its rows (the
 fewest falls and failed probes in a row among them): a speculator that does not pay on this
-workload starts each request in fallback. Each such request still probes once after ``PROBE_AFTER``
-plain steps, since its own prompt may pay where the last ones did not (a code prompt after summaries
-for prompt lookup); a failed probe counts as one more miss, so the request then waits longer than the
-last one did (256 steps at most) before it probes again. A decode step whose rows
+workload starts each request in fallback, with the wait those misses give. A decode step whose rows
 all stay in fallback through its draws is the plain decode loop itself, not a speculative loop
 (whose stretch of plain steps costs a GPU its own arguments and predicates: 1.9 to 2.5 ms, 3 to 5
 plain steps, a 128-token SmolLM2 generation at batch 1 on an H100).
@@ -361,22 +358,21 @@ class DraftControl:
     def initial(rows: int, num_tokens: int, misses: int = 0) -> dict[str, np.ndarray]:
         """Host arrays of a fresh control for ``rows`` rows (numpy, one entry per field). ``misses``:
         falls and failed probes in a row to start from (a request that starts where the speculator's
-        last ones on the engine left off): in fallback, with one probe of its own after
-        :data:`PROBE_AFTER` plain steps; if that fails, the wait those misses give, doubled."""
+        last ones on the engine left off): in fallback, probing after the wait they give."""
         return {
             "length": np.full(rows, 0 if misses else num_tokens, np.int32),
             "drafted": np.zeros((rows, WINDOW), np.int32),
             "accepted": np.zeros((rows, WINDOW), np.int32),
             "slot": np.zeros(rows, np.int32),
-            "wait": np.full(rows, PROBE_AFTER if misses else 0, np.int32),
+            "wait": np.full(rows, probe_wait(np.int32(misses), np) if misses else 0, np.int32),
             "misses": np.full(rows, misses, np.int32),
         }
 
 
-def probe_wait(misses: Int[Array, " B"]) -> Int[Array, " B"]:
+def probe_wait(misses: Any, xp: Any = jnp) -> Any:
     """The plain steps a row in fallback waits before it probes, after ``misses`` falls and failed
-    probes in a row."""
-    return jnp.minimum(PROBE_AFTER * 2 ** jnp.clip(misses - 1, 0, 16), MAX_PROBE_AFTER)
+    probes in a row (``xp``: ``jnp`` traced, ``np`` on the host)."""
+    return xp.minimum(PROBE_AFTER * 2 ** xp.clip(misses - 1, 0, 16), MAX_PROBE_AFTER)
 
 
 class LoopTimes:
