@@ -504,7 +504,9 @@ class Engine:
             self._draft_carry = None  # only a speculative loop (or its timing draws) comes between two it serves
         extra = 0 if speculator is None else draft_room(speculator)  # written past a pass's pending token
         per_step = 1 if speculator is None else speculator.num_tokens + 1  # tokens one pass may keep
-        steps = self._loop_steps(candidates, waiting=len(jobs) > len(candidates), per_step=per_step) if decode else 1
+        # A waiting job can join only a batch with a free row; a full one returns when a row finishes.
+        joinable = len(jobs) > len(candidates) and len(candidates) < self.config.max_batch
+        steps = self._loop_steps(candidates, waiting=joinable, per_step=per_step) if decode else 1
         rows: list[_Row] = []
         blocked: list[tuple[Job, PoolExhaustedError]] = []
         preempted: set[int] = set()
@@ -598,8 +600,11 @@ class Engine:
         return first
 
     def _loop_steps(self, jobs: list[Job], *, waiting: bool, per_step: int = 1) -> int:
-        """Draws of this decode loop: every job's whole budget, unless one needs the host sooner (after
-        ``steps_per_sync`` passes, each of which draws up to ``per_step`` tokens)."""
+        """Draws of this decode loop: every job's whole budget, unless a waiting job could join the batch
+        or one needs the host sooner (after ``steps_per_sync`` passes, each of which draws up to
+        ``per_step`` tokens). A full batch with jobs waiting used to return every ``steps_per_sync``
+        draws too: four loop calls for a 64-token answer at batch 1, where one serves (the loop returns
+        when a row finishes anyway)."""
         draws = max(job.draws_left(self.max_len) for job in jobs)
         if any(job.request.per_token for job in jobs):
             return next_pow2(per_step)  # one pass
