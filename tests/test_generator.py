@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from zgen import Generator, SamplingConfig
+from zgen import Generator, Request, SamplingConfig
 from zgen.cache.factory import paged_kv
 from zgen.model import Model
 
@@ -81,3 +81,15 @@ def test_threads_share_one_generator(small_chat: Model) -> None:
     with ThreadPoolExecutor(4) as pool:
         threaded = list(pool.map(lambda p: gen.generate(p, sampling).token_ids, prompts))
     assert threaded == alone
+
+
+def test_a_full_batch_with_requests_waiting_decodes_each_answer_in_one_loop(tiny_llama: Model) -> None:
+    """One row, three requests: each answer is one prefill step and one decode loop (the loop returns
+    when its row finishes, so the next request loses nothing), with the tokens of each request alone."""
+    sampling = SamplingConfig(temperature=0.0, max_new_tokens=48, ignore_eos=True)
+    prompts = ["w5 w9 w12", "w7 w8", "w20 w21 w22 w23"]
+    alone = [Generator(tiny_llama).generate(p, sampling).token_ids for p in prompts]
+    generator = Generator(tiny_llama, max_batch_size=1)
+    results = generator.batch_generate([Request(p, sampling) for p in prompts])
+    assert [r.token_ids for r in results] == alone
+    assert generator.engine.stats.steps == 2 * len(prompts)  # 10 when a waiting request cut the loops at 16 draws
