@@ -602,9 +602,7 @@ class Engine:
     def _loop_steps(self, jobs: list[Job], *, waiting: bool, per_step: int = 1) -> int:
         """Draws of this decode loop: every job's whole budget, unless a waiting job could join the batch
         or one needs the host sooner (after ``steps_per_sync`` passes, each of which draws up to
-        ``per_step`` tokens). A full batch with jobs waiting used to return every ``steps_per_sync``
-        draws too: four loop calls for a 64-token answer at batch 1, where one serves (the loop returns
-        when a row finishes anyway)."""
+        ``per_step`` tokens)."""
         draws = max(job.draws_left(self.max_len) for job in jobs)
         if any(job.request.per_token for job in jobs):
             return next_pow2(per_step)  # one pass
