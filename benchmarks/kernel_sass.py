@@ -2,7 +2,7 @@
 
 The kernel is lowered for CUDA through ``jax.export`` (no GPU needed), its Triton IR is captured on
 the way, and a stand-alone Triton compiles that IR for sm_90; the cubin's register use and the
-instruction mix of its innermost loop (the span of the last backward branch) are printed. This is
+instruction mix of its longest loop (a backward branch's span) are printed. This is
 how the quantized matmul lost the MOVs that rematerialized its constant masks (BENCHMARKS.md,
 "Weight-only quantization"). Instruction counts are not timings: time the change on a GPU too.
 
@@ -69,14 +69,15 @@ def compiled(ir: str, warps: int, stages: int) -> tuple[str, str]:
 
 
 def loop_mix(sass: str) -> tuple[int, collections.Counter[str]]:
-    """Instructions of the innermost loop (from the target of the last backward branch to it), and
-    their opcodes."""
-    code = [(int(m.group(1), 16), m.group(2)) for line in sass.splitlines() if (m := re.match(r"\s+/\*([0-9a-f]{4})\*/\s+(.*?);", line))]
+    """Instructions of the longest loop (from a backward branch's target to the branch: the page loop
+    of an attention kernel, not a short copy loop the compiler adds beside it), and their opcodes."""
+    code = [(int(m.group(1), 16), m.group(2)) for line in sass.splitlines() if (m := re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line))]
     span: tuple[int, int] | None = None
     for address, text in code:
         branch = re.search(r"BRA (0x[0-9a-f]+)", text)
-        if branch and text.startswith("@") and int(branch.group(1), 16) < address:
-            span = (int(branch.group(1), 16), address)
+        if branch and int(branch.group(1), 16) < address:
+            if span is None or address - int(branch.group(1), 16) > span[1] - span[0]:
+                span = (int(branch.group(1), 16), address)
     body = [text for address, text in code if span and span[0] <= address <= span[1]]
     return len(body), collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
 
@@ -159,7 +160,7 @@ def main() -> None:
     for i, ir in enumerate(captured_ir(fn, *shapes)):
         usage, sass = compiled(ir, args.warps, args.stages)
         count, mix = loop_mix(sass)
-        print(f"kernel {i}: {usage}; innermost loop {count} instructions: " + ", ".join(f"{op} {n}" for op, n in mix.most_common(14)))
+        print(f"kernel {i}: {usage}; longest loop {count} instructions: " + ", ".join(f"{op} {n}" for op, n in mix.most_common(14)))
 
 
 if __name__ == "__main__":
