@@ -93,3 +93,18 @@ def test_a_full_batch_with_requests_waiting_decodes_each_answer_in_one_loop(tiny
     results = generator.batch_generate([Request(p, sampling) for p in prompts])
     assert [r.token_ids for r in results] == alone
     assert generator.engine.stats.steps == 2 * len(prompts)  # 10 when a waiting request cut the loops at 16 draws
+
+
+def test_requests_held_for_a_refill_group_do_not_cut_the_running_loop(tiny_llama: Model) -> None:
+    """Four rows, refills two at a time: once the short answer frees a row, the two waiting requests
+    wait for a second one, and the three long answers decode to their end in one loop (the loop returns
+    when a row finishes, which is when the group can be admitted), with each request's tokens alone."""
+    short = SamplingConfig(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+    long = SamplingConfig(temperature=0.0, max_new_tokens=56, ignore_eos=True)
+    prompts = ["w5 w9 w12", "w7 w8", "w20 w21 w22 w23", "w3 w4", "w30 w31", "w40"]
+    requests = [Request(prompts[0], short)] + [Request(p, long) for p in prompts[1:]]
+    alone = [Generator(tiny_llama).generate(r.prompt, r.sampling).token_ids for r in requests]
+    generator = Generator(tiny_llama, max_batch_size=4, refill_rows=2)
+    results = generator.batch_generate(requests)
+    assert [r.token_ids for r in results] == alone
+    assert generator.engine.stats.steps == 5  # 7 when the held-back requests cut the loop at 16 draws

@@ -8,9 +8,9 @@ serves every waiting job it can, in one compiled call:
 
 * **decode loop** — when every job is plain decoding (one pending token, sampling on the device, no
   attention override): up to the whole remaining budget of tokens in one ``lax.while_loop`` on the
-  device (:func:`~zgen.runtime.step.decode_loop`). Only a host stop rule (a multi-token sequence, a
-  stop string), a text stream or a request waiting for room brings it back sooner: every
-  ``steps_per_sync`` tokens, or as soon as a row finishes.
+  device (:func:`~zgen.runtime.step.decode_loop`). A host stop rule (a multi-token sequence, a stop
+  string) or a text stream brings it back every ``steps_per_sync`` tokens; requests waiting for a row
+  bring it back as soon as enough rows finish for them.
 * **mixed step** — otherwise: every job feeds a chunk of its pending tokens (at most
   ``prefill_chunk``, so a long prompt never stalls the others) or one decode token, as one row of a
   padded ``[B, T]`` batch, and draws at its requested positions (:func:`~zgen.runtime.step.mixed_step`).
@@ -504,9 +504,7 @@ class Engine:
             self._draft_carry = None  # only a speculative loop (or its timing draws) comes between two it serves
         extra = 0 if speculator is None else draft_room(speculator)  # written past a pass's pending token
         per_step = 1 if speculator is None else speculator.num_tokens + 1  # tokens one pass may keep
-        # A waiting job can join only a batch with a free row; a full one returns when a row finishes.
-        joinable = len(jobs) > len(candidates) and len(candidates) < self.config.max_batch
-        steps = self._loop_steps(candidates, waiting=joinable, per_step=per_step) if decode else 1
+        steps = self._loop_steps(candidates, per_step=per_step) if decode else 1
         rows: list[_Row] = []
         blocked: list[tuple[Job, PoolExhaustedError]] = []
         preempted: set[int] = set()
@@ -599,14 +597,16 @@ class Engine:
                 return None  # grammar masks follow chains of drafts
         return first
 
-    def _loop_steps(self, jobs: list[Job], *, waiting: bool, per_step: int = 1) -> int:
-        """Draws of this decode loop: every job's whole budget, unless a waiting job could join the batch
-        or one needs the host sooner (after ``steps_per_sync`` passes, each of which draws up to
-        ``per_step`` tokens)."""
+    def _loop_steps(self, jobs: list[Job], *, per_step: int = 1) -> int:
+        """Draws of this decode loop: every job's whole budget, unless one needs the host sooner (after
+        ``steps_per_sync`` passes, each of which draws up to ``per_step`` tokens). Jobs left waiting do
+        not shorten it: every one that could take a free row is in the batch, and the others (a full
+        batch's, or new jobs held back for a refill group, see :meth:`_admissible`) join once enough
+        rows are done, when the loop returns anyway."""
         draws = max(job.draws_left(self.max_len) for job in jobs)
         if any(job.request.per_token for job in jobs):
             return next_pow2(per_step)  # one pass
-        if waiting or any(job.needs_host() for job in jobs):
+        if any(job.needs_host() for job in jobs):
             draws = min(draws, self.config.steps_per_sync * per_step)
         return _draw_bucket(draws)
 
