@@ -10,6 +10,7 @@ Needs a stand-alone Triton (it bundles ptxas and cuobjdump); it is not one of zg
 
     pip install triton==3.9.0
     python benchmarks/kernel_sass.py quantized-matmul --bits 4 --out 28672 --inp 4096
+    python benchmarks/kernel_sass.py --warps 4 quantized-matmul --form mma
     python benchmarks/kernel_sass.py paged-attention --format q4 --coded --warps 2
     python benchmarks/kernel_sass.py paged-append --format fp8 --context 8192
 """
@@ -83,11 +84,12 @@ def loop_mix(sass: str) -> tuple[int, collections.Counter[str]]:
 
 
 def quantized_matmul_call(args: argparse.Namespace) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-    from zgen.pallas.quantized_matmul import triton as kernel
+    from zgen.pallas.quantized_matmul import triton, triton_mma
     from zgen.quantized_weights import WeightQuantization, quantize
 
     scheme = WeightQuantization(args.bits, args.group)
     weight = jax.eval_shape(lambda: quantize(jnp.zeros((args.out, args.inp), jnp.float32), scheme, jnp.dtype(jnp.bfloat16)))
+    kernel = triton_mma if args.form == "mma" else triton
     return (lambda x, w: kernel.quantized_matmul(x, w)), (jax.ShapeDtypeStruct((args.rows, args.inp), jnp.bfloat16), weight)
 
 
@@ -142,6 +144,7 @@ def main() -> None:
     qmm.add_argument("--out", type=int, default=28672)
     qmm.add_argument("--inp", type=int, default=4096)
     qmm.add_argument("--rows", type=int, default=1)
+    qmm.add_argument("--form", choices=["cuda-cores", "mma"], default="cuda-cores", help="mma: 4-bit codes on the tensor cores (--warps 4)")
     paged = kernels.add_parser("paged-attention")
     paged.add_argument("--format", choices=["bf16", "fp8", "q4", "q3"], default="q4")
     paged.add_argument("--coded", action="store_true", help="keys coded through a calibration (the paged cache's q4/q3)")

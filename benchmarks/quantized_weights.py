@@ -11,8 +11,9 @@ reduction). Also one matmul alone (batch 1
 by the MLP's down projection), where only the weight bytes differ. Goals: int8 ≥ 1.7×, int4 ≥ 2.8×
 bf16's tokens/s at the Llama-3-8B shape.
 
-``products`` (a GPU): each of a decoder layer's four products alone (qkv, o, gate/up, down; one row),
-bf16 against int8 (per output channel) and int4 (default groups: 128 at Llama-3-8B) in each ``--matmul`` form: device
+``products`` (a GPU): each of a decoder layer's four products alone (qkv, o, gate/up, down; ``--rows``
+rows), bf16 against int8 (per output channel) and int4 (default groups: 128 at Llama-3-8B) in each
+``--matmul`` form (with ``kernel``, int4 also on the tensor cores, ``int4-mma``: ``zgen.pallas.quantized_matmul.triton_mma``): device
 time per product from a profiler trace of every kernel the call launches (arrangement fusions
 included), over ``--weights`` distinct matrices per format so that the codes come from memory, not
 from L2.
@@ -45,7 +46,7 @@ from gpu_decode import SHAPES, per_token_s, prompt_ids, random_shape_model  # be
 from zgen import Generator, SamplingConfig
 from zgen.model import Model, load_model, quantize_model
 from zgen.pallas.quantized_matmul import quantized_matmul
-from zgen.quantized_weights import MATMULS, WEIGHT_FORMATS, QuantizedWeight, WeightQuantization, quantize, quantized_linear
+from zgen.quantized_weights import MATMULS, WEIGHT_FORMATS, QuantizedWeight, WeightQuantization, dequantize, quantize, quantized_linear
 
 TEXT = Path(__file__).resolve().parent.parent / "docs" / "eval" / "english.txt"
 
@@ -147,16 +148,24 @@ def products(args: argparse.Namespace) -> None:
     if platform() != "gpu":
         raise SystemExit("products reads device time from a GPU's stream events; run it on a GPU")
     schemes = named_schemes(args.matmul)
+    forms = {label: product for label in schemes}
+    if "kernel" in args.matmul:  # the tensor-core kernel for 4-bit codes beside the default
+        schemes["int4-mma"] = schemes["int4-kernel"]
+        forms["int4-mma"] = lambda x, w: quantized_matmul(x, w, implementation="triton-mma")
     key = jax.random.key(0)
     rows = []
     for name, (out, inp) in layer_products(args.shape).items():
         floats = [(jax.random.normal(jax.random.fold_in(key, i), (out, inp), jnp.float32) * inp**-0.5).astype(jnp.bfloat16) for i in range(args.weights)]
-        x = jax.random.normal(jax.random.fold_in(key, args.weights), (1, inp), jnp.bfloat16)
-        row: dict[str, Any] = {"product": name, "shape": [out, inp], "device": jax.devices()[0].device_kind}
+        x = jax.random.normal(jax.random.fold_in(key, args.weights), (args.rows, inp), jnp.bfloat16)
+        row: dict[str, Any] = {"product": name, "shape": [out, inp], "rows": args.rows, "device": jax.devices()[0].device_kind}
         for label, scheme in schemes.items():
             weights: list[Any] = floats if scheme is None else [quantize(w, scheme, jnp.dtype(jnp.bfloat16)) for w in floats]
-            fn = jax.jit(lambda ws, x: [product(x, w) if isinstance(w, QuantizedWeight) else x @ w.T for w in ws])
-            jax.block_until_ready(fn(weights, x))
+            form = forms[label]
+            fn = jax.jit(lambda ws, x: [form(x, w) if isinstance(w, QuantizedWeight) else x @ w.T for w in ws])
+            outputs = jax.block_until_ready(fn(weights, x))
+            if scheme is not None:  # every form against the dequantized product, in float32
+                expected = x.astype(jnp.float32) @ dequantize(weights[0]).T
+                row[f"{label}_max_error"] = float(jnp.max(jnp.abs(outputs[0].astype(jnp.float32) - expected)))
             samples = []
             for _ in range(args.runs):
                 times = _kernel_times(lambda: jax.block_until_ready(fn(weights, x)))
@@ -166,7 +175,8 @@ def products(args: argparse.Namespace) -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     labels = list(schemes)
-    print("\n| product | " + " | ".join(labels) + " |\n| --- | " + " | ".join("---:" for _ in labels) + " |")
+    print(f"\n{args.rows} row(s); device time per product")
+    print("| product | " + " | ".join(labels) + " |\n| --- | " + " | ".join("---:" for _ in labels) + " |")
     for row in rows:
         print(f"| {row['product']} {row['shape'][1]} -> {row['shape'][0]} | " + " | ".join(f"{row[k]:.1f} µs" for k in labels) + " |")
 
@@ -212,6 +222,7 @@ def main() -> None:
     per_product.add_argument("--shape", choices=list(SHAPES), default="llama3-8b")
     per_product.add_argument("--matmul", nargs="+", choices=MATMULS, default=["reduce", "kernel"])
     per_product.add_argument("--weights", type=int, default=4, help="Distinct matrices per format, timed one after another.")
+    per_product.add_argument("--rows", type=int, default=1, help="Rows of the activations (a decode step's batch).")
     per_product.add_argument("--runs", type=int, default=3)
     quality = parts.add_parser("ppl")
     quality.add_argument("--tokens", type=int, default=1024, help="Score the text's first N tokens.")

@@ -21,7 +21,7 @@ from zgen.pallas.paged_attention import mosaic_gpu as paged_mosaic_gpu
 from zgen.pallas.paged_attention import quantize
 from zgen.pallas.paged_attention.layouts import KeyCalibration
 from zgen.pallas.paged_attention import triton as paged_triton
-from zgen.pallas.quantized_matmul import triton as quantized_matmul_triton
+from zgen.pallas.quantized_matmul import triton as quantized_matmul_triton, triton_mma as quantized_matmul_mma
 from zgen.pallas.norm_linear import triton as norm_linear_triton
 from zgen.pallas.rms_norm import triton as rms_norm_triton
 from zgen.quantized_weights import WeightQuantization, quantize as quantize_weight
@@ -204,6 +204,16 @@ def test_quantized_matmul_lowers(bits: int, group: int | None, out: int, inp: in
     weight = quantize_weight(jnp.zeros((out, inp), jnp.float32), WeightQuantization(bits, group), jnp.dtype(jnp.float16))
     x = jnp.zeros((1, inp), jnp.bfloat16)
     assert "xla.gpu.triton" in lower_for_cuda(lambda x, w: quantized_matmul_triton.quantized_matmul(x, w), x, weight)
+
+
+@pytest.mark.parametrize(("group", "out", "inp", "rows", "dtype"), [(128, 28672, 4096, 1, jnp.bfloat16), (128, 4096, 14336, 16, jnp.bfloat16), (32, 576, 576, 5, jnp.float16)])
+def test_quantized_matmul_on_the_tensor_cores_lowers(group: int, out: int, inp: int, rows: int, dtype: Any) -> None:
+    """4-bit codes as the dot's register operand (the PTX of their conversion included): one step of
+    two groups at Llama-3-8B's gate/up, a row split over programs (its down projection), SmolLM2's
+    groups of 32 in f16."""
+    weight = quantize_weight(jnp.zeros((out, inp), jnp.float32), WeightQuantization(4, group), jnp.dtype(jnp.bfloat16))
+    x = jnp.zeros((rows, inp), dtype)
+    assert "xla.gpu.triton" in lower_for_cuda(lambda x, w: quantized_matmul_mma.quantized_matmul(x, w), x, weight)
 
 
 @pytest.mark.parametrize(("dtype", "rest"), [(jnp.bfloat16, (128,)), (jnp.float8_e4m3fn, (64,)), (jnp.uint8, (2, 32)), (jnp.bfloat16, (4,))])

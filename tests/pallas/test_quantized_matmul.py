@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from zgen.errors import ConfigError
-from zgen.pallas.quantized_matmul import quantized_matmul, supports
+from zgen.pallas.quantized_matmul import quantized_matmul, supports, triton_mma
 from zgen.pallas.quantized_matmul.triton import BYTES_PER_PROGRAM, Launch, launch
 from zgen.quantized_weights import QuantizedWeight, WeightQuantization, dequantize, quantize
 
@@ -113,6 +113,52 @@ def test_products_the_kernel_does_not_take_go_to_xla() -> None:
         x = jnp.asarray(rng.standard_normal((rows, 64)), jnp.float32)
         assert not supports(x, weight)
         np.testing.assert_allclose(np.asarray(quantized_matmul(x, weight)), np.asarray(x @ dequantize(weight).T), rtol=1e-5, atol=1e-5)
+
+
+@st.composite
+def tensor_core_problems(draw: st.DrawFn) -> tuple[jax.Array, QuantizedWeight]:
+    """Up to 16 bf16/f16 rows against a 4-bit weight: groups of 32 to 128 inputs, one or several
+    groups a loop step, rows split over programs where there are few output channels."""
+    dtype = draw(st.sampled_from(["bfloat16", "float16"]))
+    group = draw(st.sampled_from([32, 64, 128]))
+    width = 2 * group * draw(st.sampled_from([1, 3, 4]))
+    out = draw(st.sampled_from([64, 128]))
+    rows = draw(st.sampled_from([1, 2, 5, 16]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+    weight = jnp.asarray(rng.standard_normal((out, width)) * width**-0.5, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((rows, width)), dtype)
+    scale_dtype = draw(st.sampled_from(["float16", "bfloat16", "float32"]))
+    return x, quantize(weight, WeightQuantization(4, group), jnp.dtype(scale_dtype))
+
+
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(tensor_core_problems())
+def test_tensor_core_kernel_matches_the_dequantized_product(problem: tuple[jax.Array, QuantizedWeight]) -> None:
+    """4-bit codes on the tensor cores (interpreted on CPU) against x @ dequantize(W).T in float32."""
+    x, weight = problem
+    assert triton_mma.launch(x.shape[0], weight, x.dtype) is not None
+    got = jax.jit(lambda x, w: quantized_matmul(x, w, implementation="triton-mma"))(x, weight)
+    expected = x.astype(jnp.float32) @ dequantize(weight).T
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(expected), atol=2e-2, rtol=2e-2)
+    assert got.dtype == x.dtype
+
+
+def test_tensor_core_launch_settings() -> None:
+    """Two groups of 128 a step; rows split until a product has 264 programs (Llama-3-8B's qkv and
+    down projection); SmolLM2's groups of 32, three a step. 8-bit codes, float32 rows, a 17th row
+    and output channels that are not a multiple of 64 stay with the other forms."""
+    def weight(out: int, width: int, bits: int = 4, group: int | None = None) -> QuantizedWeight:
+        return quantize(jnp.zeros((out, width), jnp.float32), WeightQuantization(bits, group), jnp.dtype(jnp.bfloat16))
+
+    bf16 = jnp.dtype(jnp.bfloat16)
+    assert triton_mma.launch(1, weight(28672, 4096), bf16) == triton_mma.Launch(2, 1)
+    assert triton_mma.launch(16, weight(6144, 4096), bf16) == triton_mma.Launch(2, 4)
+    assert triton_mma.launch(1, weight(4096, 14336), bf16) == triton_mma.Launch(2, 7)
+    assert triton_mma.launch(1, weight(576, 576), jnp.dtype(jnp.float16)) == triton_mma.Launch(3, 3)
+    assert triton_mma.launch(1, weight(4096, 4096, bits=8), bf16) is None
+    assert triton_mma.launch(1, weight(4096, 4096), jnp.dtype(jnp.float32)) is None
+    assert triton_mma.launch(17, weight(4096, 4096), bf16) is None
+    assert triton_mma.launch(1, weight(528, 512), bf16) is None
 
 
 def test_rejects_mismatched_inputs_and_unknown_implementations() -> None:
