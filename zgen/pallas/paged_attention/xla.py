@@ -19,7 +19,7 @@ from zgen.numerics import matmul_precision
 from zgen.pallas.common import RUNNING_MAX_INIT, finish_softmax, platform, soft_cap as apply_soft_cap, softmax_rescale, visible
 from zgen.shapes import cdiv
 from zgen.pallas.paged_attention.common import query_bounds
-from zgen.pallas.paged_attention.layouts import KeyCalibration, KVPages, dequantize, leading_shape, take_pages
+from zgen.pallas.paged_attention.layouts import KeyCalibration, KVPages, dequantize_pieces, leading_shape, take_pages
 from zgen.rope import rope_cos_sin
 
 DEFAULT_CHUNK_TOKENS = 512
@@ -90,13 +90,25 @@ def paged_attention(
         mean_logits = _mean_logits(key_calibration, qg, chunk_tokens)
         qg = key_calibration.fold_into_queries(qg, head_axis=1).astype(compute_dtype)
 
+    q_cols = qg.transpose(1, 0, 4, 2, 3).reshape(kvh, b, d, -1)  # [KVH, B, D, G * T]
+
     def body(c: Array, carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
         m, l, acc = carry
         idx = jax.lax.dynamic_slice_in_dim(tables, c * chunk, chunk, axis=1)
         pos = c * chunk_tokens + jnp.arange(chunk_tokens)
-        k = dequantize(take_pages(k_pages, idx), compute_dtype).reshape(kvh, b, chunk_tokens, d)
-        v = dequantize(take_pages(v_pages, idx), compute_dtype).reshape(kvh, b, chunk_tokens, d)
-        s = jnp.einsum("bkgqd,kbtd->bkgqt", qg, k, preferred_element_type=jnp.float32, precision=precision)
+        k_pieces = dequantize_pieces(take_pages(k_pages, idx), compute_dtype)
+        v_pieces = dequantize_pieces(take_pages(v_pages, idx), compute_dtype)
+        # Keys as the dot's left operand in their stored order (XLA:CPU otherwise writes the
+        # dequantized keys transposed), the few queries as its right one; a piece of the head dim at a time.
+        s, start = jnp.zeros((kvh, b, chunk_tokens, q_cols.shape[-1]), jnp.float32), 0
+        for piece in k_pieces:
+            width = piece.shape[-1]
+            keys = piece.reshape(kvh, b, chunk_tokens, width)
+            s += jax.lax.dot_general(
+                keys, q_cols[:, :, start:start + width], (((3,), (2,)), ((0, 1), (0, 1))), precision=precision, preferred_element_type=jnp.float32
+            )
+            start += width
+        s = s.reshape(kvh, b, chunk_tokens, h // kvh, t).transpose(1, 0, 3, 4, 2)  # [B, KVH, G, T, chunk]
         if mean_logits is not None:
             s += mean_logits(c * chunk_tokens)
         s = s * scale
@@ -104,7 +116,10 @@ def paged_attention(
         ok &= jnp.repeat(jax.lax.dynamic_slice_in_dim(valid_pages, c * chunk, chunk, axis=1), page_size, axis=1)[:, None, :]
         s = jnp.where(ok[:, None, None], apply_soft_cap(s, soft_cap), -jnp.inf)
         m, l, p, alpha = softmax_rescale(m, l, s)
-        pv = jnp.einsum("bkgqt,kbtd->bkgqd", p.astype(compute_dtype), v, preferred_element_type=jnp.float32, precision=precision)
+        pv = jnp.concatenate([
+            jnp.einsum("bkgqt,kbtd->bkgqd", p.astype(compute_dtype), piece.reshape(kvh, b, chunk_tokens, -1), preferred_element_type=jnp.float32, precision=precision)
+            for piece in v_pieces
+        ], axis=-1)
         return m, l, acc * alpha[..., None] + pv
 
     first, last = query_bounds(q_positions.reshape(-1))
