@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
-from jaxtyping import Array, Float, UInt32
+from jaxtyping import Array, Float, UInt, UInt32
 
 from zgen.errors import ConfigError
 from zgen.pallas.triton_utils import metadata_column, prev_pow2, widen_metadata
@@ -101,11 +101,12 @@ def code_masks(bits: int) -> UInt32[Array, "1 codes_per_half"]:
     return jnp.asarray([[((1 << bits) - 1) << shift for shift in range(0, 16, bits)]], jnp.uint32)
 
 
-def code_words(weight: QuantizedWeight) -> UInt32[Array, "out words"]:
-    """The codes as little-endian u32 words (a bitcast, free in XLA)."""
+def code_words(weight: QuantizedWeight, dtype: jnp.dtype = jnp.dtype(jnp.uint32)) -> UInt[Array, "out words"]:
+    """The codes as little-endian unsigned words of ``dtype`` (a bitcast, free in XLA)."""
     values = jnp.asarray(weight.values)
     out, stored = values.shape
-    return jax.lax.bitcast_convert_type(values.reshape(out, stored // 4, 4), jnp.uint32)
+    width = jnp.dtype(dtype).itemsize
+    return jax.lax.bitcast_convert_type(values.reshape(out, stored // width, width), dtype)
 
 
 def _kernel(

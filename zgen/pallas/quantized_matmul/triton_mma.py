@@ -32,10 +32,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
-from jaxtyping import Array, Float, UInt16
+from jaxtyping import Array, Float
 
 from zgen.errors import ConfigError
-from zgen.pallas.quantized_matmul.triton import MIN_PROGRAMS
+from zgen.pallas.quantized_matmul.triton import MIN_PROGRAMS, code_words
 from zgen.pallas.triton_utils import MIN_DOT, metadata_column, widen_metadata
 from zgen.quantized_weights import QuantizedWeight
 
@@ -77,13 +77,6 @@ def launch(rows: int, weight: QuantizedWeight, dtype: jnp.dtype) -> Launch | Non
     return Launch(per_step, splits)
 
 
-def code_elements(weight: QuantizedWeight) -> UInt16[Array, "out columns"]:
-    """The codes as little-endian u16 elements, two bytes each (a bitcast, free in XLA)."""
-    values = jnp.asarray(weight.values)
-    out, stored = values.shape
-    return jax.lax.bitcast_convert_type(values.reshape(out, stored // 2, 2), jnp.uint16)
-
-
 def arranged_inputs(x: Float[Array, "rows inp"], dtype: jnp.dtype) -> Float[Array, "planes_rows columns"]:
     """The activations per plane (``[4 * 16, inp / 4]``: plane ``q``'s 16 rows, the first ``rows``
     real), in ``dtype``."""
@@ -100,9 +93,9 @@ def group_sums(x: Float[Array, "rows inp"], dtype: jnp.dtype, group_size: int) -
     return jnp.zeros((width // group_size, MAX_ROWS), jnp.float32).at[:, :rows].set(sums.T)
 
 
-def _planes(codes: Array, magic: int, interpret: bool) -> list[Array]:
-    """The four planes of a tile of u16 code elements as ``base + c``, in the activations' dtype."""
-    dtype = jnp.bfloat16 if magic == _BASE[jnp.dtype(jnp.bfloat16)][0] else jnp.float16
+def _planes(codes: Array, dtype: jnp.dtype, interpret: bool) -> list[Array]:
+    """The four planes of a tile of u16 code elements as ``base + c`` in ``dtype`` (the activations')."""
+    magic = _BASE[dtype][0]
     if interpret:  # the interpreter runs no PTX: the same values, one element at a time
         return [jax.lax.bitcast_convert_type(((codes >> shift) & 0xF) | magic, dtype) for shift in _PLANE_SHIFTS]
     planes = []
@@ -130,12 +123,12 @@ def _kernel(
     groups: int,
     groups_per_step: int,
     metadata_dtype: jnp.dtype,
-    magic: int,
-    base: float,
+    dtype: jnp.dtype,
     interpret: bool,
 ) -> None:
     block_n, columns = codes_ref.shape  # this program's part of each plane
     first_group = pl.program_id(1) * (columns // span)
+    base = _BASE[dtype][1]
     real_rows = jax.lax.broadcasted_iota(jnp.int32, (MAX_ROWS, span), 0) < rows
 
     def inputs(plane: int, column: Array | int) -> Array:
@@ -146,7 +139,7 @@ def _kernel(
     def step(i: Array | int, acc: Array) -> Array:
         for sub in range(groups_per_step):
             local = i * groups_per_step + sub
-            planes = _planes(codes_ref[:, pl.ds(local * span, span)], magic, interpret)
+            planes = _planes(codes_ref[:, pl.ds(local * span, span)], dtype, interpret)
             for h in range(2):
                 # Plane 2h + e holds half h's inputs of parity e; their group is column g of the metadata.
                 products = sum(
@@ -174,7 +167,6 @@ def quantized_matmul(x: Float[Array, "*rows inp"], weight: QuantizedWeight, *, i
     setting = launch(rows, weight, flat.dtype)
     if setting is None or weight.offsets is None:
         raise ConfigError(f"quantized_matmul: the tensor-core kernel does not take {rows} rows of this weight (see launch)")
-    magic, base = _BASE[jnp.dtype(flat.dtype)]
     span, splits = weight.group_size // 2, setting.splits
     columns = inp // 4 // splits  # each program's part of a plane
     scales, offsets = widen_metadata(jnp.asarray(weight.scales)), widen_metadata(jnp.asarray(weight.offsets))
@@ -187,8 +179,7 @@ def quantized_matmul(x: Float[Array, "*rows inp"], weight: QuantizedWeight, *, i
             groups=inp // 2 // weight.group_size,
             groups_per_step=setting.groups_per_step,
             metadata_dtype=jnp.dtype(weight.scales.dtype),
-            magic=magic,
-            base=base,
+            dtype=jnp.dtype(flat.dtype),
             interpret=interpret,
         ),
         grid=(out // BLOCK_N, splits),
@@ -204,6 +195,6 @@ def quantized_matmul(x: Float[Array, "*rows inp"], weight: QuantizedWeight, *, i
         compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
         interpret=interpret,
         name="zgen_quantized_matmul_mma",
-    )(arranged_inputs(flat, flat.dtype), sums, code_elements(weight), scales, offsets)
+    )(arranged_inputs(flat, flat.dtype), sums, code_words(weight, jnp.dtype(jnp.uint16)), scales, offsets)
     y = partial[0, :rows] if splits == 1 else jnp.sum(partial[:, :rows], axis=0).astype(flat.dtype)
     return y.reshape(*x.shape[:-1], out)
